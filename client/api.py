@@ -1,0 +1,323 @@
+"""The public client API, in the engine's terms.
+
+A ``Client`` is one session with kvtierd: a *rank* session (one per TP rank: registers its KV
+cache, copies, votes) or a *coordinator* session (rank=None: the engine's scheduler process, which
+looks up and opens jobs that its ranks then carry out). Engines whose ranks each issue the same
+jobs need no coordinator: the first request of a job fixes its decision for everybody.
+
+Rank usage::
+
+    client = Client(socket, engine_id="e1", rank=r, world_size=n, layout=layout)
+    client.register_kv_caches(per_layer_tensors)
+    hits = client.lookup(keys)                      # leading keys that are cached
+    client.store(job, keys, block_ids)              # returns the per-key decision at once
+    client.load(job2, keys[:hits], block_ids2)      # returns how many blocks will arrive
+    for result in client.wait([job, job2]): ...     # or poll() from the engine's loop
+
+A store job finishes on this rank once its copy (if it is a writer) completed and its vote was
+accepted; a load job once its copy completed and its release was accepted. ``JobResult.ok`` is
+False when the daemon aborted the job (then loaded blocks must be treated as a miss).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from kvtierd import protocol as P
+from kvtierd.layout import RegionView
+from kvtierd.mapping import CudaRuntime, Mapping
+from kvtierd.protocol import LayoutKind, StoreOutcome
+
+from .copy import CopyEngine, CopyHandle, select_engine
+from .errors import DaemonError, KvtierError
+from .kvcache import KVCacheLayout
+from .session import Channel
+
+
+def default_socket() -> str:
+    """$KVTIERD_SOCKET, else the socket a default-configured daemon creates."""
+    if "KVTIERD_SOCKET" in os.environ:
+        return os.environ["KVTIERD_SOCKET"]
+    from kvtierd.config import default_directory
+    return os.path.join(default_directory(), "kvtierd.sock")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What identifies a namespace: engines with equal layouts share cached blocks."""
+
+    model: str
+    dtype: str
+    block_tokens: int
+    block_bytes: int                      # bytes one rank holds of one block
+    kind: str = LayoutKind.REPLICATED.value
+
+    def __post_init__(self) -> None:
+        LayoutKind(self.kind)  # raises on anything but replicated / sharded
+
+    def to_wire(self) -> dict:
+        return {"model": self.model, "dtype": self.dtype, "block_tokens": self.block_tokens,
+                "block_bytes": self.block_bytes, "kind": LayoutKind(self.kind).value}
+
+    @classmethod
+    def for_kv_caches(cls, tensors: Sequence, model: str, block_tokens: int,
+                      kind: str = LayoutKind.REPLICATED.value) -> "Layout":
+        """The layout of these per-layer KV-cache tensors (block bytes and dtype from them)."""
+        block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        dtype = str(tensors[0].dtype).removeprefix("torch.")
+        return cls(model, dtype, block_tokens, block_bytes, kind)
+
+
+@dataclass
+class StoreDecision:
+    outcomes: list[StoreOutcome]
+
+    @property
+    def written(self) -> int:
+        return sum(1 for o in self.outcomes if o is StoreOutcome.WRITE)
+
+
+@dataclass
+class JobResult:
+    job: int
+    kind: str                 # "store" | "load"
+    ok: bool
+    hits: int = 0             # load: blocks copied into the KV cache
+    error: KvtierError | None = None
+
+
+@dataclass
+class _Pending:
+    kind: str
+    handle: CopyHandle
+    hits: int = 0
+    vote: bool = True         # store: this rank must commit after the copy
+    result: JobResult | None = field(default=None)
+
+
+class Client:
+    def __init__(self, socket_path: str | None = None, *, engine_id: str, rank: int | None, world_size: int,
+                 layout: Layout, copy_engine: str = "auto", pin: str = "auto", timeout: float = 10.0):
+        self.channel = Channel(socket_path or default_socket(), timeout)
+        self.rank = rank
+        self.world_size = world_size
+        self.layout = layout
+        self.engine_id = engine_id
+        try:
+            pidns = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            pidns = None
+        try:
+            info = self.channel.call("hello", version=P.PROTOCOL_VERSION, engine=engine_id, rank=rank,
+                                     world_size=world_size, layout=layout.to_wire(), pid=os.getpid(), pidns=pidns)
+        except BaseException:
+            self.channel.close()
+            raise
+        self.info = info
+        self.session = info["session"]
+        self.page_size = info["page_size"]
+        self.pages_per_shard = info["pages_per_shard"]
+        self.is_writer = rank is not None and rank in info["writers"]
+        self.mapping: Mapping | None = None
+        self.pinned = "off"
+        self.kv: KVCacheLayout | None = None
+        self.engine: CopyEngine | None = None
+        self._copy_engine_name = copy_engine
+        self._pin = pin
+        self._pending: dict[int, _Pending] = {}
+        if rank is not None:
+            self._map_region()
+
+    # ------------------------------------------------------------------ setup
+    def _map_region(self) -> None:
+        info = self.info
+        mapping = Mapping.of_file(info["region"])
+        try:
+            view = RegionView(mapping.buffer)
+            if int(view.header["generation"]) != info["generation"] or view.geometry.data_offset != info["data_offset"]:
+                raise KvtierError(f"region {info['region']} does not match what kvtierd announced; "
+                                  "another daemon may have replaced it")
+            del view
+            if self._pin in ("auto", "cuda"):
+                cudart = CudaRuntime.load()
+                if cudart is not None:
+                    mapping._unpin = cudart.register(mapping.address, mapping.size)
+                    self.pinned = mapping.pinned = "cuda"
+                elif self._pin == "cuda":
+                    raise KvtierError("pin='cuda' but no CUDA device is usable in this process")
+        except BaseException:
+            mapping.close()
+            raise
+        self.mapping = mapping
+        self.region_data = mapping.address + info["data_offset"]
+
+    def register_kv_caches(self, tensors: Sequence) -> None:
+        """Describe this rank's KV cache: per-layer tensors [num_blocks, ...] (see kvcache.py)."""
+        self._need_rank("register KV caches")
+        kv = KVCacheLayout(tensors, self.page_size)
+        if kv.block_bytes != self.layout.block_bytes:
+            raise ValueError(f"the KV-cache tensors hold {kv.block_bytes} bytes per block; the layout this client "
+                             f"attached with says {self.layout.block_bytes}")
+        if self.engine is not None:
+            self.engine.close()
+        self.kv = kv
+        self.engine = select_engine(self._copy_engine_name, kv.device)
+
+    def _need_rank(self, what: str) -> None:
+        if self.rank is None:
+            raise KvtierError(f"a coordinator session cannot {what}; rank sessions do")
+
+    def _need_kv(self) -> KVCacheLayout:
+        self._need_rank("copy blocks")
+        if self.kv is None:
+            raise KvtierError("call register_kv_caches() before store() or load()")
+        return self.kv
+
+    # ------------------------------------------------------------------ queries
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are cached and ready (they count as recently used)."""
+        return self.channel.call("lookup", keys=list(keys))["hits"]
+
+    def stats(self) -> dict:
+        return self.channel.call("stats")
+
+    def job_status(self, jobs: Iterable[int]) -> list[dict]:
+        return self.channel.call("jobs", jobs=list(jobs))["jobs"]
+
+    # ------------------------------------------------------------------ jobs
+    def open_store(self, job: int, keys: Sequence[bytes]) -> StoreDecision:
+        """Coordinator: fix a store job's decision; the ranks then store() the same job."""
+        reply = self.channel.call("store", job=job, keys=list(keys))
+        return StoreDecision([StoreOutcome(o) for o in reply["outcomes"]])
+
+    def open_load(self, job: int, keys: Sequence[bytes]) -> int:
+        """Coordinator: pin the cached prefix of ``keys`` for a load job; returns its length."""
+        return self.channel.call("load", job=job, keys=list(keys))["hits"]
+
+    def store(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> StoreDecision:
+        """Store KV-cache blocks ``block_ids`` under ``keys``. Returns the decision at once; the
+        copy (writer ranks) runs in the background and the job finishes in poll()/wait()."""
+        kv = self._need_kv()
+        if len(keys) != len(block_ids):
+            raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
+        if job in self._pending:
+            raise KvtierError(f"job {job} is still in flight on this rank")
+        reply = self.channel.call("store", job=job, keys=list(keys))
+        outcomes = [StoreOutcome(o) for o in reply["outcomes"]]
+        if not self.is_writer:            # the request was this rank's vote
+            self._pending[job] = _Pending("store", CopyHandle(), vote=False)
+            return StoreDecision(outcomes)
+        write = np.flatnonzero(np.frombuffer(reply["outcomes"], dtype=np.uint8) == StoreOutcome.WRITE)
+        pages = np.frombuffer(reply["pages"], dtype=P.PAGES_DTYPE).reshape(len(write), self.pages_per_shard)
+        try:
+            desc = kv.descriptors(np.asarray(block_ids)[write], pages, self.region_data, to_region=True)
+            handle = self.engine.submit(desc)
+        except BaseException:
+            self._call_quietly("commit", job=job, ok=False)
+            raise
+        self._pending[job] = _Pending("store", handle)
+        return StoreDecision(outcomes)
+
+    def load(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Load the cached prefix of ``keys`` into KV-cache blocks ``block_ids`` (same order).
+        Returns how many blocks will arrive; they are in place once the job finished ok."""
+        kv = self._need_kv()
+        if len(keys) != len(block_ids):
+            raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
+        if job in self._pending:
+            raise KvtierError(f"job {job} is still in flight on this rank")
+        reply = self.channel.call("load", job=job, keys=list(keys))
+        hits = reply["hits"]
+        pages = np.frombuffer(reply["pages"], dtype=P.PAGES_DTYPE).reshape(hits, self.pages_per_shard)
+        try:
+            desc = kv.descriptors(np.asarray(block_ids)[:hits], pages, self.region_data, to_region=False)
+            handle = self.engine.submit(desc)
+        except BaseException:
+            self._call_quietly("release", job=job)
+            raise
+        self._pending[job] = _Pending("load", handle, hits=hits)
+        return hits
+
+    def abort(self, job: int) -> None:
+        self.channel.call("abort", job=job)
+
+    def _call_quietly(self, op: str, **fields) -> None:
+        try:
+            self.channel.call(op, **fields)
+        except KvtierError:
+            pass
+
+    def _finish(self, job: int, p: _Pending) -> JobResult:
+        """The copy completed: vote or release, and turn the daemon's answer into a result."""
+        failure = p.handle.error()
+        try:
+            if p.kind == "store":
+                if p.vote:
+                    self.channel.call("commit", job=job, ok=failure is None)
+            else:
+                self.channel.call("release", job=job)
+        except DaemonError as exc:
+            return JobResult(job, p.kind, False, 0, exc)
+        if failure is not None:
+            return JobResult(job, p.kind, False, 0, KvtierError(f"copy failed: {failure!r}"))
+        return JobResult(job, p.kind, True, p.hits)
+
+    def poll(self) -> list[JobResult]:
+        """Jobs of this rank that finished since the last poll (their copies completed)."""
+        done = []
+        for job, p in list(self._pending.items()):
+            if p.handle.done():
+                del self._pending[job]
+                done.append(self._finish(job, p))
+        return done
+
+    def wait(self, jobs: Iterable[int], timeout: float | None = None) -> list[JobResult]:
+        """Block until the given in-flight jobs finished on this rank; returns their results."""
+        wanted = list(jobs)
+        missing = [j for j in wanted if j not in self._pending]
+        if missing:
+            raise KvtierError(f"jobs {missing} are not in flight on this rank")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = []
+        for job in wanted:
+            p = self._pending[job]
+            try:
+                p.handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise
+            except Exception:
+                pass                          # a failed copy: _finish votes no and reports it
+            del self._pending[job]
+            results.append(self._finish(job, p))
+        return results
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Finish in-flight copies (voting/releasing them), say bye, unmap the region."""
+        if self.channel is None:
+            return
+        try:
+            if self._pending:
+                self.wait(list(self._pending))
+            self.channel.call("bye")
+        except KvtierError:
+            pass
+        finally:
+            if self.engine is not None:
+                self.engine.close()
+            if self.mapping is not None:
+                self.mapping.close()
+            self.channel.close()
+            self.channel = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

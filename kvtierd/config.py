@@ -1,0 +1,199 @@
+"""Every daemon setting, declared once: name, type, default, bounds, environment variable, doc.
+
+The table drives the TOML config file, the ``kvtierd`` command-line flags, the KVTIERD_*
+environment variables and the settings reference. Precedence, lowest to highest: built-in
+default < config file < environment < command line. ``load`` returns the effective values and,
+for each, where it came from.
+
+Sizes accept binary units (``64KiB``, ``512MiB``, ``64GiB``) or plain byte counts; durations
+are seconds (floats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONFIG_FILE = "/etc/kvtierd/kvtierd.toml"
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "mb": 1 << 20,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tib": 1 << 40, "tb": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """'64KiB' → 65536. Binary units throughout (KB and KiB both mean 1024)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 65536, 64KiB, 512MiB, 64GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    low = str(text).strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (true/false)")
+
+
+def default_directory() -> str:
+    """/dev/shm/kvtierd when /dev/shm is writable, else $XDG_RUNTIME_DIR/kvtierd, else /tmp."""
+    if os.access("/dev/shm", os.W_OK | os.X_OK):
+        return "/dev/shm/kvtierd"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.access(runtime, os.W_OK | os.X_OK):
+        return os.path.join(runtime, "kvtierd")
+    return f"/tmp/kvtierd-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: str                       # size | int | float | str | bool | choice
+    default: Any                    # a value, or a callable giving one
+    doc: str
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> str:
+        return "KVTIERD_" + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def default_value(self) -> Any:
+        return self.default() if callable(self.default) else self.parse(self.default)
+
+    def parse(self, raw: Any) -> Any:
+        """Convert and bound-check one value; ValueError names the setting."""
+        try:
+            value = _PARSERS[self.type](raw)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"setting {self.name}: {exc}") from None
+        if self.choices and value not in self.choices:
+            raise ValueError(f"setting {self.name}: {value!r} is not one of {', '.join(self.choices)}")
+        if self.lo is not None and value < self.lo:
+            raise ValueError(f"setting {self.name}: {raw!r} is below the minimum {self.describe_bound(self.lo)}")
+        if self.hi is not None and value > self.hi:
+            raise ValueError(f"setting {self.name}: {raw!r} is above the maximum {self.describe_bound(self.hi)}")
+        return value
+
+    def describe_bound(self, bound: float) -> str:
+        return format_size(int(bound)) if self.type == "size" else str(bound)
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "size": parse_size,
+    "int": int,
+    "float": float,
+    "str": str,
+    "choice": str,
+    "bool": parse_bool,
+}
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("dir", "str", default_directory,
+            "Directory of the region file, its lock and the socket (default: /dev/shm/kvtierd, else "
+            "$XDG_RUNTIME_DIR/kvtierd, else /tmp/kvtierd-UID)."),
+    Setting("name", "str", "kvtierd", "Base name of <dir>/<name>.region, .lock and .sock; one daemon per name."),
+    Setting("size", "size", "512MiB", "Size of the region file (metadata + pages).", lo=8 << 20, hi=1 << 50),
+    Setting("page_size", "size", "64KiB", "Fixed page size of the data area (a power of two).",
+            lo=4096, hi=1 << 30),
+    Setting("pin", "choice", "auto", "Pin the region: auto (cudaHostRegister, else mlock, else unpinned "
+            "with a warning), cuda, mlock or off.", choices=("auto", "cuda", "mlock", "off")),
+    Setting("group", "str", "", "Client group: may reach the socket and map the region (empty: the "
+            "daemon's user only)."),
+    Setting("job_timeout", "float", "30", "Seconds a store or load job may stay open before it is aborted "
+            "and its pages freed.", lo=0.05, hi=86400),
+    Setting("recreate", "bool", "false", "Replace an existing region whose header or geometry does not match "
+            "(its cached blocks are lost)."),
+    Setting("prefault_threads", "int", "4", "Threads that prefault the region at start.", lo=1, hi=256),
+    Setting("log_level", "choice", "info", "Log level.", choices=("debug", "info", "warning", "error")),
+)
+
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass
+class Config:
+    values: dict[str, Any]
+    sources: dict[str, str]     # setting → "default" | "file:<path>" | "env:<VAR>" | "flag"
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; flags default to None so that unset ones do not override."""
+    for s in SETTINGS:
+        kwargs: dict[str, Any] = {"dest": s.name, "default": None, "help": f"{s.doc} [env {s.env}]"}
+        if s.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = s.type.upper() if not s.choices else "{" + ",".join(s.choices) + "}"
+        parser.add_argument(s.flag, **kwargs)
+
+
+def load(args: argparse.Namespace | None = None, config_file: str | None = None,
+         environ: dict[str, str] | None = None) -> Config:
+    """Effective config: defaults, then the TOML file, then KVTIERD_* variables, then flags."""
+    environ = os.environ if environ is None else environ
+    values = {s.name: s.default_value() for s in SETTINGS}
+    sources = {s.name: "default" for s in SETTINGS}
+    path = config_file or environ.get("KVTIERD_CONFIG")
+    if path is None and os.path.exists(DEFAULT_CONFIG_FILE):
+        path = DEFAULT_CONFIG_FILE
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {path} not found (--config / KVTIERD_CONFIG)") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {path}: {exc}") from None
+        table = table.get("kvtierd", table)
+        unknown = sorted(set(table) - set(BY_NAME))
+        if unknown:
+            raise ValueError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(BY_NAME)}")
+        for name, raw in table.items():
+            values[name] = BY_NAME[name].parse(raw)
+            sources[name] = f"file:{path}"
+    for s in SETTINGS:
+        if s.env in environ:
+            values[s.name] = s.parse(environ[s.env])
+            sources[s.name] = f"env:{s.env}"
+    if args is not None:
+        for s in SETTINGS:
+            raw = getattr(args, s.name, None)
+            if raw is not None:
+                values[s.name] = s.parse(raw)
+                sources[s.name] = "flag"
+    return Config(values, sources)

@@ -1,0 +1,100 @@
+"""Wires the daemon together: config → region → store → server; logs; signals; clean stop.
+
+Start-up order matters: the region is locked before anything else touches it, the store rebuilds
+its index from the region's tables, and only then is the socket bound, so a client that can
+connect always meets a daemon that is ready to serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from .config import Config, format_size
+from .region import Region, RegionError
+from .server import Server
+from .store import Store
+
+log = logging.getLogger("kvtierd")
+
+
+class LogFormatter(logging.Formatter):
+    """One structured line per event: ts=… level=… logger=… msg="…"."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
+        msg = record.getMessage().replace('"', "'")
+        line = f'ts={ts} level={record.levelname.lower()} logger={record.name} msg="{msg}"'
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class Daemon:
+    def __init__(self, config: Config):
+        self.config = config
+        c = config
+        last = [-1]
+
+        def progress(done: int, total: int) -> None:
+            pct = 100 * done // max(total, 1)
+            if pct // 25 != last[0] // 25:
+                last[0] = pct
+                log.info("prefault %d%% (%s of %s)", pct, format_size(done), format_size(total))
+
+        started = time.monotonic()
+        self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
+                                  recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress)
+        try:
+            self.store = Store(self.region.view, job_timeout=c.job_timeout)
+            rec = self.store.recovered
+            if self.region.adopted:
+                log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
+                         "damaged discarded", self.region.paths.region,
+                         "clean" if self.region.was_clean else "unclean", rec["ready"],
+                         rec["writing_discarded"], rec["corrupt_discarded"])
+            self.server = Server(self.store, self.region, self.region.paths.socket, self.region.gid)
+        except BaseException:
+            self.region.close(clean=False)
+            raise
+        geo = self.region.geometry
+        log.info("ready: socket=%s region=%s size=%s pages=%d page_size=%s capacity=%s data_offset=%d "
+                 "pinned=%s prefault=%s generation=%x started_in=%.2fs", self.server.socket_path,
+                 self.region.paths.region, format_size(geo.file_bytes), geo.num_pages, format_size(geo.page_size),
+                 format_size(geo.capacity_bytes), geo.data_offset, self.region.pinned, self.region.prefault,
+                 self.region.generation, time.monotonic() - started)
+
+    def run(self) -> None:
+        self.server.install_signal_handlers()
+        try:
+            self.server.run()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.region.view is None:
+            return
+        log.info("stopping")
+        self.store.shutdown()
+        self.region.close(clean=True)
+        log.info("stopped cleanly")
+
+
+def run(config: Config) -> int:
+    setup_logging(config.log_level)
+    try:
+        daemon = Daemon(config)
+    except (RegionError, ValueError, OSError, RuntimeError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    daemon.run()
+    return 0

@@ -1,0 +1,209 @@
+"""Shared file mappings with a known address, and the host-memory pinning of a mapping.
+
+Python's ``mmap`` hides the mapping's address, but both sides need it: the client hands page
+addresses to its copy engine (memmove on the CPU, UVA pointers for the CUDA kernel), and pinning
+(``cudaHostRegister``, ``mlock``) takes an address. So regions are mapped here through libc.
+
+Pinning modes (``pin`` setting): ``cuda`` registers the mapping with cudaHostRegister in chunks of
+at most 64 GiB on page boundaries, unregistering what was done if a chunk fails; ``mlock`` locks
+it; ``auto`` tries cuda when a CUDA device is usable, then mlock when RLIMIT_MEMLOCK allows it,
+else leaves the mapping unpinned (and says so in one warning line); ``off`` does nothing.
+Pinning is per process: the daemon's pin does not cover a client's mapping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import resource
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+PROT_READ, PROT_WRITE = 1, 2
+MAP_SHARED = 1
+MAP_FAILED = ctypes.c_void_p(-1).value
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+CUDA_CHUNK_BYTES = 64 << 30
+OS_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _oserror(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
+
+
+class Mapping:
+    """A MAP_SHARED read-write mapping of a whole file, with its address."""
+
+    def __init__(self, fd: int, size: int):
+        addr = _libc.mmap(None, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if addr in (None, MAP_FAILED):
+            raise _oserror("mmap")
+        self.address: int = addr
+        self.size = size
+        self.pinned = "off"
+        self._unpin = lambda: None
+        # A ctypes array over the mapping: a writable buffer that NumPy can view without copying.
+        self.buffer = (ctypes.c_ubyte * size).from_address(addr)
+
+    @classmethod
+    def of_file(cls, path: str) -> "Mapping":
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            return cls(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self.address is None:
+            return
+        self._unpin()
+        _libc.munmap(self.address, self.size)
+        self.address = None
+        self.buffer = None
+
+    # --- prefault ----------------------------------------------------------------------------
+    def prefault(self, start: int = 0, length: int | None = None, threads: int = 4,
+                 progress=None) -> str:
+        """Fault in [start, start+length) so that the first copy does not pay for page faults.
+
+        MADV_POPULATE_WRITE in parallel chunks; on kernels without it, touch each OS page
+        (reading and writing back the same byte, so an adopted region keeps its data).
+        Returns the method used. ``progress(done_bytes, total_bytes)`` is called per chunk.
+        """
+        length = self.size - start if length is None else length
+        if length <= 0:
+            return "none"
+        chunk = max(64 << 20, _round_up(length // (threads * 8) + 1, OS_PAGE))
+        spans = [(s, min(chunk, start + length - s)) for s in range(start, start + length, chunk)]
+        supported = _libc.madvise(self.address + start, OS_PAGE, MADV_POPULATE_WRITE) == 0
+        if not supported and ctypes.get_errno() != errno.EINVAL:
+            raise _oserror("madvise(MADV_POPULATE_WRITE)")
+
+        def populate(span: tuple[int, int]) -> int:
+            if _libc.madvise(self.address + span[0], span[1], MADV_POPULATE_WRITE) != 0:
+                raise _oserror("madvise(MADV_POPULATE_WRITE)")
+            return span[1]
+
+        def touch(span: tuple[int, int]) -> int:
+            view = (ctypes.c_ubyte * span[1]).from_address(self.address + span[0])
+            every_page = np.frombuffer(view, dtype=np.uint8)[::OS_PAGE]
+            np.bitwise_or(every_page, 0, out=every_page)
+            return span[1]
+
+        done = 0
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            for n in pool.map(populate if supported else touch, spans):
+                done += n
+                if progress:
+                    progress(done, length)
+        return "madvise" if supported else "touch"
+
+    # --- pinning -----------------------------------------------------------------------------
+    def pin(self, mode: str) -> str:
+        """Pin per ``mode`` (auto|cuda|mlock|off); returns what was done: cuda, mlock or off."""
+        if mode not in ("auto", "cuda", "mlock", "off"):
+            raise ValueError(f"pin mode {mode!r}: use auto, cuda, mlock or off")
+        if mode == "off":
+            return "off"
+        if mode in ("auto", "cuda"):
+            cudart = CudaRuntime.load()
+            if cudart is not None:
+                self._unpin = cudart.register(self.address, self.size)
+                self.pinned = "cuda"
+                return "cuda"
+            if mode == "cuda":
+                raise RuntimeError("pin=cuda but no usable CUDA runtime/device was found; "
+                                   "use --pin auto or --pin mlock")
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        fits = soft == resource.RLIM_INFINITY or soft >= self.size
+        if fits and _libc.mlock(self.address, self.size) == 0:
+            addr, size = self.address, self.size
+            self._unpin = lambda: _libc.munlock(addr, size)
+            self.pinned = "mlock"
+            return "mlock"
+        if mode == "mlock":
+            raise RuntimeError(f"mlock of {self.size} bytes failed (RLIMIT_MEMLOCK soft limit {soft}); "
+                               "raise it (LimitMEMLOCK=infinity in the unit, ulimit -l unlimited) or use --pin auto")
+        log.warning("region of %d bytes left unpinned: no CUDA device and RLIMIT_MEMLOCK=%s; "
+                    "raise the memlock limit (ulimit -l unlimited / LimitMEMLOCK=infinity) to pin it",
+                    self.size, "unlimited" if soft == resource.RLIM_INFINITY else soft)
+        return "off"
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+class CudaRuntime:
+    """The few CUDA runtime calls pinning needs, through whichever binding is installed."""
+
+    HOST_REGISTER_PORTABLE = 1
+    HOST_REGISTER_MAPPED = 2
+
+    def __init__(self, register_fn, unregister_fn):
+        self._register = register_fn
+        self._unregister = unregister_fn
+
+    @classmethod
+    def load(cls) -> "CudaRuntime | None":
+        """CuPy's runtime if a device is visible, else torch's; None when CUDA is unusable."""
+        if not os.path.exists("/proc/driver/nvidia/version") and not os.path.exists("/dev/nvidiactl"):
+            return None   # no NVIDIA driver: skip importing CuPy/torch just to learn that
+        try:
+            import cupy  # noqa: F401  (either cupy-cuda12x or cupy-cuda13x provides it)
+            from cupy.cuda import runtime
+            if runtime.getDeviceCount() > 0:
+                return cls(runtime.hostRegister, runtime.hostUnregister)
+        except Exception:
+            pass
+        try:
+            import torch
+            if torch.cuda.is_available():
+                rt = torch.cuda.cudart()
+
+                def reg(ptr, size, flags):
+                    if int(rt.cudaHostRegister(ptr, size, flags)) != 0:
+                        raise RuntimeError("cudaHostRegister failed")
+
+                def unreg(ptr):
+                    rt.cudaHostUnregister(ptr)
+                return cls(reg, unreg)
+        except Exception:
+            pass
+        return None
+
+    def register(self, address: int, size: int):
+        """Register [address, address+size) in ≤64 GiB chunks; roll back on failure.
+
+        Returns a function that unregisters every chunk.
+        """
+        done: list[int] = []
+        flags = self.HOST_REGISTER_PORTABLE | self.HOST_REGISTER_MAPPED
+        try:
+            for off in range(0, size, CUDA_CHUNK_BYTES):
+                self._register(address + off, min(CUDA_CHUNK_BYTES, size - off), flags)
+                done.append(address + off)
+        except Exception:
+            for ptr in done:
+                self._unregister(ptr)
+            raise
+
+        def unregister() -> None:
+            for ptr in done:
+                self._unregister(ptr)
+        return unregister

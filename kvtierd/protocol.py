@@ -1,0 +1,311 @@
+"""The wire contract between kvtierd and its clients: the one place that defines it.
+
+Transport: a ZMQ ROUTER socket in the daemon, one DEALER socket per client session, over
+``ipc://``. Every message is exactly one frame holding one msgpack map (the ROUTER adds and
+strips the routing identity frame; clients never see it).
+
+Request::
+
+    {"op": <str>, "rid": <int, echoed back>, ...fields of the op...}
+
+Reply::
+
+    {"rid": <int>, "ok": True, ...result fields...}
+    {"rid": <int>, "ok": False, "code": <ErrorCode int>, "error": <name>, "message": <str>}
+
+Replies carry page indices, never block bytes: the bytes move through the shared region.
+A key's pages travel as ``bytes`` holding little-endian uint32 page indices (``PAGES_DTYPE``),
+so that the client turns them into a NumPy array without a Python loop.
+
+Validation happens here, before any handler runs and before anything is allocated for a request:
+the frame size is checked before decoding, the decoder is bounded (``decode_request``), and every
+field of every op is checked against its ``Field`` spec (type, range, length). A request that
+fails any check gets a ``BAD_REQUEST``/``LIMIT`` error naming the field; the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# --- limits (enforced before any allocation) ------------------------------------------------
+MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
+MAX_KEYS_PER_REQUEST = 8192            # keys in one lookup/store/load
+MAX_KEY_BYTES = 64                     # vLLM keys are 32-byte hashes + a 4-byte group index
+MAX_STR_BYTES = 256                    # engine ids, model names, dtype names
+MAX_WORLD_SIZE = 64
+MAX_BLOCK_BYTES = 1 << 34              # 16 GiB per rank and block: far above any real model
+MAX_JOB_ID = (1 << 63) - 1
+MAX_JOBS_PER_QUERY = 4096
+
+PAGES_DTYPE = "<u4"                    # page indices on the wire and in the region's chain table
+
+
+class ErrorCode(enum.IntEnum):
+    """Stable error codes. Numbers never change meaning; new codes are appended."""
+
+    BAD_REQUEST = 1       # malformed frame, unknown op, wrong field type or range
+    VERSION = 2           # protocol version not supported
+    NOT_ATTACHED = 3      # request before hello (or after the session ended)
+    LAYOUT_MISMATCH = 4   # engine's sessions disagree on layout/world size, or rank taken
+    CONFLICT = 5          # a job asked with different keys/kind than its first request
+    UNKNOWN_JOB = 6       # commit/release/status of a job the daemon does not know
+    NO_SPACE = 7          # the region (or its namespace table) cannot take the request at all
+    TIMEOUT = 8           # the job ran past its deadline and was aborted
+    SHUTTING_DOWN = 9     # the daemon stopped accepting new jobs
+    ABORTED = 10          # the job was aborted (failed vote, conflict, dead rank, ...)
+    LIMIT = 11            # a protocol limit was exceeded (frame size, keys, key length)
+    FORBIDDEN = 12        # the session's role may not do this (e.g. a coordinator voting)
+    INTERNAL = 13         # a bug in the daemon; the request was dropped, the daemon lives on
+
+
+class RequestError(Exception):
+    """A request that cannot be served: validation, state or capacity. Becomes an error reply."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = ErrorCode(code)
+        self.message = message
+
+
+# --- per-key outcomes of a store decision ---------------------------------------------------
+class StoreOutcome(enum.IntEnum):
+    WRITE = 0      # the job writes this key (the writer ranks get pages for it)
+    PRESENT = 1    # already READY, or being written by another job: nothing to do
+    NO_SPACE = 2   # did not fit; nor did any later key that needed writing
+
+
+class LayoutKind(str, enum.Enum):
+    REPLICATED = "replicated"  # every rank holds identical bytes (MLA): one copy, rank 0 writes
+    SHARDED = "sharded"        # each rank holds its own shard (GQA heads split): each rank writes
+
+
+class JobState(str, enum.Enum):
+    OPEN = "open"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+# --- field specs ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Field:
+    """One field of a request: its type and the check it must pass."""
+
+    kind: str                     # "int", "str", "bool", "bytes", "keys", "map", "ints"
+    required: bool = True
+    lo: int | None = None         # inclusive bounds for ints / lengths for str and bytes
+    hi: int | None = None
+    choices: tuple[str, ...] | None = None
+    nullable: bool = False
+
+
+def _int(lo: int, hi: int, **kw: Any) -> Field:
+    return Field("int", lo=lo, hi=hi, **kw)
+
+
+def _str(lo: int = 1, hi: int = MAX_STR_BYTES, **kw: Any) -> Field:
+    return Field("str", lo=lo, hi=hi, **kw)
+
+
+LAYOUT_FIELDS: dict[str, Field] = {
+    "model": _str(),
+    "dtype": _str(hi=32),
+    "block_tokens": _int(1, 1 << 20),
+    "block_bytes": _int(1, MAX_BLOCK_BYTES),
+    "kind": Field("str", choices=tuple(k.value for k in LayoutKind)),
+}
+
+JOB = _int(0, MAX_JOB_ID)
+KEYS = Field("keys")
+
+REQUESTS: dict[str, dict[str, Field]] = {
+    # rank is None for a coordinator session (the engine's scheduler: looks up, opens jobs).
+    "hello": {
+        "version": _int(0, 1 << 31),
+        "engine": _str(),
+        "rank": _int(0, MAX_WORLD_SIZE - 1, nullable=True),
+        "world_size": _int(1, MAX_WORLD_SIZE),
+        "layout": Field("map"),
+        "pid": _int(0, 1 << 31, required=False),
+        "pidns": _int(0, 1 << 63, required=False),
+    },
+    "ping": {},
+    "bye": {},
+    "lookup": {"keys": KEYS},
+    "store": {"job": JOB, "keys": KEYS},
+    "commit": {"job": JOB, "ok": Field("bool")},
+    "load": {"job": JOB, "keys": KEYS},
+    "release": {"job": JOB},
+    "abort": {"job": JOB},
+    "jobs": {"jobs": Field("ints", lo=0, hi=MAX_JOB_ID)},
+    "stats": {},
+}
+
+# Ops that need an attached session (everything but hello and stats).
+SESSIONLESS_OPS = frozenset({"hello", "stats", "ping"})
+
+
+# --- encode / decode ------------------------------------------------------------------------
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return _packer.pack(message)
+
+
+def decode_request(frame: bytes) -> dict[str, Any]:
+    """Decode one request frame with every msgpack length bounded, then validate it.
+
+    Raises RequestError; never anything else for any input bytes.
+    """
+    if len(frame) > MAX_FRAME_BYTES:
+        raise RequestError(ErrorCode.LIMIT, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        msg = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_STR_BYTES,
+            max_bin_len=MAX_FRAME_BYTES,
+            max_array_len=max(MAX_KEYS_PER_REQUEST, MAX_JOBS_PER_QUERY),
+            max_map_len=32,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, ...)
+        raise RequestError(ErrorCode.BAD_REQUEST, f"undecodable msgpack frame: {type(exc).__name__}") from None
+    if not isinstance(msg, dict):
+        raise RequestError(ErrorCode.BAD_REQUEST, "request must be a msgpack map")
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in REQUESTS:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")
+    rid = msg.get("rid", 0)
+    if type(rid) is not int or not 0 <= rid < (1 << 63):
+        raise RequestError(ErrorCode.BAD_REQUEST, "field 'rid' must be a non-negative int")
+    validate_fields(op, msg, REQUESTS[op])
+    if op == "hello":
+        validate_fields("hello.layout", msg["layout"], LAYOUT_FIELDS)
+    return msg
+
+
+def request_id(frame: bytes) -> int:
+    """Best-effort request id of a frame that failed validation, so the error can be matched."""
+    try:
+        msg = msgpack.unpackb(frame[:MAX_FRAME_BYTES], raw=False, max_str_len=MAX_STR_BYTES,
+                              max_bin_len=MAX_KEY_BYTES, max_array_len=16, max_map_len=32)
+        rid = msg.get("rid", 0) if isinstance(msg, dict) else 0
+        return rid if type(rid) is int and 0 <= rid < (1 << 63) else 0
+    except Exception:
+        return 0
+
+
+def _check_int(name: str, value: Any, lo: int | None, hi: int | None) -> None:
+    # bool is a subclass of int in Python; a bool is not a valid integer field.
+    if type(value) is not int:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be an int, got {type(value).__name__}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r}={value} out of range [{lo}, {hi}]")
+
+
+def _check_keys(name: str, value: Any) -> None:
+    if not isinstance(value, list):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a list of bytes")
+    if len(value) > MAX_KEYS_PER_REQUEST:
+        raise RequestError(ErrorCode.LIMIT, f"{len(value)} keys exceed the limit of {MAX_KEYS_PER_REQUEST}")
+    for key in value:
+        if type(key) is not bytes:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must hold only bytes keys")
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise RequestError(ErrorCode.LIMIT, f"key of {len(key)} bytes; keys must be 1..{MAX_KEY_BYTES} bytes")
+    if len(set(value)) != len(value):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} holds duplicate keys")
+
+
+_CHECKS: dict[str, Callable[[str, Any, Field], None]] = {}
+
+
+def _register(kind: str) -> Callable[[Callable[[str, Any, Field], None]], Callable[[str, Any, Field], None]]:
+    def deco(fn: Callable[[str, Any, Field], None]) -> Callable[[str, Any, Field], None]:
+        _CHECKS[kind] = fn
+        return fn
+    return deco
+
+
+@_register("int")
+def _(name: str, value: Any, spec: Field) -> None:
+    _check_int(name, value, spec.lo, spec.hi)
+
+
+@_register("str")
+def _(name: str, value: Any, spec: Field) -> None:
+    if type(value) is not str:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a string")
+    if spec.choices is not None and value not in spec.choices:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r}={value!r} not one of {list(spec.choices)}")
+    n = len(value.encode())
+    if spec.lo is not None and not spec.lo <= n <= (spec.hi or MAX_STR_BYTES):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {spec.lo}..{spec.hi} bytes long")
+
+
+@_register("bool")
+def _(name: str, value: Any, spec: Field) -> None:
+    if type(value) is not bool:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a bool")
+
+
+@_register("map")
+def _(name: str, value: Any, spec: Field) -> None:
+    if not isinstance(value, dict):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a map")
+
+
+@_register("keys")
+def _(name: str, value: Any, spec: Field) -> None:
+    _check_keys(name, value)
+
+
+@_register("ints")
+def _(name: str, value: Any, spec: Field) -> None:
+    if not isinstance(value, list):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a list of ints")
+    if len(value) > MAX_JOBS_PER_QUERY:
+        raise RequestError(ErrorCode.LIMIT, f"{len(value)} items exceed the limit of {MAX_JOBS_PER_QUERY}")
+    for item in value:
+        _check_int(name, item, spec.lo, spec.hi)
+
+
+def validate_fields(op: str, msg: dict[str, Any], spec: dict[str, Field]) -> None:
+    """Check every declared field of ``msg``; unknown extra fields are ignored (forward compat)."""
+    for name, field in spec.items():
+        if name not in msg:
+            if field.required:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{op}: missing field {name!r}")
+            continue
+        value = msg[name]
+        if value is None and field.nullable:
+            continue
+        _CHECKS[field.kind](f"{op}.{name}", value, field)
+
+
+# --- replies --------------------------------------------------------------------------------
+def ok_reply(rid: int, **fields: Any) -> dict[str, Any]:
+    fields["rid"] = rid
+    fields["ok"] = True
+    return fields
+
+
+def error_reply(rid: int, code: ErrorCode, message: str, **fields: Any) -> dict[str, Any]:
+    fields.update(rid=rid, ok=False, code=int(code), error=ErrorCode(code).name, message=message)
+    return fields
+
+
+def decode_reply(frame: bytes) -> dict[str, Any]:
+    """Decode a reply on the client side (the daemon is trusted, but a reply must be a map)."""
+    msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    if not isinstance(msg, dict) or "ok" not in msg:
+        raise ValueError("malformed reply from kvtierd")
+    return msg

@@ -1,0 +1,276 @@
+"""The request loop: a ZMQ ROUTER socket, decode → handler → encode, sessions and liveness.
+
+One thread runs ``Server.run`` and is the only one that touches the store (DESIGN: one thread
+owns the daemon's state), so handlers need no locks. Each wake-up of the poller drains a burst of
+requests (up to ``BURST``) before polling again, which keeps the per-request cost flat when many
+ranks fire at once.
+
+We use a plain ``zmq.Poller`` loop rather than asyncio/uvloop: the loop has nothing to await but
+the socket, the client pidfds and a signal pipe, and a poller round trip measured cheaper than the
+same echo through zmq.asyncio on uvloop (docs/design.md has the figures and the command).
+
+Liveness: a client that shares the daemon's PID namespace (it reports the inode of its
+/proc/self/ns/pid at hello) is watched through a pidfd, which becomes readable the moment the
+process dies; its session then ends as if it had said ``bye``: jobs still waiting for that rank
+abort, its pins drop (invariant 6). A PID from another namespace proves nothing, so such a
+session is not watched; its jobs are bounded by the job timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import zmq
+
+from . import protocol as P
+from .layout import NamespaceLayout
+from .protocol import ErrorCode, RequestError
+from .region import Region
+from .store import Session, Store
+
+log = logging.getLogger(__name__)
+
+BURST = 256
+MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
+
+
+def own_pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+class Server:
+    def __init__(self, store: Store, region: Region, socket_path: str, gid: int | None = None):
+        if len(socket_path.encode()) > MAX_SOCKET_PATH:
+            raise ValueError(f"socket path {socket_path} is {len(socket_path)} bytes; ipc paths are limited to "
+                             f"{MAX_SOCKET_PATH}. Choose a shorter --dir or --name")
+        self.store = store
+        self.region = region
+        self.socket_path = socket_path
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to vanished peers are dropped
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        # Frames up to twice the limit are read and refused with a LIMIT error; larger ones make ZMQ
+        # drop the connection before allocating anything for them.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * P.MAX_FRAME_BYTES)
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)   # our lock is held: a socket file here is a dead daemon's
+        old_umask = os.umask(0o117)  # the socket is created 0660
+        try:
+            self.sock.bind(f"ipc://{socket_path}")
+        finally:
+            os.umask(old_umask)
+        if gid is not None:
+            os.chown(socket_path, -1, gid)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self.sessions: dict[bytes, Session] = {}          # ZMQ routing identity → session
+        self.identities: dict[int, bytes] = {}            # session id → identity
+        self.pidfds: dict[int, Session] = {}              # pidfd → session it watches
+        self.pidns = own_pid_namespace()
+        self.stopping = False
+        self.started = time.time()
+        self.requests: Counter = Counter()
+        self.errors: Counter = Counter()
+        self.handlers: dict[str, Callable[[bytes, Session | None, dict], dict]] = {
+            "hello": self._hello, "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
+            "store": self._store, "commit": self._commit, "load": self._load, "release": self._release,
+            "abort": self._abort, "jobs": self._jobs, "stats": self._stats,
+        }
+
+    # ------------------------------------------------------------------ loop
+    def request_stop(self) -> None:
+        """Async-signal-safe: make the loop return after the current burst."""
+        self.stopping = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.request_stop())
+
+    def run(self) -> None:
+        store = self.store
+        while not self.stopping:
+            deadline = store.expire()
+            timeout = 1000 if deadline is None else max(0, min(1000, int((deadline - store.clock()) * 1000) + 1))
+            events = dict(self.poller.poll(timeout))
+            if self.sock in events:
+                self._drain()
+            for fd in [fd for fd in events if isinstance(fd, int) and fd in self.pidfds]:
+                session = self.pidfds[fd]
+                log.warning("client pid %s (%s of engine %r) died; ending its session",
+                            session.pid, session.role, session.engine.id)
+                self._end_session(session, "died")
+        self.close()
+
+    def _drain(self) -> None:
+        sock = self.sock
+        for _ in range(BURST):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            identity = frames[0]
+            if len(frames) != 2:
+                self._count_error(ErrorCode.BAD_REQUEST)
+                reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {len(frames) - 1}")
+            else:
+                reply = self.handle(identity, frames[1])
+            sock.send_multipart([identity, P.encode(reply)], copy=False)
+
+    def handle(self, identity: bytes, frame: bytes) -> dict[str, Any]:
+        """One request frame → one reply map. Never raises."""
+        try:
+            msg = P.decode_request(frame)
+        except RequestError as exc:
+            self._count_error(exc.code)
+            return P.error_reply(P.request_id(frame), exc.code, exc.message)
+        op, rid = msg["op"], msg.get("rid", 0)
+        self.requests[op] += 1
+        session = self.sessions.get(identity)
+        try:
+            if session is None and op not in P.SESSIONLESS_OPS:
+                raise RequestError(ErrorCode.NOT_ATTACHED, f"{op} before hello: attach a session first")
+            return P.ok_reply(rid, **self.handlers[op](identity, session, msg))
+        except RequestError as exc:
+            self._count_error(exc.code)
+            return P.error_reply(rid, exc.code, exc.message)
+        except Exception as exc:  # a bug must cost one request, not the daemon
+            log.exception("internal error handling %s", op)
+            self._count_error(ErrorCode.INTERNAL)
+            return P.error_reply(rid, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _count_error(self, code: ErrorCode) -> None:
+        self.errors[ErrorCode(code).name] += 1
+
+    # ------------------------------------------------------------------ sessions
+    def _hello(self, identity: bytes, session: Session | None, msg: dict) -> dict:
+        if msg["version"] != P.PROTOCOL_VERSION:
+            raise RequestError(ErrorCode.VERSION, f"client speaks protocol {msg['version']}, this kvtierd speaks "
+                                                  f"{P.PROTOCOL_VERSION}; install matching kvtierd versions")
+        if self.stopping:
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
+        if session is not None:
+            self._end_session(session, "rehello")
+        layout = NamespaceLayout.from_wire(msg["layout"], msg["world_size"])
+        pid = msg.get("pid")
+        session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], layout, pid)
+        self.sessions[identity] = session
+        self.identities[session.id] = identity
+        watched = False
+        if pid and msg.get("pidns") is not None and msg.get("pidns") == self.pidns:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                self._end_session(session, "dead_at_hello")
+                raise RequestError(ErrorCode.BAD_REQUEST, f"pid {pid} does not exist in the daemon's namespace")
+            self.pidfds[fd] = session
+            self.poller.register(fd, zmq.POLLIN)
+            watched = True
+        log.info("attach session=%d engine=%r %s world_size=%d pid=%s namespace=%s watched=%s", session.id,
+                 session.engine.id, session.role, msg["world_size"], pid, layout.name(), watched)
+        ns = session.engine.ns
+        geo = self.region.geometry
+        return {
+            "session": session.id, "version": P.PROTOCOL_VERSION, "daemon_pid": os.getpid(),
+            "region": self.region.paths.region, "generation": self.region.generation,
+            "file_bytes": geo.file_bytes, "page_size": geo.page_size, "num_pages": geo.num_pages,
+            "data_offset": geo.data_offset, "namespace": ns.layout.name(), "pages_per_shard": ns.pages_per_shard,
+            "writers": sorted(session.engine.writers), "job_timeout": self.store.job_timeout,
+            "watched": watched,
+        }
+
+    def _end_session(self, session: Session, cause: str) -> None:
+        identity = self.identities.pop(session.id, None)
+        if identity is not None:
+            self.sessions.pop(identity, None)
+        for fd, watched in list(self.pidfds.items()):
+            if watched is session:
+                self.poller.unregister(fd)
+                os.close(fd)
+                del self.pidfds[fd]
+        self.store.detach(session, cause)
+        log.info("detach session=%d engine=%r %s cause=%s", session.id, session.engine.id, session.role, cause)
+
+    def _bye(self, identity: bytes, session: Session, msg: dict) -> dict:
+        self._end_session(session, "left")
+        return {}
+
+    def _ping(self, identity: bytes, session: Session | None, msg: dict) -> dict:
+        return {"generation": self.region.generation, "attached": session is not None}
+
+    # ------------------------------------------------------------------ data ops
+    def _refuse_if_stopping(self) -> None:
+        if self.stopping:
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new jobs")
+
+    def _lookup(self, identity: bytes, session: Session, msg: dict) -> dict:
+        return {"hits": self.store.lookup(session, msg["keys"])}
+
+    def _store(self, identity: bytes, session: Session, msg: dict) -> dict:
+        self._refuse_if_stopping()
+        outcomes, pages = self.store.store(session, msg["job"], msg["keys"])
+        return {"outcomes": bytes(outcomes), "pages": b"".join(pages)}
+
+    def _commit(self, identity: bytes, session: Session, msg: dict) -> dict:
+        self.store.commit(session, msg["job"], msg["ok"])
+        return {}
+
+    def _load(self, identity: bytes, session: Session, msg: dict) -> dict:
+        self._refuse_if_stopping()
+        hits, pages = self.store.load(session, msg["job"], msg["keys"])
+        return {"hits": hits, "pages": b"".join(pages)}
+
+    def _release(self, identity: bytes, session: Session, msg: dict) -> dict:
+        self.store.release(session, msg["job"])
+        return {}
+
+    def _abort(self, identity: bytes, session: Session, msg: dict) -> dict:
+        self.store.abort(session, msg["job"])
+        return {}
+
+    def _jobs(self, identity: bytes, session: Session, msg: dict) -> dict:
+        return {"jobs": self.store.job_states(session, msg["jobs"])}
+
+    def _stats(self, identity: bytes, session: Session | None, msg: dict) -> dict:
+        return {
+            **self.store.stats(),
+            "namespace_list": self.store.namespace_stats(),
+            "requests": dict(self.requests),
+            "errors": dict(self.errors),
+            "clients_watched": len(self.pidfds),
+            "uptime_seconds": time.time() - self.started,
+            "region": self.region.paths.region,
+            "generation": self.region.generation,
+            "pinned": self.region.pinned,
+            "file_bytes": self.region.geometry.file_bytes,
+            "daemon_pid": os.getpid(),
+        }
+
+    # ------------------------------------------------------------------ stop
+    def close(self) -> None:
+        for session in list(self.sessions.values()):
+            self._end_session(session, "daemon_stopped")
+        self.poller.unregister(self.sock)
+        self.sock.close(linger=0)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass

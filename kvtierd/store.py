@@ -1,0 +1,704 @@
+"""The daemon's state: sessions, namespaces, the key index, entries, jobs, votes and pins.
+
+No sockets and no threads: the server's single loop calls these methods one request at a time,
+so nothing here locks. Every method either returns a result or raises ``RequestError`` with a
+typed code, having changed nothing it should not have.
+
+Entries: (namespace, key) → Entry. An entry is WRITING from the moment a store job allocates its
+pages until every rank of the job has voted, then READY (visible to lookup and load, evictable).
+Its record in the region's entry table mirrors it; READY is written there last (invariant 1).
+
+Jobs are identified by (engine id, job id). The first request of a job, from any session of the
+engine, fixes its decision; every later request of the job must name the same kind and keys and
+gets the same decision, or the job aborts with CONFLICT (invariant 4).
+
+Store job: for each key, PRESENT if the namespace has it (READY, or WRITING by another job),
+else pages are allocated (evicting LRU victims, never the job's own keys) and the key is WRITE;
+once one key does not fit, every later key that needs writing is NO_SPACE (a prefix is stored).
+Writers are rank 0 for a replicated layout and every rank for a sharded one. A non-writer's
+store request is its vote; a writer votes with ``commit`` after its copy completed. When all
+world_size ranks voted, the job's entries become READY (invariant 5).
+
+Load job: the leading READY keys are the hits; they are pinned (not evictable) until every rank
+released the job, then unpinned (invariant 2).
+
+Abort (failed vote, conflict, timeout, a rank leaving or dying): WRITING entries leave the index
+at once, so nobody can see them; their pages are freed when no writer that was handed them may
+still be copying into them (every such writer committed, left or died), or at the latest one
+``job_timeout`` later — so an aborted job's late copy can never land in another entry's pages.
+A load job's pins are dropped; a rank that releases it afterwards learns that it was aborted
+and must treat the blocks it copied as a miss.
+
+Finished and aborted jobs are remembered (a bounded tombstone list), so a late request for them
+gets a precise error instead of silently opening a new job with a reused id.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .layout import CHAIN_END, EntryState, FormatError, NamespaceLayout, RegionView
+from .lru import LRUPolicy
+from .pages import PageAllocator
+from .protocol import PAGES_DTYPE, ErrorCode, JobState, LayoutKind, RequestError, StoreOutcome
+
+log = logging.getLogger(__name__)
+
+TOMBSTONES = 65536
+
+
+class Entry:
+    __slots__ = ("slot", "ns", "key", "state", "pages", "pins", "job")
+
+    def __init__(self, slot: int, ns: "Namespace", key: bytes, state: EntryState, pages: bytes, job=None):
+        self.slot = slot
+        self.ns = ns
+        self.key = key
+        self.state = state
+        self.pages = pages      # the whole chain, PAGES_DTYPE bytes (sent to clients as slices)
+        self.pins = 0           # load jobs holding this entry
+        self.job = job          # the store job writing it (WRITING only)
+
+
+class Namespace:
+    __slots__ = ("slot", "layout", "index", "pages_per_shard", "entry_pages", "shard_bytes")
+
+    def __init__(self, slot: int, layout: NamespaceLayout, page_size: int):
+        self.slot = slot
+        self.layout = layout
+        self.index: dict[bytes, Entry] = {}
+        self.pages_per_shard = layout.pages_per_shard(page_size)
+        self.entry_pages = layout.entry_pages(page_size)
+        self.shard_bytes = self.pages_per_shard * 4   # bytes of one shard's page list
+
+
+@dataclass(eq=False)
+class Session:
+    id: int
+    engine: "Engine"
+    rank: int | None            # None: a coordinator (the engine's scheduler process)
+    pid: int | None = None
+    attached_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def role(self) -> str:
+        return "coordinator" if self.rank is None else f"rank {self.rank}"
+
+
+@dataclass(eq=False)
+class Engine:
+    id: str
+    world_size: int
+    ns: Namespace
+    ranks: dict[int, Session] = field(default_factory=dict)
+    coordinators: set = field(default_factory=set)
+    jobs: dict[int, "Job"] = field(default_factory=dict)
+    # Finished and aborted jobs, newest last: a late request for one gets a precise error. They
+    # go with the engine: a restarted engine (new sessions, same id) may count job ids from 0.
+    tombstones: OrderedDict = field(default_factory=OrderedDict)
+
+    @property
+    def writers(self) -> frozenset[int]:
+        if self.ns.layout.kind is LayoutKind.REPLICATED:
+            return frozenset({0})
+        return frozenset(range(self.world_size))
+
+
+@dataclass(eq=False)
+class Job:
+    engine: Engine
+    id: int
+    kind: str                         # "store" | "load"
+    keys: list
+    deadline: float
+    outcomes: list = field(default_factory=list)   # store: StoreOutcome per key
+    entries: list = field(default_factory=list)    # store: entries being written; load: pinned hits
+    seen: set = field(default_factory=set)         # ranks that got the decision
+    done_ranks: set = field(default_factory=set)   # store: voted; load: released
+    state: JobState = JobState.OPEN
+    cause: str = ""
+    quarantine: list = field(default_factory=list)  # pages of an aborted store job not yet freed
+    copying: set = field(default_factory=set)       # writers that may still copy into them
+    quarantine_deadline: float = 0.0
+
+
+class Store:
+    def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic):
+        self.view = view
+        self.geometry = view.geometry
+        self.page_size = view.geometry.page_size
+        self.job_timeout = job_timeout
+        self.clock = clock
+        self.policy = LRUPolicy()
+        self.namespaces: dict[NamespaceLayout, Namespace] = {}
+        self.ns_by_slot: dict[int, Namespace] = {}
+        self.engines: dict[str, Engine] = {}
+        self.sessions: dict[int, Session] = {}
+        self.tick = int(view.header["tick"])
+        self._session_ids = itertools.count(1)
+        self._deadlines: list[tuple[float, int, Job]] = []
+        self._seq = itertools.count()
+        self.entry_count = {EntryState.WRITING: 0, EntryState.READY: 0}
+        self.pinned_entries = 0
+        self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
+        self.counters: Counter = Counter()
+        self.aborted: Counter = Counter()
+        self.recovered = self._recover()
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self) -> dict[str, int]:
+        """Rebuild the index, LRU order and free pages from the region's tables.
+
+        READY entries whose namespace record and page chain are sound are kept, oldest tick
+        first in the LRU; WRITING entries (a copy or vote that never finished) are discarded, as
+        are entries whose chain is broken or shares a page with an earlier entry.
+        """
+        view, geo = self.view, self.geometry
+        for slot in np.flatnonzero(view.namespaces["in_use"]):
+            ns = Namespace(int(slot), NamespaceLayout.from_record(view.namespaces[slot]), self.page_size)
+            self.namespaces[ns.layout] = ns
+            self.ns_by_slot[ns.slot] = ns
+        ents = view.entries
+        states = ents["state"]
+        writing = np.flatnonzero(states == EntryState.WRITING)
+        states[writing] = EntryState.FREE
+        ready = np.flatnonzero(states == EntryState.READY)
+        ready = ready[np.argsort(ents["tick"][ready], kind="stable")]
+        counts = ents["page_count"][ready].astype(np.int64)
+        first = ents["first_page"][ready].astype(np.int64)
+        # Walk every chain at once, one link per step (steps = the longest chain).
+        max_count = int(counts.max()) if len(ready) else 0
+        chains = np.full((len(ready), max_count), CHAIN_END, dtype=np.uint32)
+        bad = np.zeros(len(ready), dtype=bool)
+        cur = first.copy()
+        for step in range(max_count):
+            active = (counts > step) & ~bad
+            bad |= active & (cur >= geo.num_pages)
+            active &= ~bad
+            chains[active, step] = cur[active]
+            nxt = np.full_like(cur, CHAIN_END)
+            nxt[active] = view.chain[cur[active]]
+            cur = nxt
+        bad |= (cur != CHAIN_END) & (counts > 0)     # chain longer than page_count
+        bad |= counts == 0
+        owner = np.full(geo.num_pages, -1, dtype=np.int64)
+        kept: list[Entry] = []
+        discarded = 0
+        for i, slot in enumerate(ready.tolist()):
+            rec = ents[slot]
+            ns = self.ns_by_slot.get(int(rec["ns"]))
+            pages = chains[i, : counts[i]]
+            if (bad[i] or ns is None or counts[i] != ns.entry_pages or int(rec["key_len"]) == 0
+                    or (owner[pages] >= 0).any()):
+                states[slot] = EntryState.FREE
+                discarded += 1
+                continue
+            owner[pages] = slot
+            key = bytes(rec["key"][: rec["key_len"]])
+            if key in ns.index:
+                states[slot] = EntryState.FREE
+                discarded += 1
+                continue
+            entry = Entry(slot, ns, key, EntryState.READY, pages.astype(PAGES_DTYPE).tobytes())
+            ns.index[key] = entry
+            self.by_slot[slot] = entry
+            kept.append(entry)
+        self.policy.add_oldest_first(e.slot for e in kept)
+        self.entry_count[EntryState.READY] = len(kept)
+        self.allocator = PageAllocator(geo.num_pages, np.flatnonzero(owner >= 0))
+        free_slots = np.flatnonzero(states == EntryState.FREE)
+        self._free_slots: list[int] = free_slots[::-1].tolist()
+        if len(ready) or len(writing):
+            self.tick = max(self.tick, int(ents["tick"].max()))
+        return {"ready": len(kept), "writing_discarded": len(writing), "corrupt_discarded": discarded}
+
+    # ------------------------------------------------------------------ sessions
+    def attach(self, engine_id: str, rank: int | None, world_size: int, layout: NamespaceLayout,
+               pid: int | None = None) -> Session:
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            engine = Engine(engine_id, world_size, self._namespace(layout))
+            self.engines[engine_id] = engine
+        elif engine.world_size != world_size or engine.ns.layout != layout:
+            raise RequestError(ErrorCode.LAYOUT_MISMATCH,
+                               f"engine {engine_id!r} is attached with world size {engine.world_size} and layout "
+                               f"{engine.ns.layout.name()}; this session asks for world size {world_size} and "
+                               f"{layout.name()}")
+        if rank is not None:
+            if rank >= world_size:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
+            if rank in engine.ranks:
+                other = engine.ranks[rank]
+                raise RequestError(ErrorCode.LAYOUT_MISMATCH,
+                                   f"engine {engine_id!r} rank {rank} is already attached (session {other.id}, "
+                                   f"pid {other.pid}); every rank attaches once")
+        session = Session(next(self._session_ids), engine, rank, pid)
+        if rank is None:
+            engine.coordinators.add(session)
+        else:
+            engine.ranks[rank] = session
+        self.sessions[session.id] = session
+        return session
+
+    def detach(self, session: Session, cause: str = "left") -> None:
+        """End a session (bye, death, or daemon stop). Jobs that still wait for this rank abort."""
+        if self.sessions.pop(session.id, None) is None:
+            return
+        engine = session.engine
+        if session.rank is None:
+            engine.coordinators.discard(session)
+        else:
+            engine.ranks.pop(session.rank, None)
+        for job in list(engine.jobs.values()):
+            if job.state is not JobState.OPEN:
+                continue
+            if session.rank is not None and session.rank not in job.done_ranks:
+                self._abort(job, f"rank_{cause}")
+        for job in list(engine.jobs.values()):
+            if session.rank is not None and job.quarantine:
+                self._writer_gone(job, session.rank)
+        if not engine.ranks and not engine.coordinators:
+            for job in list(engine.jobs.values()):
+                if job.state is JobState.OPEN:
+                    self._abort(job, "engine_left")
+                job.quarantine_deadline = 0.0  # no writer of this engine is left to copy
+                self._free_quarantine(job)
+            del self.engines[engine.id]
+
+    def _namespace(self, layout: NamespaceLayout) -> Namespace:
+        ns = self.namespaces.get(layout)
+        if ns is not None:
+            return ns
+        if layout.entry_pages(self.page_size) > self.geometry.num_pages:
+            raise RequestError(ErrorCode.NO_SPACE,
+                               f"one block of {layout.name()} needs {layout.entry_pages(self.page_size)} pages; "
+                               f"the region has {self.geometry.num_pages}")
+        table = self.view.namespaces
+        free = np.flatnonzero(table["in_use"] == 0)
+        if len(free) == 0:
+            empty = [n for n in self.namespaces.values() if not n.index and not self._ns_in_use(n)]
+            if not empty:
+                raise RequestError(ErrorCode.NO_SPACE, f"all {len(table)} namespace slots are in use")
+            slot = empty[0].slot
+            del self.namespaces[empty[0].layout]
+        else:
+            slot = int(free[0])
+        table[slot] = layout.to_record()
+        ns = Namespace(slot, layout, self.page_size)
+        self.namespaces[layout] = ns
+        self.ns_by_slot[slot] = ns
+        log.info("namespace %d: %s", slot, layout.name())
+        return ns
+
+    def _ns_in_use(self, ns: Namespace) -> bool:
+        return any(e.ns is ns for e in self.engines.values())
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, session: Session, keys: list[bytes]) -> int:
+        """How many leading keys are READY; touches them (they are about to be used)."""
+        index = session.engine.ns.index
+        hits = 0
+        for key in keys:
+            entry = index.get(key)
+            if entry is None or entry.state is not EntryState.READY:
+                break
+            hits += 1
+        self._touch([index[k] for k in keys[:hits]])
+        self.counters["lookup_hit_keys"] += hits
+        self.counters["lookup_miss_keys"] += len(keys) - hits
+        return hits
+
+    def _touch(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        self.tick += 1
+        for entry in entries:
+            self.policy.touch(entry.slot)
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        self.view.entries["tick"][slots] = self.tick
+
+    # ------------------------------------------------------------------ jobs
+    def _job(self, session: Session, job_id: int, kind: str, keys: list[bytes]) -> tuple[Job, bool]:
+        """The open job (engine, job_id), checked against ``kind`` and ``keys``; or a new one."""
+        engine = session.engine
+        job = engine.jobs.get(job_id)
+        if job is None or job.state is not JobState.OPEN:
+            self._refuse_finished(engine, job_id)
+            job = Job(engine, job_id, kind, keys, self.clock() + self.job_timeout)
+            engine.jobs[job_id] = job
+            heapq.heappush(self._deadlines, (job.deadline, next(self._seq), job))
+            return job, True
+        if job.kind != kind or job.keys != keys:
+            self._abort(job, "conflict")
+            what = f"a {job.kind} job" if job.kind != kind else "a job with different keys"
+            raise RequestError(ErrorCode.CONFLICT,
+                               f"job {job_id} of engine {engine.id!r} was opened as {what}; "
+                               f"{session.role} asked for a {kind} of {len(keys)} keys. The job is aborted")
+        return job, False
+
+    def _refuse_finished(self, engine: Engine, job_id: int) -> None:
+        tomb = engine.tombstones.get(job_id)
+        if tomb is None:
+            return
+        kind, state, cause = tomb
+        if state is JobState.ABORTED:
+            code = ErrorCode.TIMEOUT if cause == "timeout" else ErrorCode.ABORTED
+            raise RequestError(code, f"{kind} job {job_id} was aborted ({cause})")
+        raise RequestError(ErrorCode.CONFLICT, f"{kind} job {job_id} already finished; job ids are not reused")
+
+    def _open_job(self, session: Session, job_id: int, kind: str) -> Job:
+        job = session.engine.jobs.get(job_id)
+        if job is None or job.state is not JobState.OPEN:
+            self._refuse_finished(session.engine, job_id)
+            raise RequestError(ErrorCode.UNKNOWN_JOB, f"no job {job_id} for engine {session.engine.id!r}")
+        if job.kind != kind:
+            raise RequestError(ErrorCode.CONFLICT, f"job {job_id} is a {job.kind} job")
+        return job
+
+    def _rank_of(self, session: Session, what: str) -> int:
+        if session.rank is None:
+            raise RequestError(ErrorCode.FORBIDDEN, f"a coordinator session cannot {what}; ranks do")
+        return session.rank
+
+    # ------------------------------------------------------------------ store
+    def store(self, session: Session, job_id: int, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
+        """Open or join a store job. Returns (outcome per key, this rank's pages per WRITE key).
+
+        A writer rank gets its shard's pages for each WRITE key (in key order) and must commit
+        after copying; a non-writer rank's request is its vote; a coordinator gets no pages.
+        """
+        job, new = self._job(session, job_id, "store", keys)
+        if new:
+            self._decide_store(job)
+        rank = session.rank
+        if rank is None:
+            return job.outcomes, []
+        job.seen.add(rank)
+        if rank in job.engine.writers:
+            ns = job.engine.ns
+            shard = rank if ns.layout.kind is LayoutKind.SHARDED else 0
+            lo, hi = shard * ns.shard_bytes, (shard + 1) * ns.shard_bytes
+            return job.outcomes, [e.pages[lo:hi] for e in job.entries]
+        self._vote(job, rank)
+        return job.outcomes, []
+
+    def _decide_store(self, job: Job) -> None:
+        ns = job.engine.ns
+        present = [ns.index[k] for k in job.keys if k in ns.index]
+        self._touch([e for e in present if e.state is EntryState.READY])
+        exclude = {e.slot for e in present}
+        full = False
+        outcomes = job.outcomes
+        for key in job.keys:
+            if key in ns.index:
+                outcomes.append(StoreOutcome.PRESENT)
+                continue
+            pages = None if full else self._alloc(ns.entry_pages, exclude)
+            if pages is None:
+                full = True
+                outcomes.append(StoreOutcome.NO_SPACE)
+                continue
+            entry = self._new_entry(ns, key, pages, job)
+            exclude.add(entry.slot)
+            job.entries.append(entry)
+            outcomes.append(StoreOutcome.WRITE)
+        n_write = len(job.entries)
+        self.counters["store_written_keys"] += n_write
+        self.counters["store_present_keys"] += len(present)
+        self.counters["store_no_space_keys"] += len(job.keys) - n_write - len(present)
+
+    def _alloc(self, n: int, exclude: set[int]) -> list[int] | None:
+        while True:
+            pages = self.allocator.alloc(n)
+            if pages is not None:
+                return pages
+            victim = self.policy.choose_victim(exclude)
+            if victim is None:
+                return None
+            self._evict(victim)
+
+    def _evict(self, slot: int) -> None:
+        entry = self.by_slot[slot]
+        self._free_entry(entry)
+        self.allocator.free(np.frombuffer(entry.pages, PAGES_DTYPE).tolist())
+        self.counters["evictions"] += 1
+
+    def _new_entry(self, ns: Namespace, key: bytes, pages: list[int], job: Job) -> Entry:
+        slot = self._free_slots.pop()
+        arr = np.asarray(pages, dtype=PAGES_DTYPE)
+        rec = self.view.entries[slot]
+        rec["state"] = EntryState.WRITING
+        rec["key_len"] = len(key)
+        rec["key"][: len(key)] = np.frombuffer(key, dtype=np.uint8)
+        rec["ns"] = ns.slot
+        rec["page_count"] = len(pages)
+        rec["first_page"] = pages[0]
+        rec["length"] = ns.layout.entry_bytes
+        rec["tick"] = self.tick
+        rec["checksum"] = 0
+        self.view.write_chain(arr)
+        entry = Entry(slot, ns, key, EntryState.WRITING, arr.tobytes(), job)
+        ns.index[key] = entry
+        self.by_slot[slot] = entry
+        self.entry_count[EntryState.WRITING] += 1
+        return entry
+
+    def _free_entry(self, entry: Entry) -> None:
+        """Forget an entry: out of the table first (state FREE), the index and the policy."""
+        self.view.entries[entry.slot]["state"] = EntryState.FREE
+        del entry.ns.index[entry.key]
+        self.policy.remove(entry.slot)
+        self.by_slot[entry.slot] = None
+        self._free_slots.append(entry.slot)
+        self.entry_count[entry.state] -= 1
+        entry.state = EntryState.FREE
+
+    def commit(self, session: Session, job_id: int, ok: bool) -> None:
+        """A rank's vote on a store job; writers send it after their copy completed."""
+        rank = self._rank_of(session, "vote")
+        job = self._find_for_vote(session, job_id)
+        if job.state is JobState.ABORTED:       # a writer acknowledging an aborted job's copy
+            self._writer_gone(job, rank)
+            raise RequestError(ErrorCode.TIMEOUT if job.cause == "timeout" else ErrorCode.ABORTED,
+                               f"store job {job_id} was aborted ({job.cause})")
+        if rank not in job.seen:
+            raise RequestError(ErrorCode.CONFLICT, f"rank {rank} commits store job {job_id} before storing it")
+        if not ok:
+            self._abort(job, "vote_failed")
+            return
+        self._vote(job, rank)
+
+    def _find_for_vote(self, session: Session, job_id: int) -> Job:
+        job = session.engine.jobs.get(job_id)
+        if job is not None and job.kind == "store" and job.quarantine:
+            return job                        # aborted, its pages wait for this writer
+        return self._open_job(session, job_id, "store")
+
+    def _vote(self, job: Job, rank: int) -> None:
+        job.done_ranks.add(rank)
+        if len(job.done_ranks) < job.engine.world_size:
+            return
+        # Every rank voted, the writers after their copies: the entries become READY.
+        entries = job.entries
+        table = self.view.entries
+        self.tick += 1
+        for entry in entries:
+            entry.state = EntryState.READY
+            entry.job = None
+            rec = table[entry.slot]
+            rec["tick"] = self.tick
+            rec["state"] = EntryState.READY     # last: the record is complete before it says READY
+            self.policy.add(entry.slot)
+        n = len(entries)
+        self.entry_count[EntryState.WRITING] -= n
+        self.entry_count[EntryState.READY] += n
+        layout = job.engine.ns.layout
+        self.counters["bytes_written"] += n * layout.entry_bytes
+        if layout.kind is LayoutKind.REPLICATED:
+            self.counters["bytes_saved_dedup"] += n * layout.block_bytes * (job.engine.world_size - 1)
+        self.counters["store_jobs_done"] += 1
+        self._finish(job, JobState.DONE)
+
+    # ------------------------------------------------------------------ load
+    def load(self, session: Session, job_id: int, keys: list[bytes]) -> tuple[int, list[bytes]]:
+        """Open or join a load job. Returns (hits, this rank's pages per hit key).
+
+        The first request pins the READY prefix of ``keys``; they stay pinned until every rank
+        released the job (or it is aborted).
+        """
+        job, new = self._job(session, job_id, "load", keys)
+        if new:
+            index = job.engine.ns.index
+            for key in keys:
+                entry = index.get(key)
+                if entry is None or entry.state is not EntryState.READY:
+                    break
+                job.entries.append(entry)
+                entry.pins += 1
+                if entry.pins == 1:
+                    self.policy.remove(entry.slot)
+                    self.pinned_entries += 1
+            self._touch(job.entries)
+            self.counters["load_hit_keys"] += len(job.entries)
+            self.counters["load_miss_keys"] += len(keys) - len(job.entries)
+        hits = len(job.entries)
+        if session.rank is None:
+            return hits, []
+        job.seen.add(session.rank)
+        ns = job.engine.ns
+        if ns.layout.kind is LayoutKind.SHARDED:
+            lo, hi = session.rank * ns.shard_bytes, (session.rank + 1) * ns.shard_bytes
+            return hits, [e.pages[lo:hi] for e in job.entries]
+        return hits, [e.pages for e in job.entries]
+
+    def release(self, session: Session, job_id: int) -> None:
+        """A rank finished copying a load job's blocks out of the region."""
+        rank = self._rank_of(session, "release a load")
+        job = self._open_job(session, job_id, "load")
+        if rank not in job.seen:
+            raise RequestError(ErrorCode.CONFLICT, f"rank {rank} releases load job {job_id} before loading it")
+        job.done_ranks.add(rank)
+        if len(job.done_ranks) == job.engine.world_size:
+            self._unpin(job)
+            self.counters["load_jobs_done"] += 1
+            self._finish(job, JobState.DONE)
+
+    def _unpin(self, job: Job) -> None:
+        for entry in job.entries:
+            entry.pins -= 1
+            if entry.pins == 0:
+                self.pinned_entries -= 1
+                self.policy.add(entry.slot)
+        job.entries = []
+
+    # ------------------------------------------------------------------ abort and finish
+    def abort(self, session: Session, job_id: int) -> None:
+        """Any session of the engine gives up an open job; aborting an aborted job is a no-op."""
+        job = session.engine.jobs.get(job_id)
+        if job is not None and job.state is JobState.OPEN:
+            self._abort(job, "aborted_by_client")
+            return
+        tomb = session.engine.tombstones.get(job_id)
+        if tomb is not None and tomb[1] is JobState.ABORTED:
+            return
+        self._open_job(session, job_id, "store")   # raises the precise error
+
+    def _abort(self, job: Job, cause: str) -> None:
+        if job.state is not JobState.OPEN:
+            return
+        job.cause = cause
+        if job.kind == "store":
+            # Writers that were handed pages and may still be copying into them.
+            live_writers = {r for r in job.seen & job.engine.writers if r in job.engine.ranks}
+            job.copying = live_writers - job.done_ranks
+            for entry in job.entries:
+                self._free_entry(entry)
+                job.quarantine.extend(np.frombuffer(entry.pages, PAGES_DTYPE).tolist())
+            job.entries = []
+            job.quarantine_deadline = self.clock() + self.job_timeout
+            self._free_quarantine(job)
+        else:
+            self._unpin(job)
+        self.aborted[cause] += 1
+        log.info("%s job %d of engine %r aborted: %s", job.kind, job.id, job.engine.id, cause)
+        self._finish(job, JobState.ABORTED)
+
+    def _writer_gone(self, job: Job, rank: int) -> None:
+        job.copying.discard(rank)
+        self._free_quarantine(job)
+
+    def _free_quarantine(self, job: Job) -> None:
+        if job.quarantine and (not job.copying or self.clock() >= job.quarantine_deadline):
+            self.allocator.free(job.quarantine)
+            job.quarantine = []
+        if not job.quarantine and job.state is not JobState.OPEN:
+            job.engine.jobs.pop(job.id, None)
+        elif job.quarantine:
+            heapq.heappush(self._deadlines, (job.quarantine_deadline, next(self._seq), job))
+
+    def _finish(self, job: Job, state: JobState) -> None:
+        job.state = state
+        tombstones = job.engine.tombstones
+        tombstones[job.id] = (job.kind, state, job.cause)
+        if len(tombstones) > TOMBSTONES:
+            tombstones.popitem(last=False)
+        if not job.quarantine:
+            job.engine.jobs.pop(job.id, None)
+
+    def job_states(self, session: Session, job_ids: list[int]) -> list[dict]:
+        out = []
+        for job_id in job_ids:
+            job = session.engine.jobs.get(job_id)
+            if job is not None and job.state is JobState.OPEN:
+                out.append({"job": job_id, "kind": job.kind, "state": JobState.OPEN.value,
+                            "waiting": job.engine.world_size - len(job.done_ranks)})
+                continue
+            tomb = session.engine.tombstones.get(job_id)
+            if tomb is None:
+                out.append({"job": job_id, "state": "unknown"})
+            else:
+                out.append({"job": job_id, "kind": tomb[0], "state": tomb[1].value, "cause": tomb[2]})
+        return out
+
+    def expire(self) -> float | None:
+        """Abort jobs past their deadline, free quarantines past theirs. Returns the next deadline."""
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, job = heapq.heappop(self._deadlines)
+            if job.state is JobState.OPEN:
+                self._abort(job, "timeout")
+            elif job.quarantine:
+                self._free_quarantine(job)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    # ------------------------------------------------------------------ stats and shutdown
+    def stats(self) -> dict:
+        alloc = self.allocator
+        quarantined = sum(len(j.quarantine) for e in self.engines.values() for j in e.jobs.values())
+        return {
+            "capacity_bytes": self.geometry.capacity_bytes,
+            "page_size": self.page_size,
+            "pages_total": alloc.num_pages,
+            "pages_free": alloc.free_pages,
+            "pages_used": alloc.used_pages,
+            "pages_quarantined": quarantined,
+            "used_bytes": alloc.used_pages * self.page_size,
+            "entries_ready": self.entry_count[EntryState.READY],
+            "entries_writing": self.entry_count[EntryState.WRITING],
+            "entries_pinned": self.pinned_entries,
+            "evictable": len(self.policy),
+            "namespaces": len(self.namespaces),
+            "engines": len(self.engines),
+            "sessions": len(self.sessions),
+            "open_jobs": sum(1 for e in self.engines.values() for j in e.jobs.values()
+                             if j.state is JobState.OPEN),
+            "aborted_jobs": dict(self.aborted),
+            **{k: v for k, v in sorted(self.counters.items())},
+        }
+
+    def namespace_stats(self) -> list[dict]:
+        return [{"slot": ns.slot, "name": ns.layout.name(), "entries": len(ns.index),
+                 "entry_pages": ns.entry_pages} for ns in self.namespaces.values()]
+
+    def verify(self) -> None:
+        """Check the in-memory state against itself and the entry table (tests, kvtierctl check).
+
+        Every page is exactly one of: free, owned by one live entry, quarantined; the policy
+        holds exactly the READY unpinned entries; the table's records match the index.
+        """
+        owner = np.full(self.geometry.num_pages, -1, dtype=np.int64)
+        free = np.asarray(self.allocator._free, dtype=np.int64)
+        assert len(np.unique(free)) == len(free), "a page is free twice"
+        owner[free] = -2
+        quarantined = [p for e in self.engines.values() for j in e.jobs.values() for p in j.quarantine]
+        assert (owner[quarantined] == -1).all(), "a quarantined page is also free"
+        owner[quarantined] = -3
+        table = self.view.entries
+        for ns in self.namespaces.values():
+            for key, entry in ns.index.items():
+                pages = np.frombuffer(entry.pages, PAGES_DTYPE).astype(np.int64)
+                assert len(pages) == ns.entry_pages, f"entry {entry.slot} has {len(pages)} pages"
+                assert (owner[pages] == -1).all(), f"entry {entry.slot} shares a page"
+                owner[pages] = entry.slot
+                assert self.by_slot[entry.slot] is entry
+                rec = table[entry.slot]
+                assert int(rec["state"]) == entry.state and bytes(rec["key"][: rec["key_len"]]) == key
+                assert np.array_equal(self.view.chain_of(entry.slot), pages)
+                evictable = entry.state is EntryState.READY and entry.pins == 0
+                assert (entry.slot in self.policy) == evictable, f"entry {entry.slot} policy membership"
+        assert (owner != -1).all(), f"{int((owner == -1).sum())} pages leaked"
+        assert len(self.policy) == sum(1 for e in self.by_slot if e is not None
+                                       and e.state is EntryState.READY and e.pins == 0)
+
+    def shutdown(self) -> None:
+        """Abort every open job (their pages are freed) and persist the access clock."""
+        for session in list(self.sessions.values()):
+            self.detach(session, "daemon_stopped")
+        self.view.header["tick"] = self.tick
