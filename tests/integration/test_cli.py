@@ -1,0 +1,113 @@
+"""The command-line entry points as an operator uses them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+BIN = os.path.dirname(sys.executable)
+
+
+def test_plain_kvtierd_starts_on_the_embedded_default_and_stops_on_sigterm():
+    """`kvtierd` with no flags and no config file (directory redirected by env so that the
+    test never touches /dev/shm/kvtierd) prints its socket and geometry, serves, stops cleanly."""
+    directory = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    env = {**os.environ, "KVTIERD_DIR": directory, "KVTIERD_SIZE": "16MiB", "KVTIERD_PIN": "off"}
+    env.pop("KVTIERD_CONFIG", None)
+    proc = subprocess.Popen([os.path.join(BIN, "kvtierd")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        while "ready:" not in line:
+            line = proc.stdout.readline()
+            assert line, "kvtierd exited before it was ready"
+        socket = os.path.join(directory, "kvtierd.sock")
+        assert f"socket={socket}" in line
+        assert re.search(r"pages=\d+ page_size=64KiB capacity=\S+", line)
+        out = subprocess.run([os.path.join(BIN, "kvtierctl"), "--socket", socket, "stats", "--json"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout)
+        assert stats["page_size"] == 65536 and stats["entries_ready"] == 0
+        assert stats["region"] == os.path.join(directory, "kvtierd.region")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert "stopped cleanly" in proc.stdout.read()
+        assert not os.path.exists(socket)
+        assert os.path.exists(os.path.join(directory, "kvtierd.region"))  # the cache outlives the daemon
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_second_daemon_on_the_same_region_refuses_clearly(daemon):
+    out = subprocess.run([sys.executable, "-m", "kvtierd", "--dir", daemon.dir, "--size", "32MiB", "--pin", "off"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert f"another kvtierd (pid {daemon.proc.pid}) holds" in out.stderr
+    assert "--name" in out.stderr            # says how to fix it
+    assert daemon.stats()["entries_ready"] == 0   # the first one is unharmed
+
+
+def test_restart_adopts_the_region_and_keeps_ready_blocks(start_daemon, ranks):
+    from .test_tp_roundtrip import CacheSpec, all_call, connect, keys_for
+    daemon = start_daemon()
+    procs = ranks(2)
+    connect(procs, daemon, "restart", CacheSpec(), "replicated", seeds=[4, 4])
+    keys = keys_for("restart", 3)
+    for s in all_call(procs, "store", job=1, keys=keys, block_ids=[0, 1, 2]):
+        assert s["ok"]
+    src = procs[0].call("hashes", block_ids=[0, 1, 2])
+    all_call(procs, "close")
+    assert daemon.stop() == 0
+    daemon.start()
+    assert "3 ready entries recovered" in daemon.log()
+    connect(procs, daemon, "restart", CacheSpec(), "replicated", seeds=[9, 9])
+    for x in all_call(procs, "load", job=1, keys=keys, block_ids=[5, 6, 7]):
+        assert x["hits"] == 3 and x["ok"]
+    for hashes in all_call(procs, "hashes", block_ids=[5, 6, 7]):
+        assert hashes == src
+
+
+def test_bad_settings_fail_with_the_setting_named(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvtierd", "--dir", str(tmp_path), "--page-size", "1000"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "page_size" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvtierd", "--dir", str(tmp_path), "--size", "lots"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "setting size" in out.stderr
+
+
+def test_kvtierctl_without_a_daemon_says_so(tmp_path):
+    out = subprocess.run([os.path.join(BIN, "kvtierctl"), "--socket", str(tmp_path / "none.sock"), "stats"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert "is the daemon running" in out.stderr
+
+
+def test_kvtierctl_stats_table(daemon):
+    out = subprocess.run([os.path.join(BIN, "kvtierctl"), "--dir", daemon.dir, "stats"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^capacity_bytes\s+\d+ \(", out.stdout, re.M)
+    assert re.search(r"^pinned\s+off$", out.stdout, re.M)
+
+
+def test_sigkill_leaves_an_adoptable_region_and_a_takeable_lock(daemon):
+    os.kill(daemon.proc.pid, signal.SIGKILL)
+    daemon.proc.wait(10)
+    daemon.start()
+    assert "last stop unclean" in daemon.log()
+    assert daemon.stats()["daemon_pid"] == daemon.proc.pid
