@@ -26,6 +26,8 @@ def daemon_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE",
                         help=f"TOML config file (default {config.DEFAULT_CONFIG_FILE} when it exists) "
                              "[env KVTIERD_CONFIG]")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective settings and where each came from, then exit")
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     config.add_flags(parser)
     return parser
@@ -38,6 +40,9 @@ def daemon_main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvtierd: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(config.describe(cfg))
+        return 0
     from .daemon import run
     return run(cfg)
 

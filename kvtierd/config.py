@@ -197,3 +197,63 @@ def load(args: argparse.Namespace | None = None, config_file: str | None = None,
                 values[s.name] = s.parse(raw)
                 sources[s.name] = "flag"
     return Config(values, sources)
+
+
+# ------------------------------------------------------------------ rendering the table
+def _shown_default(s: Setting) -> str:
+    if callable(s.default):
+        return "(computed, see description)"
+    return str(s.default)
+
+
+def markdown() -> str:
+    """docs/configuration.md, generated from the table (``make docs`` rewrites the file)."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- generated from kvtierd/config.py by `make docs`; do not edit by hand -->",
+        "",
+        "Every setting can be given, from lowest to highest precedence, as its built-in default, in the",
+        f"TOML file (`--config FILE`, `KVTIERD_CONFIG`, or `{DEFAULT_CONFIG_FILE}` when it exists; keys",
+        "at top level or under a `[kvtierd]` table), as an environment variable, or as a flag.",
+        "`kvtierd --print-config` shows the effective value of each and where it came from.",
+        "Sizes take binary units (`64KiB`, `512MiB`, `64GiB`); durations are seconds.",
+        "",
+        "| setting | flag | environment | type | default | bounds | description |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in SETTINGS:
+        bounds = " ".join(filter(None, [
+            f"≥ {s.describe_bound(s.lo)}" if s.lo is not None else "",
+            f"≤ {s.describe_bound(s.hi)}" if s.hi is not None else "",
+            " \\| ".join(s.choices)]))
+        lines.append(f"| `{s.name}` | `{s.flag}` | `{s.env}` | {s.type} | `{_shown_default(s)}` | {bounds or '-'} "
+                     f"| {s.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def example_toml() -> str:
+    """deploy/kvtierd.example.toml, generated from the table (``make docs``)."""
+    lines = ["# kvtierd configuration (TOML). Generated from kvtierd/config.py by `make docs`.",
+             f"# Install as {DEFAULT_CONFIG_FILE}. Every key is optional; shown are the defaults.", ""]
+    for s in SETTINGS:
+        lines.append(f"# {s.doc}")
+        if callable(s.default):
+            lines.append(f"# {s.name} = \"{s.default()}\"")
+        elif s.type in ("int", "float", "bool"):
+            lines.append(f"# {s.name} = {s.default}")
+        else:
+            lines.append(f"# {s.name} = \"{s.default}\"")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def describe(cfg: Config) -> str:
+    """The effective settings and where each came from (``kvtierd --print-config``)."""
+    width = max(len(s.name) for s in SETTINGS)
+    out = []
+    for s in SETTINGS:
+        value = cfg.values[s.name]
+        shown = format_size(value) if s.type == "size" else value
+        out.append(f"{s.name:<{width}} = {shown!s:<28} # {cfg.sources[s.name]}")
+    return "\n".join(out)

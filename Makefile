@@ -1,0 +1,41 @@
+# Everything runs from a local virtual environment that `make install` builds from scratch.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: install run test test-unit test-integration nvcc-check bench-loop docs clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch (the machine's local wheel); CUDA machines bring their own torch.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+# Run the daemon in the foreground on the embedded default (512 MiB region in /dev/shm/kvtierd).
+run: install
+	$(BIN)/kvtierd
+
+# The whole test suite (unit + integration; GPU tests skip without CUDA).
+test: install
+	$(BIN)/pytest -q
+
+test-unit: install
+	$(BIN)/pytest -q tests/unit
+
+test-integration: install
+	$(BIN)/pytest -q tests/integration
+
+bench-loop: install
+	$(BIN)/pip install -q uvloop
+	$(BIN)/python bench/loop_choice.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# Regenerate the settings reference and the example config from kvtierd/config.py.
+docs: install
+	$(BIN)/python -c "from kvtierd import config; open('docs/configuration.md','w').write(config.markdown()); open('deploy/kvtierd.example.toml','w').write(config.example_toml())"
