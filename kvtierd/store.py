@@ -44,14 +44,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .histogram import Histogram
 from .layout import CHAIN_END, EntryState, FormatError, NamespaceLayout, RegionView
 from .lru import LRUPolicy
 from .pages import PageAllocator
-from .protocol import PAGES_DTYPE, ErrorCode, JobState, LayoutKind, RequestError, StoreOutcome
+from .protocol import MAX_KEY_BYTES, PAGES_DTYPE, ErrorCode, JobState, LayoutKind, RequestError, StoreOutcome
 
 log = logging.getLogger(__name__)
 
 TOMBSTONES = 65536
+
+# Monotonic counters, reported by stats() (zero until they happen).
+COUNTERS = (
+    "lookup_hit_keys", "lookup_miss_keys",          # keys asked by lookup, found / not found
+    "store_written_keys", "store_present_keys", "store_no_space_keys",
+    "store_aborted_keys",                           # keys a store job was writing when it aborted
+    "store_jobs_done", "load_hit_keys", "load_miss_keys", "load_jobs_done",
+    "evictions",                                    # entries evicted to make room for a store
+    "operator_evictions",                           # entries evicted by kvtierctl evict/clear
+    "bytes_written",                                # bytes copied into the region (D2H), all shards
+    "bytes_saved_dedup",                            # bytes replicated ranks did not have to copy
+)
 
 
 class Entry:
@@ -127,6 +140,7 @@ class Job:
     quarantine: list = field(default_factory=list)  # pages of an aborted store job not yet freed
     copying: set = field(default_factory=set)       # writers that may still copy into them
     quarantine_deadline: float = 0.0
+    opened: float = 0.0                             # clock() at the first request (vote-wait metric)
 
 
 class Store:
@@ -150,6 +164,7 @@ class Store:
         self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
         self.counters: Counter = Counter()
         self.aborted: Counter = Counter()
+        self.vote_wait = Histogram()      # first request of a store job → its last vote
         self.recovered = self._recover()
 
     # ------------------------------------------------------------------ recovery
@@ -158,32 +173,50 @@ class Store:
 
         READY entries whose namespace record and page chain are sound are kept, oldest tick
         first in the LRU; WRITING entries (a copy or vote that never finished) are discarded, as
-        are entries whose chain is broken or shares a page with an earlier entry.
+        are entries whose chain is broken or shares a page with an earlier entry, and damaged
+        records (unknown state, namespace, page count or key length). Nothing in the tables can
+        make recovery raise.
         """
         view, geo = self.view, self.geometry
+        ns_pages = np.full(1 << 16, -1, dtype=np.int64)   # entry_pages by namespace slot (u2)
         for slot in np.flatnonzero(view.namespaces["in_use"]):
-            ns = Namespace(int(slot), NamespaceLayout.from_record(view.namespaces[slot]), self.page_size)
+            try:
+                layout = NamespaceLayout.from_record(view.namespaces[slot])
+                if not 1 <= layout.entry_pages(self.page_size) <= geo.num_pages or layout in self.namespaces:
+                    raise ValueError("impossible or duplicate layout")
+            except (KeyError, ValueError) as exc:       # a damaged record: drop it and its entries
+                log.warning("namespace slot %d is damaged (%s); discarding it", slot, exc)
+                view.namespaces[slot]["in_use"] = 0
+                continue
+            ns = Namespace(int(slot), layout, self.page_size)
             self.namespaces[ns.layout] = ns
             self.ns_by_slot[ns.slot] = ns
+            ns_pages[ns.slot] = ns.entry_pages
         ents = view.entries
         states = ents["state"]
         writing = np.flatnonzero(states == EntryState.WRITING)
         states[writing] = EntryState.FREE
+        garbage = np.flatnonzero((states != EntryState.FREE) & (states != EntryState.READY))
+        states[garbage] = EntryState.FREE
         ready = np.flatnonzero(states == EntryState.READY)
         ready = ready[np.argsort(ents["tick"][ready], kind="stable")]
         counts = ents["page_count"][ready].astype(np.int64)
+        key_len = ents["key_len"][ready]
+        # A record whose page count is not its namespace's (or whose namespace or key is not
+        # sound) is discarded before its chain is walked: a damaged count must not size the walk.
+        bad = (counts != ns_pages[ents["ns"][ready]]) | (key_len == 0) | (key_len > MAX_KEY_BYTES)
+        counts[bad] = 0
         first = ents["first_page"][ready].astype(np.int64)
         # Walk every chain at once, one link per step (steps = the longest chain).
         max_count = int(counts.max()) if len(ready) else 0
         chains = np.full((len(ready), max_count), CHAIN_END, dtype=np.uint32)
-        bad = np.zeros(len(ready), dtype=bool)
         cur = first.copy()
         for step in range(max_count):
             active = (counts > step) & ~bad
             bad |= active & (cur >= geo.num_pages)
             active &= ~bad
             chains[active, step] = cur[active]
-            nxt = np.full_like(cur, CHAIN_END)
+            nxt = cur.copy()        # a finished chain keeps its last link, checked below
             nxt[active] = view.chain[cur[active]]
             cur = nxt
         bad |= (cur != CHAIN_END) & (counts > 0)     # chain longer than page_count
@@ -195,17 +228,12 @@ class Store:
             rec = ents[slot]
             ns = self.ns_by_slot.get(int(rec["ns"]))
             pages = chains[i, : counts[i]]
-            if (bad[i] or ns is None or counts[i] != ns.entry_pages or int(rec["key_len"]) == 0
-                    or (owner[pages] >= 0).any()):
+            key = bytes(rec["key"][: rec["key_len"]])
+            if bad[i] or ns is None or (owner[pages] >= 0).any() or key in ns.index:
                 states[slot] = EntryState.FREE
                 discarded += 1
                 continue
             owner[pages] = slot
-            key = bytes(rec["key"][: rec["key_len"]])
-            if key in ns.index:
-                states[slot] = EntryState.FREE
-                discarded += 1
-                continue
             entry = Entry(slot, ns, key, EntryState.READY, pages.astype(PAGES_DTYPE).tobytes())
             ns.index[key] = entry
             self.by_slot[slot] = entry
@@ -217,11 +245,14 @@ class Store:
         self._free_slots: list[int] = free_slots[::-1].tolist()
         if len(ready) or len(writing):
             self.tick = max(self.tick, int(ents["tick"].max()))
-        return {"ready": len(kept), "writing_discarded": len(writing), "corrupt_discarded": discarded}
+        return {"ready": len(kept), "writing_discarded": len(writing),
+                "corrupt_discarded": discarded + len(garbage)}
 
     # ------------------------------------------------------------------ sessions
     def attach(self, engine_id: str, rank: int | None, world_size: int, layout: NamespaceLayout,
                pid: int | None = None) -> Session:
+        if rank is not None and rank >= world_size:   # before anything is created for the engine
+            raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
         engine = self.engines.get(engine_id)
         if engine is None:
             engine = Engine(engine_id, world_size, self._namespace(layout))
@@ -232,8 +263,6 @@ class Store:
                                f"{engine.ns.layout.name()}; this session asks for world size {world_size} and "
                                f"{layout.name()}")
         if rank is not None:
-            if rank >= world_size:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
             if rank in engine.ranks:
                 other = engine.ranks[rank]
                 raise RequestError(ErrorCode.LAYOUT_MISMATCH,
@@ -330,8 +359,11 @@ class Store:
         engine = session.engine
         job = engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
+            if job is not None:     # aborted, pages still quarantined: the id stays taken (its
+                self._refuse_aborted(job.kind, job_id, job.cause)   # tombstone may be gone)
             self._refuse_finished(engine, job_id)
-            job = Job(engine, job_id, kind, keys, self.clock() + self.job_timeout)
+            now = self.clock()
+            job = Job(engine, job_id, kind, keys, now + self.job_timeout, opened=now)
             engine.jobs[job_id] = job
             heapq.heappush(self._deadlines, (job.deadline, next(self._seq), job))
             return job, True
@@ -349,13 +381,19 @@ class Store:
             return
         kind, state, cause = tomb
         if state is JobState.ABORTED:
-            code = ErrorCode.TIMEOUT if cause == "timeout" else ErrorCode.ABORTED
-            raise RequestError(code, f"{kind} job {job_id} was aborted ({cause})")
+            self._refuse_aborted(kind, job_id, cause)
         raise RequestError(ErrorCode.CONFLICT, f"{kind} job {job_id} already finished; job ids are not reused")
+
+    @staticmethod
+    def _refuse_aborted(kind: str, job_id: int, cause: str) -> None:
+        code = ErrorCode.TIMEOUT if cause == "timeout" else ErrorCode.ABORTED
+        raise RequestError(code, f"{kind} job {job_id} was aborted ({cause})")
 
     def _open_job(self, session: Session, job_id: int, kind: str) -> Job:
         job = session.engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
+            if job is not None:
+                self._refuse_aborted(job.kind, job_id, job.cause)
             self._refuse_finished(session.engine, job_id)
             raise RequestError(ErrorCode.UNKNOWN_JOB, f"no job {job_id} for engine {session.engine.id!r}")
         if job.kind != kind:
@@ -424,11 +462,11 @@ class Store:
                 return None
             self._evict(victim)
 
-    def _evict(self, slot: int) -> None:
+    def _evict(self, slot: int, counter: str = "evictions") -> None:
         entry = self.by_slot[slot]
         self._free_entry(entry)
         self.allocator.free(np.frombuffer(entry.pages, PAGES_DTYPE).tolist())
-        self.counters["evictions"] += 1
+        self.counters[counter] += 1
 
     def _new_entry(self, ns: Namespace, key: bytes, pages: list[int], job: Job) -> Entry:
         slot = self._free_slots.pop()
@@ -472,6 +510,7 @@ class Store:
             raise RequestError(ErrorCode.CONFLICT, f"rank {rank} commits store job {job_id} before storing it")
         if not ok:
             self._abort(job, "vote_failed")
+            self._writer_gone(job, rank)        # a writer voting no is not copying any more
             return
         self._vote(job, rank)
 
@@ -504,6 +543,7 @@ class Store:
         if layout.kind is LayoutKind.REPLICATED:
             self.counters["bytes_saved_dedup"] += n * layout.block_bytes * (job.engine.world_size - 1)
         self.counters["store_jobs_done"] += 1
+        self.vote_wait.observe(self.clock() - job.opened)
         self._finish(job, JobState.DONE)
 
     # ------------------------------------------------------------------ load
@@ -578,6 +618,7 @@ class Store:
             # Writers that were handed pages and may still be copying into them.
             live_writers = {r for r in job.seen & job.engine.writers if r in job.engine.ranks}
             job.copying = live_writers - job.done_ranks
+            self.counters["store_aborted_keys"] += len(job.entries)
             for entry in job.entries:
                 self._free_entry(entry)
                 job.quarantine.extend(np.frombuffer(entry.pages, PAGES_DTYPE).tolist())
@@ -660,8 +701,23 @@ class Store:
             "open_jobs": sum(1 for e in self.engines.values() for j in e.jobs.values()
                              if j.state is JobState.OPEN),
             "aborted_jobs": dict(self.aborted),
-            **{k: v for k, v in sorted(self.counters.items())},
+            "vote_wait": self.vote_wait.snapshot(),
+            **{name: self.counters[name] for name in COUNTERS},
         }
+
+    def evict(self, namespace: str | None, count: int | None) -> int:
+        """Operator eviction: up to ``count`` (None: all) least recently used evictable entries of
+        the namespace named ``namespace`` (None: any). Pinned and WRITING entries stay."""
+        if namespace is not None and not any(ns.layout.name() == namespace for ns in self.namespaces.values()):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"no namespace {namespace!r}; kvtierctl namespaces lists them")
+        victims = [slot for slot in self.policy.oldest_first()
+                   if namespace is None or self.by_slot[slot].ns.layout.name() == namespace]
+        victims = victims if count is None else victims[:count]
+        for slot in victims:
+            self._evict(slot, "operator_evictions")
+        if victims:
+            log.info("operator evicted %d entries (namespace %s)", len(victims), namespace or "any")
+        return len(victims)
 
     def namespace_stats(self) -> list[dict]:
         return [{"slot": ns.slot, "name": ns.layout.name(), "entries": len(ns.index),
