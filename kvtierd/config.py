@@ -12,6 +12,7 @@ are seconds (floats).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -106,10 +107,25 @@ class Setting:
         return format_size(int(bound)) if self.type == "size" else str(bound)
 
 
+def _parse_int(raw: Any) -> int:
+    # int() alone would take TOML's true as 1 and 2.5 as 2.
+    if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+        raise ValueError(f"{raw!r} is not an integer")
+    return int(raw)
+
+
+def _parse_float(raw: Any) -> float:
+    # NaN compares false with both bounds, so it would pass any bound check.
+    value = float(raw)
+    if isinstance(raw, bool) or math.isnan(value):
+        raise ValueError(f"{raw!r} is not a number")
+    return value
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "size": parse_size,
-    "int": int,
-    "float": float,
+    "int": _parse_int,
+    "float": _parse_float,
     "str": str,
     "choice": str,
     "bool": parse_bool,
@@ -129,6 +145,10 @@ SETTINGS: tuple[Setting, ...] = (
             "daemon's user only)."),
     Setting("job_timeout", "float", "30", "Seconds a store or load job may stay open before it is aborted "
             "and its pages freed.", lo=0.05, hi=86400),
+    Setting("drain_timeout", "float", "10", "On SIGTERM: seconds to let in-flight loads finish (new jobs are "
+            "refused meanwhile) before stopping.", lo=0, hi=3600),
+    Setting("metrics_address", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus endpoint (/metrics), or "
+            "off. Loopback by default: bind elsewhere only behind a firewall."),
     Setting("recreate", "bool", "false", "Replace an existing region whose header or geometry does not match "
             "(its cached blocks are lost)."),
     Setting("prefault_threads", "int", "4", "Threads that prefault the region at start.", lo=1, hi=256),

@@ -149,7 +149,11 @@ class Geometry:
             raise ValueError(f"page size {page_size} must be a power of two >= {MIN_PAGE_SIZE}")
         per_page = page_size + ENTRY_DTYPE.itemsize + 4
         fixed = HEADER_BYTES + NS_SLOTS * NS_DTYPE.itemsize + DATA_ALIGN  # worst-case padding
-        num_pages = min((size_bytes - fixed) // per_page, MAX_PAGES)
+        num_pages = max(0, min((size_bytes - fixed) // per_page, MAX_PAGES))
+        # That bound assumed the worst-case alignment padding; take the pages the real padding leaves
+        # (at most DATA_ALIGN / page_size + 1 more).
+        while num_pages < MAX_PAGES and cls.for_pages(num_pages + 1, page_size).file_bytes <= size_bytes:
+            num_pages += 1
         if num_pages < 1:
             raise ValueError(f"a region of {size_bytes} bytes cannot hold one {page_size}-byte page "
                              f"plus its {fixed}-byte metadata; raise the size")
@@ -203,8 +207,8 @@ class NamespaceLayout:
         shard = f"/tp{self.world_size}" if self.kind is LayoutKind.SHARDED else ""
         return f"{self.model}:{self.dtype}:{self.block_tokens}t:{self.block_bytes}B:{self.kind.value}{shard}"
 
-    def to_record(self) -> tuple:
-        rec = np.zeros((), NS_DTYPE)
+    def to_record(self) -> np.void:
+        rec = np.zeros((), NS_DTYPE)[()]   # a record (np.void), like a row of the table
         rec["in_use"] = 1
         rec["kind"] = _KIND_CODES[self.kind]
         rec["world_size"] = self.world_size
@@ -225,6 +229,8 @@ class RegionView:
 
     def __init__(self, buffer, geometry: Geometry | None = None):
         raw = np.frombuffer(buffer, dtype=np.uint8)
+        if len(raw) < HEADER_BYTES:
+            raise FormatError(f"region file is {len(raw)} bytes, too short for a kvtierd header")
         self.header = raw[:HEADER_DTYPE.itemsize].view(HEADER_DTYPE)[0]
         geo = geometry or read_geometry(raw)
         if len(raw) < geo.file_bytes:

@@ -46,6 +46,10 @@ class LRUPolicy:
         if slot in self._order:
             self._order.move_to_end(slot)
 
+    def oldest_first(self) -> list[int]:
+        """A snapshot of the evictable entries, least recently used first."""
+        return list(self._order)
+
     def choose_victim(self, exclude: "set[int] | frozenset[int]" = frozenset()) -> int | None:
         """The least recently used evictable entry not in ``exclude``, or None.
 

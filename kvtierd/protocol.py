@@ -149,6 +149,18 @@ REQUESTS: dict[str, dict[str, Field]] = {
 # Ops that need an attached session (everything but hello and stats).
 SESSIONLESS_OPS = frozenset({"hello", "stats", "ping"})
 
+# Operator operations, served only on the admin socket (<dir>/<name>.admin.sock, mode 0600: the
+# daemon's user alone). A namespace is named as in stats (NamespaceLayout.name()); None = all.
+ADMIN_REQUESTS: dict[str, dict[str, Field]] = {
+    "stats": {},
+    "ping": {},
+    "clients": {},
+    # Evict up to `count` least recently used evictable entries (of one namespace, or any).
+    "evict": {"namespace": _str(nullable=True, required=False), "count": _int(1, 1 << 40)},
+    # Evict every evictable entry of a namespace (or of all); pinned and WRITING ones stay.
+    "clear": {"namespace": _str(nullable=True, required=False)},
+}
+
 
 # --- encode / decode ------------------------------------------------------------------------
 _packer = msgpack.Packer(use_bin_type=True)
@@ -158,8 +170,9 @@ def encode(message: dict[str, Any]) -> bytes:
     return _packer.pack(message)
 
 
-def decode_request(frame: bytes) -> dict[str, Any]:
-    """Decode one request frame with every msgpack length bounded, then validate it.
+def decode_request(frame: bytes, ops: dict[str, dict[str, Field]] = REQUESTS) -> dict[str, Any]:
+    """Decode one request frame with every msgpack length bounded, then validate it against
+    ``ops`` (REQUESTS on the client socket, ADMIN_REQUESTS on the admin socket).
 
     Raises RequestError; never anything else for any input bytes.
     """
@@ -177,28 +190,47 @@ def decode_request(frame: bytes) -> dict[str, Any]:
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, ...)
+        if isinstance(exc, ValueError) and "exceeds max_array_len" in str(exc):
+            # Too many keys/jobs: the bounded decoder refuses the array before the field check can.
+            raise RequestError(ErrorCode.LIMIT, f"too many items: a request holds at most {MAX_KEYS_PER_REQUEST} "
+                               f"keys ({MAX_JOBS_PER_QUERY} jobs)") from None
         raise RequestError(ErrorCode.BAD_REQUEST, f"undecodable msgpack frame: {type(exc).__name__}") from None
     if not isinstance(msg, dict):
         raise RequestError(ErrorCode.BAD_REQUEST, "request must be a msgpack map")
     op = msg.get("op")
-    if not isinstance(op, str) or op not in REQUESTS:
+    if not isinstance(op, str) or op not in ops:
+        if ops is REQUESTS and isinstance(op, str) and op in ADMIN_REQUESTS:
+            raise RequestError(ErrorCode.FORBIDDEN, f"{op} is an admin operation: use the admin socket")
         raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")
     rid = msg.get("rid", 0)
     if type(rid) is not int or not 0 <= rid < (1 << 63):
         raise RequestError(ErrorCode.BAD_REQUEST, "field 'rid' must be a non-negative int")
-    validate_fields(op, msg, REQUESTS[op])
+    validate_fields(op, msg, ops[op])
     if op == "hello":
         validate_fields("hello.layout", msg["layout"], LAYOUT_FIELDS)
+        if msg["rank"] is not None and msg["rank"] >= msg["world_size"]:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"field 'hello.rank'={msg['rank']} must be < world_size {msg['world_size']}")
     return msg
 
 
 def request_id(frame: bytes) -> int:
-    """Best-effort request id of a frame that failed validation, so the error can be matched."""
+    """Best-effort request id of a frame that failed validation, so the error can be matched.
+
+    Reads the top-level map one entry at a time and skips (without building) every value but
+    ``rid``, so a request refused for its size (too many keys, an oversize key, a frame over
+    MAX_FRAME_BYTES) still gets its error back under its own id. 0 when none can be read.
+    """
     try:
-        msg = msgpack.unpackb(frame[:MAX_FRAME_BYTES], raw=False, max_str_len=MAX_STR_BYTES,
-                              max_bin_len=MAX_KEY_BYTES, max_array_len=16, max_map_len=32)
-        rid = msg.get("rid", 0) if isinstance(msg, dict) else 0
-        return rid if type(rid) is int and 0 <= rid < (1 << 63) else 0
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_FRAME_BYTES, max_str_len=MAX_STR_BYTES,
+                                    max_bin_len=MAX_KEY_BYTES, max_array_len=16, max_map_len=32, max_ext_len=0)
+        unpacker.feed(frame[:MAX_FRAME_BYTES])
+        for _ in range(min(unpacker.read_map_header(), 32)):
+            if unpacker.unpack() == "rid":
+                rid = unpacker.unpack()
+                return rid if type(rid) is int and 0 <= rid < (1 << 63) else 0
+            unpacker.skip()
+        return 0
     except Exception:
         return 0
 

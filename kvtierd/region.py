@@ -143,6 +143,9 @@ class Region:
             view.header["clean_shutdown"] = 0   # a daemon runs on it now
         except BaseException:
             mapping.close()
+            if not adopted:
+                # Never leave a file without a valid header behind: the next start would refuse it.
+                os.unlink(paths.region)
             os.close(lock_fd)
             raise
         return cls(paths, lock_fd, mapping, view, adopted, was_clean, pinned, method, gid)

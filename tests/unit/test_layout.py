@@ -1,0 +1,336 @@
+"""kvtierd.layout: geometry arithmetic, header format/validation, page chains, namespace records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtierd import layout as L
+from kvtierd.layout import (CHAIN_END, DATA_ALIGN, ENTRY_DTYPE, HEADER_BYTES, NS_DTYPE, NS_SLOTS, EntryState,
+                            FormatError, Geometry, NamespaceLayout, RegionView, read_geometry)
+from kvtierd.protocol import MAX_KEY_BYTES, LayoutKind
+
+MiB = 1 << 20
+
+
+# --- geometry ---------------------------------------------------------------------------------
+def check_geometry(geo: Geometry, size: int, page_size: int) -> None:
+    assert geo.page_size == page_size
+    assert geo.file_bytes <= size
+    assert geo.data_offset % DATA_ALIGN == 0
+    assert geo.ns_offset == HEADER_BYTES
+    assert geo.entry_offset == geo.ns_offset + NS_SLOTS * NS_DTYPE.itemsize
+    assert geo.chain_offset == geo.entry_offset + geo.num_pages * ENTRY_DTYPE.itemsize
+    assert geo.data_offset >= geo.chain_offset + 4 * geo.num_pages
+    assert geo.file_bytes == geo.data_offset + geo.num_pages * page_size
+    assert geo.entry_slots == geo.num_pages
+    assert geo.capacity_bytes == geo.num_pages * page_size
+    # The largest such geometry: one more page would not fit.
+    assert Geometry.for_pages(geo.num_pages + 1, page_size).file_bytes > size or geo.num_pages == L.MAX_PAGES
+
+
+@pytest.mark.parametrize("size,page_size", [(16 * MiB, 65536), (32 * MiB, 4096), (512 * MiB, 65536),
+                                            (8 * MiB, 1 << 20), (64 << 30, 2 * MiB), (3 * MiB + 12345, 4096)])
+def test_for_size(size, page_size):
+    geo = Geometry.for_size(size, page_size)
+    assert geo.num_pages >= 1
+    check_geometry(geo, size, page_size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(3 * MiB, 1 << 40), st.integers(12, 24))
+def test_for_size_property(size, shift):
+    try:
+        geo = Geometry.for_size(size, 1 << shift)
+    except ValueError:
+        assert size < Geometry.for_pages(1, 1 << shift).file_bytes
+        return
+    check_geometry(geo, size, 1 << shift)
+
+
+def test_for_pages_round_trip():
+    geo = Geometry.for_size(64 * MiB, 65536)
+    assert Geometry.for_pages(geo.num_pages, geo.page_size) == geo
+
+
+@pytest.mark.parametrize("size", [0, -1, 1, 4096, 2 * MiB, 2 * MiB + 65535])
+def test_for_size_too_small(size):
+    with pytest.raises(ValueError, match="raise the size"):
+        Geometry.for_size(size, 65536)
+
+
+def test_for_size_smallest():
+    geo = Geometry.for_size(2 * MiB + 65536, 65536)
+    assert geo.num_pages == 1
+    assert geo.file_bytes == 2 * MiB + 65536
+
+
+def test_for_size_uses_the_alignment_slack():
+    # 16 MiB in 64 KiB pages: metadata (4 KiB + 512 KiB + 132 B/page) fits the first 2 MiB, so the
+    # data area gets the other 14 MiB.
+    geo = Geometry.for_size(16 * MiB, 65536)
+    assert geo.data_offset == 2 * MiB
+    assert geo.num_pages == 224
+    assert geo.file_bytes == 16 * MiB
+
+
+@pytest.mark.parametrize("page_size", [0, 1, 2048, 4095, 4097, 65535, 3 * 4096, -4096])
+def test_for_size_bad_page_size(page_size):
+    with pytest.raises(ValueError, match="power of two"):
+        Geometry.for_size(64 * MiB, page_size)
+
+
+def test_dtype_sizes():
+    assert NS_DTYPE.itemsize == 512
+    assert ENTRY_DTYPE.itemsize == 128
+    assert L.HEADER_DTYPE.itemsize <= HEADER_BYTES
+
+
+# --- header ----------------------------------------------------------------------------------
+def formatted(size=4 * MiB, page_size=4096, buffer_kind="bytearray"):
+    geo = Geometry.for_size(size, page_size)
+    buf = bytearray(geo.file_bytes) if buffer_kind == "bytearray" else np.zeros(geo.file_bytes, np.uint8)
+    view = RegionView(buf, geo)
+    view.format(generation=1234567, created_unix_ns=99)
+    return geo, buf, view
+
+
+@pytest.mark.parametrize("kind", ["bytearray", "numpy"])
+def test_format_then_read_geometry(kind):
+    geo, buf, view = formatted(buffer_kind=kind)
+    raw = np.frombuffer(buf, np.uint8)
+    assert bytes(raw[:8]) == L.MAGIC
+    assert read_geometry(raw) == geo
+    again = RegionView(buf)              # geometry from the header
+    assert again.geometry == geo
+    h = again.header
+    assert int(h["generation"]) == 1234567
+    assert int(h["created_unix_ns"]) == 99
+    assert int(h["clean_shutdown"]) == 0
+    assert int(h["version"]) == L.FORMAT_VERSION
+    assert int(h["max_key_bytes"]) == MAX_KEY_BYTES
+    assert int(h["tick"]) == 0
+    assert (again.entries["state"] == EntryState.FREE).all()
+    assert (again.chain == CHAIN_END).all()
+    assert (again.namespaces["in_use"] == 0).all()
+    assert len(again.entries) == geo.entry_slots
+    assert len(again.namespaces) == NS_SLOTS
+    assert len(again.data) == geo.num_pages * geo.page_size
+
+
+def test_header_fields_are_little_endian_at_documented_offsets():
+    geo, buf, _ = formatted()
+    assert int.from_bytes(buf[8:12], "little") == L.FORMAT_VERSION
+    assert int.from_bytes(buf[12:16], "little") == HEADER_BYTES
+    assert int.from_bytes(buf[16:24], "little") == geo.file_bytes
+    assert int.from_bytes(buf[24:32], "little") == geo.page_size
+
+
+def test_views_write_through_to_the_buffer():
+    geo, buf, view = formatted()
+    view.header["clean_shutdown"] = 1
+    view.data[geo.page_size * 2:geo.page_size * 2 + 4] = [1, 2, 3, 4]
+    view.entries[3]["state"] = EntryState.READY
+    again = RegionView(buf)
+    assert int(again.header["clean_shutdown"]) == 1
+    assert bytes(buf[geo.data_offset + 2 * geo.page_size:][:4]) == b"\x01\x02\x03\x04"
+    assert again.entries["state"][3] == EntryState.READY
+
+
+def test_format_wipes_previous_tables():
+    geo, buf, view = formatted()
+    view.entries["state"][:5] = EntryState.READY
+    view.chain[:5] = 1
+    view.namespaces["in_use"][0] = 1
+    view.format(generation=2, created_unix_ns=3)
+    assert (view.entries["state"] == EntryState.FREE).all()
+    assert (view.chain == CHAIN_END).all()
+    assert (view.namespaces["in_use"] == 0).all()
+    assert int(view.header["generation"]) == 2
+
+
+@pytest.mark.parametrize("magic", [b"\0" * 8, b"KVTIERD\x01", b"kvtierd\x00", b"GGUF\0\0\0\0"])
+def test_bad_magic(magic):
+    _, buf, _ = formatted()
+    buf[:8] = magic
+    with pytest.raises(FormatError, match="magic"):
+        read_geometry(np.frombuffer(buf, np.uint8))
+    with pytest.raises(FormatError):
+        RegionView(buf)
+
+
+@pytest.mark.parametrize("version", [0, 2, 0xFFFFFFFF])
+def test_bad_version(version):
+    _, buf, _ = formatted()
+    buf[8:12] = version.to_bytes(4, "little")
+    with pytest.raises(FormatError, match="version"):
+        RegionView(buf)
+
+
+@pytest.mark.parametrize("field,value", [("max_key_bytes", 32), ("ns_slots", 16)])
+def test_different_table_limits(field, value):
+    _, buf, view = formatted()
+    view.header[field] = value
+    with pytest.raises(FormatError, match="limits"):
+        RegionView(buf)
+
+
+@pytest.mark.parametrize("field", ["file_bytes", "ns_offset", "entry_offset", "chain_offset", "data_offset",
+                                   "num_pages", "page_size"])
+def test_inconsistent_geometry_in_header(field):
+    _, buf, view = formatted()
+    view.header[field] = int(view.header[field]) + 4096
+    with pytest.raises(FormatError):
+        RegionView(buf)
+
+
+@pytest.mark.parametrize("length", [0, 1, 8, 100, HEADER_BYTES - 1])
+def test_truncated_below_header(length):
+    _, buf, _ = formatted()
+    with pytest.raises(FormatError):
+        read_geometry(np.frombuffer(bytes(buf[:length]), np.uint8))
+    with pytest.raises(FormatError):
+        RegionView(bytes(buf[:length]))
+
+
+def test_truncated_data_area():
+    geo, buf, _ = formatted()
+    with pytest.raises(FormatError, match="bytes"):
+        RegionView(bytes(buf[:geo.file_bytes - 1]))
+    with pytest.raises(FormatError):
+        RegionView(bytes(buf[:HEADER_BYTES]))
+    with pytest.raises(FormatError):
+        RegionView(bytearray(geo.file_bytes - 1), geo)    # an explicit geometry is checked too
+
+
+def test_larger_buffer_is_accepted():
+    geo, buf, _ = formatted()
+    view = RegionView(bytes(buf) + b"\0" * 8192)
+    assert view.geometry == geo
+    assert len(view.data) == geo.num_pages * geo.page_size
+
+
+# --- chains ----------------------------------------------------------------------------------
+def set_entry(view: RegionView, slot: int, pages: np.ndarray, key: bytes = b"k") -> None:
+    rec = view.entries[slot]
+    rec["page_count"] = len(pages)
+    rec["first_page"] = pages[0]
+    rec["key_len"] = len(key)
+    rec["key"][:len(key)] = np.frombuffer(key, np.uint8)
+    view.write_chain(np.asarray(pages, dtype=np.uint32))
+
+
+@pytest.mark.parametrize("pages", [[0], [5], [0, 1, 2, 3], [9, 2, 7, 0, 4], list(range(20))[::-1]])
+def test_chain_round_trip(pages):
+    _, buf, view = formatted()
+    set_entry(view, 3, np.array(pages, np.uint32))
+    assert view.chain_of(3).tolist() == pages
+    assert view.chain_of(3).dtype == np.uint32
+    assert RegionView(buf).chain_of(3).tolist() == pages   # persisted in the buffer
+
+
+def test_several_chains_do_not_interfere():
+    geo, _, view = formatted()
+    rng = np.random.default_rng(1)
+    perm = rng.permutation(geo.num_pages).astype(np.uint32)
+    runs = [perm[0:3], perm[3:4], perm[4:11], perm[11:30]]
+    for slot, run in enumerate(runs):
+        set_entry(view, slot, run, key=bytes([slot]) * (slot + 1))
+    for slot, run in enumerate(runs):
+        assert np.array_equal(view.chain_of(slot), run)
+        assert view.entry_key(slot) == bytes([slot]) * (slot + 1)
+
+
+def test_entry_key_full_length():
+    _, _, view = formatted()
+    key = bytes(range(MAX_KEY_BYTES))
+    set_entry(view, 0, np.array([1], np.uint32), key)
+    assert view.entry_key(0) == key
+
+
+def test_chain_longer_than_page_count():
+    _, _, view = formatted()
+    set_entry(view, 0, np.array([1, 2, 3], np.uint32))
+    view.entries[0]["page_count"] = 2
+    with pytest.raises(FormatError, match="longer"):
+        view.chain_of(0)
+
+
+def test_chain_shorter_than_page_count():
+    geo, _, view = formatted()
+    set_entry(view, 0, np.array([1, 2, 3], np.uint32))
+    view.entries[0]["page_count"] = 4      # the walk meets CHAIN_END, which is outside the data area
+    with pytest.raises(FormatError, match="leaves"):
+        view.chain_of(0)
+
+
+def test_chain_leaving_the_data_area():
+    geo, _, view = formatted()
+    set_entry(view, 0, np.array([1, 2, 3], np.uint32))
+    view.chain[2] = geo.num_pages
+    with pytest.raises(FormatError):
+        view.chain_of(0)
+    view.entries[0]["first_page"] = geo.num_pages + 7
+    with pytest.raises(FormatError, match="leaves"):
+        view.chain_of(0)
+
+
+def test_chain_cycle_is_broken():
+    _, _, view = formatted()
+    set_entry(view, 0, np.array([4, 5, 6], np.uint32))
+    view.chain[6] = 4                       # cycle back
+    with pytest.raises(FormatError):
+        view.chain_of(0)
+
+
+# --- namespaces --------------------------------------------------------------------------------
+REPL = NamespaceLayout("deepseek-ai/DeepSeek-V3", "bfloat16", 16, 1_124_352, LayoutKind.REPLICATED, 0)
+SHARD = NamespaceLayout("meta-llama/Llama-3.1-70B", "float16", 16, 81920, LayoutKind.SHARDED, 4)
+
+
+@pytest.mark.parametrize("ns", [REPL, SHARD, NamespaceLayout("m" * 256, "d" * 32, 1 << 20, 1 << 34,
+                                                             LayoutKind.SHARDED, 64)])
+def test_namespace_record_round_trip(ns):
+    rec = ns.to_record()
+    assert rec.dtype == NS_DTYPE
+    assert int(rec["in_use"]) == 1
+    assert NamespaceLayout.from_record(rec) == ns
+    _, buf, view = formatted()
+    view.namespaces[7] = rec
+    assert NamespaceLayout.from_record(RegionView(buf).namespaces[7]) == ns
+
+
+def test_namespace_names_differ():
+    assert REPL.name() == "deepseek-ai/DeepSeek-V3:bfloat16:16t:1124352B:replicated"
+    assert SHARD.name() == "meta-llama/Llama-3.1-70B:float16:16t:81920B:sharded/tp4"
+    other_tp = NamespaceLayout(SHARD.model, SHARD.dtype, 16, 81920, LayoutKind.SHARDED, 8)
+    assert other_tp.name() != SHARD.name()
+    assert other_tp != SHARD
+
+
+def test_from_wire():
+    wire = {"model": "m", "dtype": "bf16", "block_tokens": 16, "block_bytes": 1000, "kind": "replicated"}
+    repl = NamespaceLayout.from_wire(wire, world_size=8)
+    assert repl.kind is LayoutKind.REPLICATED
+    assert repl.world_size == 0        # replicated namespaces are shared across TP sizes
+    assert repl == NamespaceLayout.from_wire(wire, world_size=2)
+    sharded = NamespaceLayout.from_wire(dict(wire, kind="sharded"), world_size=8)
+    assert sharded.kind is LayoutKind.SHARDED and sharded.world_size == 8
+    assert sharded != NamespaceLayout.from_wire(dict(wire, kind="sharded"), world_size=4)
+
+
+@pytest.mark.parametrize("block_bytes,page,per_shard", [(1, 4096, 1), (4096, 4096, 1), (4097, 4096, 2),
+                                                        (1_124_352, 65536, 18), (65536 * 3, 65536, 3)])
+def test_shards_and_entry_pages(block_bytes, page, per_shard):
+    repl = NamespaceLayout("m", "d", 16, block_bytes, LayoutKind.REPLICATED, 0)
+    assert repl.shards == 1
+    assert repl.pages_per_shard(page) == per_shard
+    assert repl.entry_pages(page) == per_shard
+    assert repl.entry_bytes == block_bytes
+    sharded = NamespaceLayout("m", "d", 16, block_bytes, LayoutKind.SHARDED, 4)
+    assert sharded.shards == 4
+    assert sharded.pages_per_shard(page) == per_shard
+    assert sharded.entry_pages(page) == 4 * per_shard
+    assert sharded.entry_bytes == 4 * block_bytes
