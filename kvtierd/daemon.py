@@ -1,8 +1,8 @@
-"""Wires the daemon together: config → region → store → server; logs; signals; clean stop.
+"""Wires the daemon together: config → region → store → server → metrics; logs; signals; stop.
 
 Start-up order matters: the region is locked before anything else touches it, the store rebuilds
 its index from the region's tables, and only then is the socket bound, so a client that can
-connect always meets a daemon that is ready to serve.
+connect always meets a daemon that is ready to serve; READY=1 goes to systemd after that.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from .config import Config, format_size
 from .region import Region, RegionError
 from .server import Server
 from .store import Store
+from .systemd import Notifier
 
 log = logging.getLogger("kvtierd")
 
@@ -43,15 +44,18 @@ class Daemon:
     def __init__(self, config: Config):
         self.config = config
         c = config
+        self.notifier = Notifier()
         last = [-1]
 
         def progress(done: int, total: int) -> None:
             pct = 100 * done // max(total, 1)
+            self.notifier.status(f"prefaulting region: {pct}%" if done < total else "pinning region")
             if pct // 25 != last[0] // 25:
                 last[0] = pct
                 log.info("prefault %d%% (%s of %s)", pct, format_size(done), format_size(total))
 
         started = time.monotonic()
+        self.notifier.status("prefaulting region")
         self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
                                   recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress)
         try:
@@ -62,16 +66,31 @@ class Daemon:
                          "damaged discarded", self.region.paths.region,
                          "clean" if self.region.was_clean else "unclean", rec["ready"],
                          rec["writing_discarded"], rec["corrupt_discarded"])
-            self.server = Server(self.store, self.region, self.region.paths.socket, self.region.gid)
+            self.server = Server(self.store, self.region, self.region.paths.socket, self.region.gid,
+                                 notifier=self.notifier, drain_timeout=c.drain_timeout)
         except BaseException:
             self.region.close(clean=False)
             raise
+        self.metrics_server = None
+        if c.metrics_address != "off":
+            from .metrics import start_endpoint   # prometheus-client only where metrics are served
+            try:
+                self.metrics_server, bound = start_endpoint(
+                    c.metrics_address, lambda: self.server.call_in_loop(self.server.stats))
+            except ValueError:
+                self.server.close()
+                self.region.close(clean=False)
+                raise
+            self.server.metrics_address = bound
+            log.info("metrics: http://%s/metrics", bound)
         geo = self.region.geometry
         log.info("ready: socket=%s region=%s size=%s pages=%d page_size=%s capacity=%s data_offset=%d "
-                 "pinned=%s prefault=%s generation=%x started_in=%.2fs", self.server.socket_path,
+                 "pinned=%s prefault=%s generation=%x started_in=%.2fs admin_socket=%s", self.server.socket_path,
                  self.region.paths.region, format_size(geo.file_bytes), geo.num_pages, format_size(geo.page_size),
                  format_size(geo.capacity_bytes), geo.data_offset, self.region.pinned, self.region.prefault,
-                 self.region.generation, time.monotonic() - started)
+                 self.region.generation, time.monotonic() - started, self.server.admin_socket_path)
+        self.notifier.notify(READY=1, STATUS=f"serving {self.server.socket_path}: {geo.num_pages} pages of "
+                                             f"{format_size(geo.page_size)}, pinned={self.region.pinned}")
 
     def run(self) -> None:
         self.server.install_signal_handlers()
@@ -84,8 +103,13 @@ class Daemon:
         if self.region.view is None:
             return
         log.info("stopping")
+        self.notifier.notify(STOPPING=1)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         self.store.shutdown()
         self.region.close(clean=True)
+        self.notifier.close()
         log.info("stopped cleanly")
 
 

@@ -9,6 +9,15 @@ We use a plain ``zmq.Poller`` loop rather than asyncio/uvloop: the loop has noth
 the socket, the client pidfds and a signal pipe, and a poller round trip measured cheaper than the
 same echo through zmq.asyncio on uvloop (docs/design.md has the figures and the command).
 
+Two sockets: the client socket (mode 0660: the daemon's user and the client group) serves the
+protocol's REQUESTS; the admin socket (``<name>.admin.sock``, mode 0600: the daemon's user alone)
+serves ADMIN_REQUESTS (clients, evict, clear). Other threads (the metrics endpoint) never touch
+the store; they hand a function to ``call_in_loop`` and the loop runs it between requests.
+
+Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
+requests of jobs already open are still served, and the loop ends when no load job is open any
+more or ``drain_timeout`` passed, whichever comes first.
+
 Liveness: a client that shares the daemon's PID namespace (it reports the inode of its
 /proc/self/ns/pid at hello) is watched through a pidfd, which becomes readable the moment the
 process dies; its session then ends as if it had said ``bye``: jobs still waiting for that rank
@@ -22,21 +31,25 @@ import logging
 import os
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import zmq
 
 from . import protocol as P
+from .histogram import Histogram
 from .layout import NamespaceLayout
-from .protocol import ErrorCode, RequestError
+from .protocol import ErrorCode, JobState, RequestError
 from .region import Region
 from .store import Session, Store
+from .systemd import Notifier
 
 log = logging.getLogger(__name__)
 
 BURST = 256
 MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
+PRESSURE_LOG_SECONDS = 10.0    # how often eviction pressure is reported in the log
 
 
 def own_pid_namespace() -> int | None:
@@ -47,33 +60,21 @@ def own_pid_namespace() -> int | None:
 
 
 class Server:
-    def __init__(self, store: Store, region: Region, socket_path: str, gid: int | None = None):
-        if len(socket_path.encode()) > MAX_SOCKET_PATH:
-            raise ValueError(f"socket path {socket_path} is {len(socket_path)} bytes; ipc paths are limited to "
-                             f"{MAX_SOCKET_PATH}. Choose a shorter --dir or --name")
+    def __init__(self, store: Store, region: Region, socket_path: str, gid: int | None = None,
+                 admin_socket_path: str | None = None, notifier: Notifier | None = None,
+                 drain_timeout: float = 10.0):
         self.store = store
         self.region = region
         self.socket_path = socket_path
+        self.admin_socket_path = admin_socket_path or socket_path.removesuffix(".sock") + ".admin.sock"
+        self.notifier = notifier or Notifier({})
+        self.drain_timeout = drain_timeout
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to vanished peers are dropped
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        # Frames up to twice the limit are read and refused with a LIMIT error; larger ones make ZMQ
-        # drop the connection before allocating anything for them.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * P.MAX_FRAME_BYTES)
-        if os.path.exists(socket_path):
-            os.unlink(socket_path)   # our lock is held: a socket file here is a dead daemon's
-        old_umask = os.umask(0o117)  # the socket is created 0660
-        try:
-            self.sock.bind(f"ipc://{socket_path}")
-        finally:
-            os.umask(old_umask)
-        if gid is not None:
-            os.chown(socket_path, -1, gid)
+        self.sock = self._bind(socket_path, 0o117, gid)                 # 0660, client group
+        self.admin = self._bind(self.admin_socket_path, 0o177, None)    # 0600, daemon's user only
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.admin, zmq.POLLIN)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.sessions: dict[bytes, Session] = {}          # ZMQ routing identity → session
@@ -84,20 +85,68 @@ class Server:
         self.started = time.time()
         self.requests: Counter = Counter()
         self.errors: Counter = Counter()
+        self.latency: dict[str, Histogram] = {op: Histogram() for op in P.REQUESTS}
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self.metrics_address: str | None = None
         self.handlers: dict[str, Callable[[bytes, Session | None, dict], dict]] = {
             "hello": self._hello, "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
             "store": self._store, "commit": self._commit, "load": self._load, "release": self._release,
             "abort": self._abort, "jobs": self._jobs, "stats": self._stats,
         }
+        self.admin_handlers: dict[str, Callable[[dict], dict]] = {
+            "stats": lambda msg: self.stats(), "ping": lambda msg: {"generation": self.region.generation},
+            "clients": self._clients, "evict": self._evict, "clear": self._clear,
+        }
+
+    def _bind(self, path: str, umask: int, gid: int | None) -> zmq.Socket:
+        if len(path.encode()) > MAX_SOCKET_PATH:
+            raise ValueError(f"socket path {path} is {len(path)} bytes; ipc paths are limited to "
+                             f"{MAX_SOCKET_PATH}. Choose a shorter --dir or --name")
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to vanished peers are dropped
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        # Frames up to twice the limit are read and refused with a LIMIT error; larger ones make ZMQ
+        # drop the connection before allocating anything for them.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * P.MAX_FRAME_BYTES)
+        if os.path.exists(path):
+            os.unlink(path)          # our lock is held: a socket file here is a dead daemon's
+        old_umask = os.umask(umask)
+        try:
+            sock.bind(f"ipc://{path}")
+        finally:
+            os.umask(old_umask)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        return sock
 
     # ------------------------------------------------------------------ loop
     def request_stop(self) -> None:
-        """Async-signal-safe: make the loop return after the current burst."""
+        """Async-signal-safe: start draining; the loop returns once drained."""
         self.stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
         except OSError:
-            pass
+            pass  # the pipe is full: the loop is awake anyway
+
+    def call_in_loop(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
+        """Run ``fn`` on the loop thread (the only one that may touch the store); wait for it."""
+        future: Future = Future()
+        self._calls.append((fn, future))
+        self._wake()
+        return future.result(timeout)
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -105,12 +154,45 @@ class Server:
 
     def run(self) -> None:
         store = self.store
-        while not self.stopping:
+        watchdog = self.notifier.watchdog_interval
+        next_watchdog = time.monotonic()
+        next_pressure, evictions_seen = time.monotonic() + PRESSURE_LOG_SECONDS, 0
+        drain_deadline = None
+        while True:
+            now = time.monotonic()
+            if self.stopping:
+                if drain_deadline is None:
+                    drain_deadline = now + self.drain_timeout
+                    self.notifier.notify(STOPPING=1, STATUS="draining in-flight loads")
+                    log.info("stopping: draining %d open load job(s) for up to %.1fs",
+                             self._open_loads(), self.drain_timeout)
+                if self._open_loads() == 0 or now >= drain_deadline:
+                    break
+            if watchdog is not None and now >= next_watchdog:
+                self.notifier.notify(WATCHDOG=1)
+                next_watchdog = now + watchdog
+            if now >= next_pressure:
+                evictions = store.counters["evictions"]
+                if evictions > evictions_seen:
+                    log.warning("eviction pressure: %d evictions in the last %.0fs (%d pages free of %d)",
+                                evictions - evictions_seen, PRESSURE_LOG_SECONDS, store.allocator.free_pages,
+                                store.allocator.num_pages)
+                next_pressure, evictions_seen = now + PRESSURE_LOG_SECONDS, evictions
             deadline = store.expire()
-            timeout = 1000 if deadline is None else max(0, min(1000, int((deadline - store.clock()) * 1000) + 1))
+            wake_at = min(filter(None, [deadline, next_watchdog if watchdog else None, next_pressure,
+                                        drain_deadline]))
+            timeout = max(0, min(1000, int((wake_at - store.clock()) * 1000) + 1))
             events = dict(self.poller.poll(timeout))
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            self._run_calls()
             if self.sock in events:
-                self._drain()
+                self._drain(self.sock, self.handle)
+            if self.admin in events:
+                self._drain(self.admin, self.handle_admin)
             for fd in [fd for fd in events if isinstance(fd, int) and fd in self.pidfds]:
                 session = self.pidfds[fd]
                 log.warning("client pid %s (%s of engine %r) died; ending its session",
@@ -118,8 +200,11 @@ class Server:
                 self._end_session(session, "died")
         self.close()
 
-    def _drain(self) -> None:
-        sock = self.sock
+    def _open_loads(self) -> int:
+        return sum(1 for e in self.store.engines.values() for j in e.jobs.values()
+                   if j.kind == "load" and j.state is JobState.OPEN)
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, bytes], dict]) -> None:
         for _ in range(BURST):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -130,7 +215,7 @@ class Server:
                 self._count_error(ErrorCode.BAD_REQUEST)
                 reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {len(frames) - 1}")
             else:
-                reply = self.handle(identity, frames[1])
+                reply = handle(identity, frames[1])
             sock.send_multipart([identity, P.encode(reply)], copy=False)
 
     def handle(self, identity: bytes, frame: bytes) -> dict[str, Any]:
@@ -142,6 +227,7 @@ class Server:
             return P.error_reply(P.request_id(frame), exc.code, exc.message)
         op, rid = msg["op"], msg.get("rid", 0)
         self.requests[op] += 1
+        started = time.perf_counter()
         session = self.sessions.get(identity)
         try:
             if session is None and op not in P.SESSIONLESS_OPS:
@@ -154,6 +240,21 @@ class Server:
             log.exception("internal error handling %s", op)
             self._count_error(ErrorCode.INTERNAL)
             return P.error_reply(rid, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self.latency[op].observe(time.perf_counter() - started)
+
+    def handle_admin(self, identity: bytes, frame: bytes) -> dict[str, Any]:
+        """One admin request → one reply. Never raises."""
+        try:
+            msg = P.decode_request(frame, P.ADMIN_REQUESTS)
+            return P.ok_reply(msg.get("rid", 0), **self.admin_handlers[msg["op"]](msg))
+        except RequestError as exc:
+            self._count_error(exc.code)
+            return P.error_reply(P.request_id(frame), exc.code, exc.message)
+        except Exception as exc:
+            log.exception("internal error handling an admin request")
+            self._count_error(ErrorCode.INTERNAL)
+            return P.error_reply(P.request_id(frame), ErrorCode.INTERNAL, f"internal error: {exc}")
 
     def _count_error(self, code: ErrorCode) -> None:
         self.errors[ErrorCode(code).name] += 1
@@ -215,15 +316,16 @@ class Server:
         return {"generation": self.region.generation, "attached": session is not None}
 
     # ------------------------------------------------------------------ data ops
-    def _refuse_if_stopping(self) -> None:
-        if self.stopping:
+    def _refuse_if_stopping(self, session: Session, job: int) -> None:
+        """While draining, requests of open jobs are served; new jobs are refused."""
+        if self.stopping and job not in session.engine.jobs:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new jobs")
 
     def _lookup(self, identity: bytes, session: Session, msg: dict) -> dict:
         return {"hits": self.store.lookup(session, msg["keys"])}
 
     def _store(self, identity: bytes, session: Session, msg: dict) -> dict:
-        self._refuse_if_stopping()
+        self._refuse_if_stopping(session, msg["job"])
         outcomes, pages = self.store.store(session, msg["job"], msg["keys"])
         return {"outcomes": bytes(outcomes), "pages": b"".join(pages)}
 
@@ -232,7 +334,7 @@ class Server:
         return {}
 
     def _load(self, identity: bytes, session: Session, msg: dict) -> dict:
-        self._refuse_if_stopping()
+        self._refuse_if_stopping(session, msg["job"])
         hits, pages = self.store.load(session, msg["job"], msg["keys"])
         return {"hits": hits, "pages": b"".join(pages)}
 
@@ -248,29 +350,59 @@ class Server:
         return {"jobs": self.store.job_states(session, msg["jobs"])}
 
     def _stats(self, identity: bytes, session: Session | None, msg: dict) -> dict:
+        return self.stats()
+
+    def stats(self) -> dict:
+        """Everything kvtierctl stats and the metrics endpoint show (loop thread only)."""
+        roles = Counter("coordinator" if s.rank is None else "rank" for s in self.store.sessions.values())
         return {
             **self.store.stats(),
             "namespace_list": self.store.namespace_stats(),
+            "session_roles": {"rank": roles["rank"], "coordinator": roles["coordinator"]},
             "requests": dict(self.requests),
             "errors": dict(self.errors),
+            "latency": {op: h.snapshot() for op, h in self.latency.items() if h.count},
             "clients_watched": len(self.pidfds),
             "uptime_seconds": time.time() - self.started,
             "region": self.region.paths.region,
+            "socket": self.socket_path,
+            "admin_socket": self.admin_socket_path,
+            "metrics_address": self.metrics_address,
             "generation": self.region.generation,
             "pinned": self.region.pinned,
             "file_bytes": self.region.geometry.file_bytes,
             "daemon_pid": os.getpid(),
+            "stopping": self.stopping,
         }
+
+    # ------------------------------------------------------------------ admin ops
+    def _clients(self, msg: dict) -> dict:
+        now = time.monotonic()
+        watched = {id(s) for s in self.pidfds.values()}
+        return {"clients": [
+            {"session": s.id, "engine": s.engine.id, "role": s.role, "rank": s.rank, "pid": s.pid,
+             "world_size": s.engine.world_size, "namespace": s.engine.ns.layout.name(),
+             "watched": id(s) in watched, "attached_seconds": now - s.attached_at}
+            for s in self.store.sessions.values()]}
+
+    def _evict(self, msg: dict) -> dict:
+        return {"evicted": self.store.evict(msg.get("namespace"), msg["count"])}
+
+    def _clear(self, msg: dict) -> dict:
+        return {"evicted": self.store.evict(msg.get("namespace"), None)}
 
     # ------------------------------------------------------------------ stop
     def close(self) -> None:
         for session in list(self.sessions.values()):
             self._end_session(session, "daemon_stopped")
-        self.poller.unregister(self.sock)
-        self.sock.close(linger=0)
+        for sock, path in ((self.sock, self.socket_path), (self.admin, self.admin_socket_path)):
+            self.poller.unregister(sock)
+            sock.close(linger=0)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        while self._calls:   # nobody will run these any more
+            self._calls.popleft()[1].set_exception(RuntimeError("kvtierd stopped"))

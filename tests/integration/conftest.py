@@ -27,20 +27,28 @@ pytestmark = pytest.mark.integration
 
 
 class DaemonProcess:
-    def __init__(self, *args: str, size: str = "32MiB", job_timeout: float = 20.0, page_size: str = "64KiB"):
+    def __init__(self, *args: str, size: str = "32MiB", job_timeout: float = 20.0, page_size: str = "64KiB",
+                 env: dict[str, str] | None = None):
         self.dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
         self.name = "kvtierd"
         self.socket = os.path.join(self.dir, f"{self.name}.sock")
         self.region = os.path.join(self.dir, f"{self.name}.region")
         self.log_path = os.path.join(self.dir, "daemon.log")
         self.args = ["--dir", self.dir, "--name", self.name, "--size", size, "--page-size", page_size,
-                     "--pin", "off", "--job-timeout", str(job_timeout), "--log-level", "debug", *args]
+                     "--pin", "off", "--job-timeout", str(job_timeout), "--log-level", "debug",
+                     "--metrics-address", "127.0.0.1:0", *args]
+        self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30.0) -> "DaemonProcess":
+    def launch(self) -> "DaemonProcess":
+        """Start the process without waiting for it to serve."""
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtierd", *self.args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+        return self
+
+    def start(self, timeout: float = 30.0) -> "DaemonProcess":
+        self.launch()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -90,10 +98,10 @@ def start_daemon():
     """Factory: start_daemon(*extra_args, size=..., job_timeout=...) → a ready DaemonProcess."""
     started: list[DaemonProcess] = []
 
-    def start(*args: str, **kwargs) -> DaemonProcess:
+    def start(*args: str, wait: bool = True, **kwargs) -> DaemonProcess:
         d = DaemonProcess(*args, **kwargs)
         started.append(d)
-        return d.start()
+        return d.start() if wait else d.launch()
 
     yield start
     for d in started:

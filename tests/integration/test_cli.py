@@ -22,7 +22,8 @@ def test_plain_kvtierd_starts_on_the_embedded_default_and_stops_on_sigterm():
     """`kvtierd` with no flags and no config file (directory redirected by env so that the
     test never touches /dev/shm/kvtierd) prints its socket and geometry, serves, stops cleanly."""
     directory = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
-    env = {**os.environ, "KVTIERD_DIR": directory, "KVTIERD_SIZE": "16MiB", "KVTIERD_PIN": "off"}
+    env = {**os.environ, "KVTIERD_DIR": directory, "KVTIERD_SIZE": "16MiB", "KVTIERD_PIN": "off",
+           "KVTIERD_METRICS_ADDRESS": "127.0.0.1:0"}
     env.pop("KVTIERD_CONFIG", None)
     proc = subprocess.Popen([os.path.join(BIN, "kvtierd")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

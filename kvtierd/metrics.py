@@ -1,0 +1,103 @@
+"""Prometheus exposition: a collector that reads the daemon's state at scrape time.
+
+The HTTP endpoint (prometheus-client's, on its own thread) never touches the store: each scrape
+asks the server loop for a snapshot (``Server.call_in_loop``), so the one-thread-owns-the-state
+rule holds, and the values are exactly those of the moment of the scrape.
+
+Metric names follow Prometheus conventions: ``kvtierd_`` prefix, ``_total`` for counters,
+``_bytes`` and ``_seconds`` units. docs/operations.md lists them with their meaning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+from prometheus_client import start_http_server
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    InfoMetricFamily, Metric)
+from prometheus_client.registry import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+STORE_KEY_OUTCOMES = {"written": "store_written_keys", "present": "store_present_keys",
+                      "no_space": "store_no_space_keys", "aborted": "store_aborted_keys"}
+
+
+def _histogram(name: str, doc: str, label: str | None, series: dict[str, dict]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=[label] if label else None)
+    for value, snap in sorted(series.items()):
+        buckets = [("+Inf" if bound == float("inf") else repr(bound), count) for bound, count in snap["buckets"]]
+        family.add_metric([value] if label else [], buckets, snap["sum"])
+    return family
+
+
+class DaemonCollector:
+    """Turns one snapshot of the daemon's stats into metric families."""
+
+    def __init__(self, snapshot: Callable[[], dict]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"kvtierd_{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"kvtierd_{name}", doc, value=value)
+
+        def labelled(cls, name: str, doc: str, label: str, values: dict) -> Metric:
+            family = cls(f"kvtierd_{name}", doc, labels=[label])
+            for key, value in sorted(values.items()):
+                family.add_metric([key], value)
+            return family
+
+        yield InfoMetricFamily("kvtierd_region", "The region this daemon serves.",
+                               value={"path": s["region"], "pinned": s["pinned"],
+                                      "generation": f"{s['generation']:x}", "page_size": str(s["page_size"])})
+        yield gauge("capacity_bytes", "Bytes of the data area (pages × page size).", s["capacity_bytes"])
+        yield gauge("used_bytes", "Bytes of pages held by entries or quarantined.", s["used_bytes"])
+        yield labelled(GaugeMetricFamily, "pages", "Pages by state.", "state",
+                       {"free": s["pages_free"], "used": s["pages_used"] - s["pages_quarantined"],
+                        "quarantined": s["pages_quarantined"]})
+        yield labelled(GaugeMetricFamily, "entries", "Entries by state (pinned: READY and held by a load).",
+                       "state", {"ready": s["entries_ready"], "writing": s["entries_writing"],
+                                 "pinned": s["entries_pinned"]})
+        yield labelled(CounterMetricFamily, "lookup_keys", "Keys asked by lookup, by result.", "result",
+                       {"hit": s["lookup_hit_keys"], "miss": s["lookup_miss_keys"]})
+        yield labelled(CounterMetricFamily, "store_keys", "Keys of store jobs by outcome.", "outcome",
+                       {label: s[key] for label, key in STORE_KEY_OUTCOMES.items()})
+        yield labelled(CounterMetricFamily, "load_keys", "Keys of load jobs by result.", "result",
+                       {"hit": s["load_hit_keys"], "miss": s["load_miss_keys"]})
+        yield labelled(CounterMetricFamily, "jobs_completed", "Jobs every rank finished, by kind.", "kind",
+                       {"store": s["store_jobs_done"], "load": s["load_jobs_done"]})
+        yield labelled(CounterMetricFamily, "aborted_jobs", "Aborted jobs by cause.", "cause", s["aborted_jobs"])
+        yield counter("evictions", "Entries evicted to make room.", s["evictions"])
+        yield counter("written_bytes", "Bytes copied into the region by writer ranks (D2H).", s["bytes_written"])
+        yield counter("dedup_saved_bytes", "Bytes replicated-layout ranks did not copy thanks to one-copy dedup.",
+                      s["bytes_saved_dedup"])
+        yield labelled(GaugeMetricFamily, "sessions", "Attached client sessions by role.", "role", s["session_roles"])
+        yield gauge("engines", "Engines with at least one attached session.", s["engines"])
+        yield gauge("open_jobs", "Jobs waiting for copies, votes or releases.", s["open_jobs"])
+        yield labelled(CounterMetricFamily, "errors", "Error replies by code.", "code", s["errors"])
+        yield _histogram("kvtierd_request_duration_seconds", "Time to handle one request, by operation.", "op",
+                         s["latency"])
+        yield _histogram("kvtierd_vote_wait_seconds", "Time from a store job's first request to its last vote.",
+                         None, {"": s["vote_wait"]})
+
+
+def start_endpoint(address: str, snapshot: Callable[[], dict]) -> tuple[object, str]:
+    """Serve /metrics on ``host:port`` (port 0 picks one). Returns (server, bound host:port)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"metrics address {address!r} must be HOST:PORT (or 'off'); setting metrics_address")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(snapshot))
+    try:
+        server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    except OSError as exc:
+        raise ValueError(f"cannot serve metrics on {address}: {exc.strerror}; change metrics_address "
+                         "(--metrics-address) or set it to off") from None
+    bound_host, bound_port = server.server_address[:2]
+    return server, f"{bound_host}:{bound_port}"
