@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from . import __version__, config
 
@@ -48,24 +48,46 @@ def daemon_main(argv: list[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------ kvtierctl
-def _socket_path(args: argparse.Namespace) -> str:
-    if args.socket:
-        return args.socket
+# Each command: (help, add_arguments, fetch(args) -> data, format(data, args) -> str, exit code(data)).
+# Live commands talk the protocol (the admin socket for admin ones); status, namespaces, entries,
+# inspect and check read the region file, so they also work when the daemon is down.
+
+
+def _paths(args: argparse.Namespace) -> tuple[str, str, str, str]:
+    """(socket, admin socket, region, lock) of the daemon the flags/env point at."""
     directory = args.dir or os.environ.get("KVTIERD_DIR") or config.default_directory()
     name = args.name or os.environ.get("KVTIERD_NAME") or "kvtierd"
-    return os.path.join(directory, f"{name}.sock")
+    base = os.path.join(directory, name)
+    socket = args.socket or f"{base}.sock"
+    return socket, socket.removesuffix(".sock") + ".admin.sock", args.region or f"{base}.region", f"{base}.lock"
 
 
-def fetch_stats(socket_path: str, timeout: float) -> dict[str, Any]:
+def _call(path: str, timeout: float, op: str, **fields: Any) -> dict[str, Any]:
     from kvtier.session import Channel
-    channel = Channel(socket_path, timeout)
+    channel = Channel(path, timeout)
     try:
-        reply = channel.call("stats")
+        reply = channel.call(op, **fields)
     finally:
         channel.close()
     for meta in ("rid", "ok"):
         reply.pop(meta, None)
     return reply
+
+
+def daemon_running(lock_path: str) -> bool:
+    """True while a daemon holds the region's lock (it holds it for its whole life)."""
+    import fcntl
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _human_bytes(n: int) -> str:
@@ -75,59 +97,189 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def format_stats(stats: dict[str, Any]) -> str:
+def _pairs(data: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
     rows: list[tuple[str, str]] = []
-    for key, value in stats.items():
-        if key == "namespace_list":
+    for key, value in data.items():
+        if key in skip:
             continue
         if isinstance(value, dict):
             text = ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "-"
-        elif key.endswith("_bytes") or key in ("bytes_written", "bytes_saved_dedup"):
-            text = f"{value} ({_human_bytes(int(value))})"
+        elif isinstance(value, int) and not isinstance(value, bool) and (
+                key.endswith("_bytes") or key.startswith("bytes_")):
+            text = f"{value} ({_human_bytes(value)})"
         elif isinstance(value, float):
             text = f"{value:.1f}"
         else:
-            text = str(value)
+            text = "-" if value is None else str(value)
         rows.append((key, text))
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    namespaces = stats.get("namespace_list") or []
-    if namespaces:
-        lines.append("")
-        lines.append(f"{'slot':>4}  {'entries':>8}  {'pages/entry':>11}  namespace")
-        for ns in namespaces:
-            lines.append(f"{ns['slot']:>4}  {ns['entries']:>8}  {ns['entry_pages']:>11}  {ns['name']}")
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    if not rows:
+        return "(none)"
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
     return "\n".join(lines)
 
 
-COMMANDS: dict[str, tuple[str, Callable[[str, float], dict], Callable[[dict], str]]] = {
-    "stats": ("counters and occupancy of a running daemon", fetch_stats, format_stats),
+# --- fetchers -----------------------------------------------------------------------------------
+def fetch_stats(args: argparse.Namespace) -> dict:
+    return _call(_paths(args)[0], args.timeout, "stats")
+
+
+def fetch_status(args: argparse.Namespace) -> dict:
+    socket, _, region, lock = _paths(args)
+    if daemon_running(lock):
+        s = _call(socket, args.timeout, "stats")
+        keys = ("daemon_pid", "socket", "admin_socket", "metrics_address", "region", "generation", "pinned",
+                "file_bytes", "capacity_bytes", "used_bytes", "pages_total", "pages_free", "entries_ready",
+                "entries_writing", "entries_pinned", "namespaces", "engines", "sessions", "open_jobs",
+                "uptime_seconds", "stopping")
+        return {"daemon": "running", **{k: s[k] for k in keys}}
+    from . import offline
+    with offline.open_region(region) as view:
+        return {"daemon": "not running", **offline.status(view, region)}
+
+
+def _offline(fn):
+    def fetch(args: argparse.Namespace):
+        from . import offline
+        region = _paths(args)[2]
+        with offline.open_region(region) as view:
+            return fn(offline, view, args)
+    return fetch
+
+
+def _key(text: str) -> bytes:
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise SystemExit(f"kvtierctl: key {text!r} is not hex (e.g. the key column of kvtierctl entries)") from None
+
+
+fetch_namespaces = _offline(lambda off, view, args: off.namespaces(view))
+fetch_entries = _offline(lambda off, view, args: off.entries(view, args.namespace, args.sort, args.limit))
+fetch_inspect = _offline(lambda off, view, args: (
+    {"entries": off.inspect_key(view, _key(args.value))} if args.what == "key"
+    else off.inspect_page(view, int(args.value))))
+fetch_check = _offline(lambda off, view, args: off.check(view, daemon_running(_paths(args)[3])))
+
+
+def fetch_clients(args: argparse.Namespace) -> dict:
+    return _call(_paths(args)[1], args.timeout, "clients")
+
+
+def fetch_evict(args: argparse.Namespace) -> dict:
+    return _call(_paths(args)[1], args.timeout, "evict", namespace=args.namespace, count=args.count)
+
+
+def fetch_clear(args: argparse.Namespace) -> dict:
+    if args.namespace is None and not args.all:
+        raise SystemExit("kvtierctl: clear needs --namespace NAME, or --all to clear every namespace")
+    return _call(_paths(args)[1], args.timeout, "clear", namespace=args.namespace)
+
+
+# --- formatters ---------------------------------------------------------------------------------
+def format_stats(data: dict, args: argparse.Namespace) -> str:
+    text = _pairs(data, skip=("namespace_list", "latency", "vote_wait"))
+    if data.get("namespace_list"):
+        text += "\n\n" + _table(data["namespace_list"], ["slot", "entries", "entry_pages", "name"])
+    return text
+
+
+def format_inspect(data: dict, args: argparse.Namespace) -> str:
+    if "entries" in data:
+        if not data["entries"]:
+            return "no READY entry holds this key"
+        return "\n\n".join(_pairs(e) for e in data["entries"])
+    owner = data.get("owner")
+    text = _pairs({k: v for k, v in data.items() if k != "owner"})
+    return text + ("\nowner   free (no sound entry holds this page)" if owner is None else "\n\nowner:\n" + _pairs(owner))
+
+
+def format_check(data: dict, args: argparse.Namespace) -> str:
+    lines = [f"{'OK' if data['ok'] else 'DAMAGED'}: {data['entries_sound']} sound entries holding "
+             f"{data['pages_held']} of {data['pages_total']} pages; {data['entries_writing']} being written"
+             + (" (in flight)" if data["daemon_running"] else " (unfinished: a restart discards them)")]
+    for ns in data["damaged_namespaces"]:
+        lines.append(f"namespace slot {ns['slot']}: {ns['reason']}")
+    for p in data["problems"]:
+        lines.append(f"entry {p['slot']}: {p['reason']}")
+    return "\n".join(lines)
+
+
+COMMANDS: dict[str, tuple] = {
+    "status": ("the daemon's state (live), or the region file's (daemon down)", None, fetch_status,
+               lambda d, a: _pairs(d), None),
+    "stats": ("all counters and occupancy of a running daemon", None, fetch_stats, format_stats, None),
+    "namespaces": ("namespaces recorded in the region, with their entry counts", None, fetch_namespaces,
+                   lambda d, a: _table(d, ["slot", "entries", "entry_pages", "name"]), None),
+    "entries": ("list entries (reads the region file)",
+                lambda p: (p.add_argument("--namespace", help="only this namespace (as kvtierctl namespaces names it)"),
+                           p.add_argument("--sort", choices=("age", "size"), default="age",
+                                          help="age: least recently used first; size: largest first"),
+                           p.add_argument("--limit", type=int, help="at most this many rows")),
+                fetch_entries,
+                lambda d, a: _table(d, ["slot", "state", "length", "page_count", "last_access_tick", "key",
+                                        "namespace"]), None),
+    "inspect": ("show the entry of a KEY (hex) or what holds a PAGE",
+                lambda p: (p.add_argument("what", choices=("key", "page")), p.add_argument("value")),
+                fetch_inspect, format_inspect, None),
+    "check": ("consistency of the entry table and page chains (offline; exit 1 when damaged)", None, fetch_check,
+              format_check, lambda d: 0 if d["ok"] else 1),
+    "clients": ("attached sessions (admin socket)", None, fetch_clients,
+                lambda d, a: _table(d["clients"], ["session", "engine", "role", "pid", "world_size", "watched",
+                                                   "namespace"]), None),
+    "evict": ("evict least recently used entries (admin socket)",
+              lambda p: (p.add_argument("--count", type=int, required=True, help="how many entries"),
+                         p.add_argument("--namespace", help="only from this namespace")),
+              fetch_evict, lambda d, a: f"evicted {d['evicted']} entries", None),
+    "clear": ("evict every evictable entry of a namespace, or of all (admin socket)",
+              lambda p: (p.add_argument("--namespace", help="the namespace to clear"),
+                         p.add_argument("--all", action="store_true", help="clear every namespace")),
+              fetch_clear, lambda d, a: f"evicted {d['evicted']} entries (pinned and in-flight ones stay)", None),
 }
 
 
 def ctl_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtierctl", description="Inspect a running kvtierd.")
-    parser.add_argument("--socket", help="daemon socket (default: <dir>/<name>.sock of a default daemon) "
-                                         "[env KVTIERD_SOCKET]", default=os.environ.get("KVTIERD_SOCKET"))
-    parser.add_argument("--dir", help="daemon directory, to find its socket [env KVTIERD_DIR]")
-    parser.add_argument("--name", help="daemon name, to find its socket [env KVTIERD_NAME]")
+    parser = argparse.ArgumentParser(
+        prog="kvtierctl",
+        description="Inspect and manage a kvtierd. status, namespaces, entries, inspect and check read the region "
+                    "file and work with the daemon down; stats, clients, evict and clear talk to the daemon "
+                    "(clients, evict and clear on its admin socket, which only the daemon's user can open).")
+    parser.add_argument("--dir", help="daemon directory [env KVTIERD_DIR; default as kvtierd's]")
+    parser.add_argument("--name", help="daemon name [env KVTIERD_NAME; default kvtierd]")
+    parser.add_argument("--socket", default=os.environ.get("KVTIERD_SOCKET"),
+                        help="client socket, instead of <dir>/<name>.sock [env KVTIERD_SOCKET]")
+    parser.add_argument("--region", help="region file, instead of <dir>/<name>.region")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     parser.add_argument("--version", action="version", version=f"kvtierctl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, _, _) in COMMANDS.items():
+    for name, (help_text, add_args, *_rest) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        if add_args:
+            add_args(p)
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
 def ctl_main(argv: list[str] | None = None) -> int:
     args = ctl_parser().parse_args(argv)
-    _, fetch, fmt = COMMANDS[args.command]
+    _, _, fetch, fmt, exit_code = COMMANDS[args.command]
     from kvtier.errors import KvtierError
+
+    from .layout import FormatError
     try:
-        data = fetch(_socket_path(args), args.timeout)
+        data = fetch(args)
     except KvtierError as exc:
         print(f"kvtierctl: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(data, indent=2, sort_keys=True) if args.json else fmt(data))
-    return 0
+    except (OSError, FormatError, ValueError) as exc:
+        print(f"kvtierctl: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=2, sort_keys=True) if args.json else fmt(data, args))
+    return exit_code(data) if exit_code else 0

@@ -307,3 +307,109 @@ def read_geometry(raw: np.ndarray) -> Geometry:
         return Geometry.from_header(header)
     except ValueError as exc:
         raise FormatError(str(exc)) from None
+
+
+@dataclass
+class RegionScan:
+    """What the tables of a region hold, judged record by record (see ``scan``).
+
+    ``ready`` holds the sound READY entries, least recently used first, as
+    (slot, namespace slot, key, pages); ``problems`` the records a restarted daemon would discard,
+    as (slot, reason); ``writing`` the WRITING slots (unfinished: discarded on restart).
+    """
+
+    namespaces: dict[int, NamespaceLayout]
+    damaged_namespaces: dict[int, str]
+    ready: list[tuple[int, int, bytes, np.ndarray]]
+    writing: np.ndarray
+    problems: list[tuple[int, str]]
+    owner: np.ndarray           # page → slot of the sound entry holding it, or -1
+
+    @property
+    def pages_held(self) -> int:
+        return int((self.owner >= 0).sum())
+
+
+def scan(view: RegionView) -> RegionScan:
+    """Judge every namespace and entry record without changing anything.
+
+    One piece of logic serves the daemon's recovery (which keeps ``ready`` and frees the rest)
+    and ``kvtierctl check`` (which reports ``problems``). A READY record is sound when its
+    namespace record is sound, its key length is 1..MAX_KEY_BYTES, its page count is its
+    namespace's, its chain stays in the data area and ends exactly after page_count links, it
+    shares no page with an older sound entry and no older sound entry of its namespace has its
+    key. Nothing in the bytes can make this raise.
+    """
+    geo = view.geometry
+    namespaces: dict[int, NamespaceLayout] = {}
+    damaged: dict[int, str] = {}
+    ns_pages = np.full(1 << 16, -1, dtype=np.int64)   # entry pages by namespace slot (u2)
+    seen_layouts: set[NamespaceLayout] = set()
+    for slot in np.flatnonzero(view.namespaces["in_use"]).tolist():
+        try:
+            layout = NamespaceLayout.from_record(view.namespaces[slot])
+            if not 1 <= layout.entry_pages(geo.page_size) <= geo.num_pages:
+                raise ValueError(f"{layout.entry_pages(geo.page_size)} pages per entry")
+            if layout in seen_layouts:
+                raise ValueError("same layout as an earlier slot")
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            damaged[slot] = str(exc) or type(exc).__name__
+            continue
+        seen_layouts.add(layout)
+        namespaces[slot] = layout
+        ns_pages[slot] = layout.entry_pages(geo.page_size)
+
+    ents = view.entries
+    states = ents["state"]
+    writing = np.flatnonzero(states == EntryState.WRITING)
+    garbage = np.flatnonzero((states != EntryState.FREE) & (states != EntryState.READY)
+                             & (states != EntryState.WRITING))
+    problems = [(int(s), f"unknown state {int(states[s])}") for s in garbage]
+    ready = np.flatnonzero(states == EntryState.READY)
+    ready = ready[np.argsort(ents["tick"][ready], kind="stable")]
+    counts = ents["page_count"][ready].astype(np.int64)
+    key_len = ents["key_len"][ready].astype(np.int64)
+    ns_of = ents["ns"][ready].astype(np.int64)
+    reason = np.full(len(ready), "", dtype=object)
+    # Records whose count, namespace or key is not sound are judged before any chain walk: a
+    # damaged count must not size the walk.
+    reason[(key_len == 0) | (key_len > MAX_KEY_BYTES)] = "bad key length"
+    wrong_count = (counts != ns_pages[ns_of]) & (reason == "")
+    reason[wrong_count & (ns_pages[ns_of] < 0)] = "unknown or damaged namespace"
+    reason[wrong_count & (ns_pages[ns_of] >= 0)] = "page count differs from its namespace's"
+    walk = np.where(reason == "", counts, 0)
+    # Walk every chain at once, one link per step (steps = the longest chain).
+    max_count = int(walk.max()) if len(ready) else 0
+    chains = np.full((len(ready), max_count), CHAIN_END, dtype=np.uint32)
+    cur = ents["first_page"][ready].astype(np.int64)
+    for step in range(max_count):
+        active = (walk > step) & (reason == "")
+        out = active & (cur >= geo.num_pages)
+        reason[out] = "chain leaves the data area"
+        active &= ~out
+        chains[active, step] = cur[active]
+        nxt = cur.copy()        # a finished chain keeps its last link, checked below
+        nxt[active] = view.chain[cur[active]]
+        cur = nxt
+    reason[(reason == "") & (cur != CHAIN_END)] = "chain longer than its page count"
+    owner = np.full(geo.num_pages, -1, dtype=np.int64)
+    kept: list[tuple[int, int, bytes, np.ndarray]] = []
+    keys_seen: set[tuple[int, bytes]] = set()
+    for i, slot in enumerate(ready.tolist()):
+        if reason[i]:
+            problems.append((slot, reason[i]))
+            continue
+        rec = ents[slot]
+        pages = chains[i, : counts[i]]
+        key = bytes(rec["key"][: rec["key_len"]])
+        if (owner[pages] >= 0).any():
+            other = int(owner[pages][owner[pages] >= 0][0])
+            problems.append((slot, f"shares a page with entry {other}"))
+            continue
+        if (int(ns_of[i]), key) in keys_seen:
+            problems.append((slot, "duplicate key in its namespace"))
+            continue
+        keys_seen.add((int(ns_of[i]), key))
+        owner[pages] = slot
+        kept.append((slot, int(ns_of[i]), key, pages))
+    return RegionScan(namespaces, damaged, kept, writing, problems, owner)

@@ -15,7 +15,7 @@ in the entry table so a restarted daemon can rebuild this order) lives in the st
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Iterator
+from typing import Iterable
 
 
 class LRUPolicy:

@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .histogram import Histogram
-from .layout import CHAIN_END, EntryState, FormatError, NamespaceLayout, RegionView
+from .layout import EntryState, NamespaceLayout, RegionView, scan
 from .lru import LRUPolicy
 from .pages import PageAllocator
-from .protocol import MAX_KEY_BYTES, PAGES_DTYPE, ErrorCode, JobState, LayoutKind, RequestError, StoreOutcome
+from .protocol import PAGES_DTYPE, ErrorCode, JobState, LayoutKind, RequestError, StoreOutcome
 
 log = logging.getLogger(__name__)
 
@@ -178,75 +178,34 @@ class Store:
         make recovery raise.
         """
         view, geo = self.view, self.geometry
-        ns_pages = np.full(1 << 16, -1, dtype=np.int64)   # entry_pages by namespace slot (u2)
-        for slot in np.flatnonzero(view.namespaces["in_use"]):
-            try:
-                layout = NamespaceLayout.from_record(view.namespaces[slot])
-                if not 1 <= layout.entry_pages(self.page_size) <= geo.num_pages or layout in self.namespaces:
-                    raise ValueError("impossible or duplicate layout")
-            except (KeyError, ValueError) as exc:       # a damaged record: drop it and its entries
-                log.warning("namespace slot %d is damaged (%s); discarding it", slot, exc)
-                view.namespaces[slot]["in_use"] = 0
-                continue
-            ns = Namespace(int(slot), layout, self.page_size)
-            self.namespaces[ns.layout] = ns
-            self.ns_by_slot[ns.slot] = ns
-            ns_pages[ns.slot] = ns.entry_pages
-        ents = view.entries
-        states = ents["state"]
-        writing = np.flatnonzero(states == EntryState.WRITING)
-        states[writing] = EntryState.FREE
-        garbage = np.flatnonzero((states != EntryState.FREE) & (states != EntryState.READY))
-        states[garbage] = EntryState.FREE
-        ready = np.flatnonzero(states == EntryState.READY)
-        ready = ready[np.argsort(ents["tick"][ready], kind="stable")]
-        counts = ents["page_count"][ready].astype(np.int64)
-        key_len = ents["key_len"][ready]
-        # A record whose page count is not its namespace's (or whose namespace or key is not
-        # sound) is discarded before its chain is walked: a damaged count must not size the walk.
-        bad = (counts != ns_pages[ents["ns"][ready]]) | (key_len == 0) | (key_len > MAX_KEY_BYTES)
-        counts[bad] = 0
-        first = ents["first_page"][ready].astype(np.int64)
-        # Walk every chain at once, one link per step (steps = the longest chain).
-        max_count = int(counts.max()) if len(ready) else 0
-        chains = np.full((len(ready), max_count), CHAIN_END, dtype=np.uint32)
-        cur = first.copy()
-        for step in range(max_count):
-            active = (counts > step) & ~bad
-            bad |= active & (cur >= geo.num_pages)
-            active &= ~bad
-            chains[active, step] = cur[active]
-            nxt = cur.copy()        # a finished chain keeps its last link, checked below
-            nxt[active] = view.chain[cur[active]]
-            cur = nxt
-        bad |= (cur != CHAIN_END) & (counts > 0)     # chain longer than page_count
-        bad |= counts == 0
-        owner = np.full(geo.num_pages, -1, dtype=np.int64)
+        found = scan(view)
+        for slot, why in found.damaged_namespaces.items():
+            log.warning("namespace slot %d is damaged (%s); discarding it and its entries", slot, why)
+            view.namespaces[slot]["in_use"] = 0
+        for slot, layout in found.namespaces.items():
+            ns = Namespace(slot, layout, self.page_size)
+            self.namespaces[layout] = ns
+            self.ns_by_slot[slot] = ns
+        states = view.entries["state"]
+        for slot, why in found.problems:
+            log.warning("entry %d discarded: %s", slot, why)
+            states[slot] = EntryState.FREE
+        states[found.writing] = EntryState.FREE
         kept: list[Entry] = []
-        discarded = 0
-        for i, slot in enumerate(ready.tolist()):
-            rec = ents[slot]
-            ns = self.ns_by_slot.get(int(rec["ns"]))
-            pages = chains[i, : counts[i]]
-            key = bytes(rec["key"][: rec["key_len"]])
-            if bad[i] or ns is None or (owner[pages] >= 0).any() or key in ns.index:
-                states[slot] = EntryState.FREE
-                discarded += 1
-                continue
-            owner[pages] = slot
+        for slot, ns_slot, key, pages in found.ready:
+            ns = self.ns_by_slot[ns_slot]
             entry = Entry(slot, ns, key, EntryState.READY, pages.astype(PAGES_DTYPE).tobytes())
             ns.index[key] = entry
             self.by_slot[slot] = entry
             kept.append(entry)
         self.policy.add_oldest_first(e.slot for e in kept)
         self.entry_count[EntryState.READY] = len(kept)
-        self.allocator = PageAllocator(geo.num_pages, np.flatnonzero(owner >= 0))
-        free_slots = np.flatnonzero(states == EntryState.FREE)
-        self._free_slots: list[int] = free_slots[::-1].tolist()
-        if len(ready) or len(writing):
-            self.tick = max(self.tick, int(ents["tick"].max()))
-        return {"ready": len(kept), "writing_discarded": len(writing),
-                "corrupt_discarded": discarded + len(garbage)}
+        self.allocator = PageAllocator(geo.num_pages, np.flatnonzero(found.owner >= 0))
+        self._free_slots: list[int] = np.flatnonzero(states == EntryState.FREE)[::-1].tolist()
+        if len(view.entries):
+            self.tick = max(self.tick, int(view.entries["tick"].max()))
+        return {"ready": len(kept), "writing_discarded": len(found.writing),
+                "corrupt_discarded": len(found.problems)}
 
     # ------------------------------------------------------------------ sessions
     def attach(self, engine_id: str, rank: int | None, world_size: int, layout: NamespaceLayout,
