@@ -17,11 +17,20 @@ Rank usage::
 A store job finishes on this rank once its copy (if it is a writer) completed and its vote was
 accepted; a load job once its copy completed and its release was accepted. ``JobResult.ok`` is
 False when the daemon aborted the job (then loaded blocks must be treated as a miss).
+
+Daemon restarts: when the daemon stops answering or no longer knows the session, the client
+re-attaches on its own (same engine, rank and layout; for up to ``reconnect_timeout`` seconds),
+remapping the region when its path or generation changed. Jobs in flight across the restart
+finish with ``ok=False`` and a ``DaemonUnavailable`` error (a miss for the engine); the call
+that discovered the restart is retried once on the new daemon, except commit/release, whose
+jobs died with the old one. A session the daemon cannot watch through a pidfd (another PID
+namespace) gets a heartbeat thread with its own socket.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -35,7 +44,7 @@ from kvtierd.mapping import CudaRuntime, Mapping
 from kvtierd.protocol import LayoutKind, StoreOutcome
 
 from .copy import CopyEngine, CopyHandle, select_engine
-from .errors import DaemonError, KvtierError
+from .errors import DaemonUnavailable, KvtierError, NotAttached
 from .kvcache import KVCacheLayout
 from .session import Channel
 
@@ -101,40 +110,134 @@ class _Pending:
     result: JobResult | None = field(default=None)
 
 
+class _Heartbeat(threading.Thread):
+    """Proves a session alive from its own socket while the engine's thread is busy elsewhere."""
+
+    def __init__(self, socket_path: str, session: int, token: int, interval: float):
+        super().__init__(name="kvtier-heartbeat", daemon=True)
+        self._args = (socket_path, session, token, interval)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        socket_path, session, token, interval = self._args
+        channel = None
+        try:
+            while not self._stop_event.wait(interval):
+                try:
+                    channel = channel or Channel(socket_path, timeout=interval)
+                    channel.call("ping", session=session, token=token)
+                except KvtierError:
+                    pass   # the engine's next call finds out and re-attaches
+        finally:
+            if channel is not None:
+                channel.close()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(5)
+
+
+# Ops that may be sent again after re-attaching: they do not refer to a job of the old daemon.
+_RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort"})
+
+
 class Client:
     def __init__(self, socket_path: str | None = None, *, engine_id: str, rank: int | None, world_size: int,
-                 layout: Layout, copy_engine: str = "auto", pin: str = "auto", timeout: float = 10.0):
-        self.channel = Channel(socket_path or default_socket(), timeout)
+                 layout: Layout, copy_engine: str = "auto", pin: str = "auto", timeout: float = 10.0,
+                 reconnect_timeout: float = 30.0):
+        self.socket_path = socket_path or default_socket()
         self.rank = rank
         self.world_size = world_size
         self.layout = layout
         self.engine_id = engine_id
-        try:
-            pidns = os.stat("/proc/self/ns/pid").st_ino
-        except OSError:
-            pidns = None
-        try:
-            info = self.channel.call("hello", version=P.PROTOCOL_VERSION, engine=engine_id, rank=rank,
-                                     world_size=world_size, layout=layout.to_wire(), pid=os.getpid(), pidns=pidns)
-        except BaseException:
-            self.channel.close()
-            raise
-        self.info = info
-        self.session = info["session"]
-        self.page_size = info["page_size"]
-        self.pages_per_shard = info["pages_per_shard"]
-        self.is_writer = rank is not None and rank in info["writers"]
+        self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.channel: Channel | None = None
         self.mapping: Mapping | None = None
         self.pinned = "off"
         self.kv: KVCacheLayout | None = None
         self.engine: CopyEngine | None = None
+        self.info: dict = {}
+        self._heartbeat: _Heartbeat | None = None
         self._copy_engine_name = copy_engine
         self._pin = pin
         self._pending: dict[int, _Pending] = {}
-        if rank is not None:
-            self._map_region()
+        self._lost: list[JobResult] = []          # in flight across a daemon restart
+        self._attach()
 
     # ------------------------------------------------------------------ setup
+    def _attach(self) -> None:
+        """hello on a fresh channel; map (or remap) the region when it is new to this client."""
+        try:
+            pidns = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            pidns = None
+        fields = dict(version=P.PROTOCOL_VERSION, engine=self.engine_id, rank=self.rank, world_size=self.world_size,
+                      layout=self.layout.to_wire(), pid=os.getpid())
+        if pidns is not None:        # unknown: the daemon cannot watch us and expects heartbeats
+            fields["pidns"] = pidns
+        if self.info:   # re-attaching: the daemon may still hold our old session (a lost reply)
+            fields.update(replaces=self.info["session"], replaces_token=self.info["token"])
+        channel = Channel(self.socket_path, self.timeout)
+        try:
+            info = channel.call("hello", **fields)
+        except BaseException:
+            channel.close()
+            raise
+        previous, self.channel, self.info = self.info, channel, info
+        self.session = info["session"]
+        self.page_size = info["page_size"]
+        self.pages_per_shard = info["pages_per_shard"]
+        self.is_writer = self.rank is not None and self.rank in info["writers"]
+        if self.rank is not None and (self.mapping is None or (previous.get("region"), previous.get("generation"))
+                                      != (info["region"], info["generation"])):
+            if self.mapping is not None:
+                self.mapping.close()
+                self.mapping = None
+            self._map_region()
+        if info.get("heartbeat_interval"):
+            self._heartbeat = _Heartbeat(self.socket_path, info["session"], info["token"], info["heartbeat_interval"])
+            self._heartbeat.start()
+
+    def _reattach(self, cause: KvtierError) -> None:
+        """The daemon restarted or dropped us: settle in-flight jobs as lost, attach again."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        for job, p in list(self._pending.items()):
+            try:
+                p.handle.wait()               # the copy must be over before the region may be remapped
+            except Exception:
+                pass
+            self._lost.append(JobResult(job, p.kind, False, 0, DaemonUnavailable(
+                f"kvtierd restarted or dropped the session while job {job} was in flight ({cause})")))
+        self._pending.clear()
+        self.channel.close()
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            try:
+                self._attach()
+                return
+            except (DaemonUnavailable, NotAttached) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise DaemonUnavailable(f"kvtierd did not come back within {self.reconnect_timeout:g}s: "
+                                            f"{exc}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _call(self, op: str, **fields) -> dict:
+        """One request; after a restart (no answer, or session unknown), re-attach and retry once."""
+        try:
+            return self.channel.call(op, **fields)
+        except (DaemonUnavailable, NotAttached) as exc:
+            if self.channel is None:
+                raise
+            self._reattach(exc)
+            if op not in _RETRYABLE:
+                raise DaemonUnavailable(f"kvtierd restarted: the {op} of job {fields.get('job')} is lost") from exc
+            return self.channel.call(op, **fields)
+
     def _map_region(self) -> None:
         info = self.info
         mapping = Mapping.of_file(info["region"])
@@ -182,23 +285,23 @@ class Client:
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are cached and ready (they count as recently used)."""
-        return self.channel.call("lookup", keys=list(keys))["hits"]
+        return self._call("lookup", keys=list(keys))["hits"]
 
     def stats(self) -> dict:
-        return self.channel.call("stats")
+        return self._call("stats")
 
     def job_status(self, jobs: Iterable[int]) -> list[dict]:
-        return self.channel.call("jobs", jobs=list(jobs))["jobs"]
+        return self._call("jobs", jobs=list(jobs))["jobs"]
 
     # ------------------------------------------------------------------ jobs
     def open_store(self, job: int, keys: Sequence[bytes]) -> StoreDecision:
         """Coordinator: fix a store job's decision; the ranks then store() the same job."""
-        reply = self.channel.call("store", job=job, keys=list(keys))
+        reply = self._call("store", job=job, keys=list(keys))
         return StoreDecision([StoreOutcome(o) for o in reply["outcomes"]])
 
     def open_load(self, job: int, keys: Sequence[bytes]) -> int:
         """Coordinator: pin the cached prefix of ``keys`` for a load job; returns its length."""
-        return self.channel.call("load", job=job, keys=list(keys))["hits"]
+        return self._call("load", job=job, keys=list(keys))["hits"]
 
     def store(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> StoreDecision:
         """Store KV-cache blocks ``block_ids`` under ``keys``. Returns the decision at once; the
@@ -208,7 +311,7 @@ class Client:
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
         if job in self._pending:
             raise KvtierError(f"job {job} is still in flight on this rank")
-        reply = self.channel.call("store", job=job, keys=list(keys))
+        reply = self._call("store", job=job, keys=list(keys))
         outcomes = [StoreOutcome(o) for o in reply["outcomes"]]
         if not self.is_writer:            # the request was this rank's vote
             self._pending[job] = _Pending("store", CopyHandle(), vote=False)
@@ -232,7 +335,7 @@ class Client:
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
         if job in self._pending:
             raise KvtierError(f"job {job} is still in flight on this rank")
-        reply = self.channel.call("load", job=job, keys=list(keys))
+        reply = self._call("load", job=job, keys=list(keys))
         hits = reply["hits"]
         pages = np.frombuffer(reply["pages"], dtype=P.PAGES_DTYPE).reshape(hits, self.pages_per_shard)
         try:
@@ -245,11 +348,11 @@ class Client:
         return hits
 
     def abort(self, job: int) -> None:
-        self.channel.call("abort", job=job)
+        self._call("abort", job=job)
 
     def _call_quietly(self, op: str, **fields) -> None:
         try:
-            self.channel.call(op, **fields)
+            self._call(op, **fields)
         except KvtierError:
             pass
 
@@ -259,10 +362,10 @@ class Client:
         try:
             if p.kind == "store":
                 if p.vote:
-                    self.channel.call("commit", job=job, ok=failure is None)
+                    self._call("commit", job=job, ok=failure is None)
             else:
-                self.channel.call("release", job=job)
-        except DaemonError as exc:
+                self._call("release", job=job)
+        except KvtierError as exc:        # an error reply, or no reply at all (DaemonUnavailable)
             return JobResult(job, p.kind, False, 0, exc)
         if failure is not None:
             return JobResult(job, p.kind, False, 0, KvtierError(f"copy failed: {failure!r}"))
@@ -270,7 +373,7 @@ class Client:
 
     def poll(self) -> list[JobResult]:
         """Jobs of this rank that finished since the last poll (their copies completed)."""
-        done = []
+        done, self._lost = self._lost, []
         for job, p in list(self._pending.items()):
             if p.handle.done():
                 del self._pending[job]
@@ -280,13 +383,20 @@ class Client:
     def wait(self, jobs: Iterable[int], timeout: float | None = None) -> list[JobResult]:
         """Block until the given in-flight jobs finished on this rank; returns their results."""
         wanted = list(jobs)
+        lost = {r.job: r for r in self._lost if r.job in wanted}
+        self._lost = [r for r in self._lost if r.job not in lost]
+        wanted = [j for j in wanted if j not in lost]
         missing = [j for j in wanted if j not in self._pending]
         if missing:
             raise KvtierError(f"jobs {missing} are not in flight on this rank")
         deadline = None if timeout is None else time.monotonic() + timeout
         results = []
         for job in wanted:
-            p = self._pending[job]
+            p = self._pending.get(job)
+            if p is None:      # a restart, found while finishing an earlier job, settled it as lost
+                results.append(next(r for r in self._lost if r.job == job))
+                self._lost = [r for r in self._lost if r.job != job]
+                continue
             try:
                 p.handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
@@ -295,7 +405,7 @@ class Client:
                 pass                          # a failed copy: _finish votes no and reports it
             del self._pending[job]
             results.append(self._finish(job, p))
-        return results
+        return list(lost.values()) + results
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
@@ -309,6 +419,9 @@ class Client:
         except KvtierError:
             pass
         finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+                self._heartbeat = None
             if self.engine is not None:
                 self.engine.close()
             if self.mapping is not None:

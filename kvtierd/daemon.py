@@ -66,8 +66,14 @@ class Daemon:
                          "damaged discarded", self.region.paths.region,
                          "clean" if self.region.was_clean else "unclean", rec["ready"],
                          rec["writing_discarded"], rec["corrupt_discarded"])
+                if rec["writing_discarded"] or rec["corrupt_discarded"]:
+                    # The tables were rebuilt: page numbers a client held may mean other entries now.
+                    log.info("region rebuilt: new generation %x (clients remap on re-attach)",
+                             self.region.new_generation())
             self.server = Server(self.store, self.region, self.region.paths.socket, self.region.gid,
-                                 notifier=self.notifier, drain_timeout=c.drain_timeout)
+                                 notifier=self.notifier, drain_timeout=c.drain_timeout,
+                                 heartbeat_timeout=c.heartbeat_timeout,
+                                 region_check_interval=c.region_check_interval, checksums=c.checksums)
         except BaseException:
             self.region.close(clean=False)
             raise
@@ -121,4 +127,4 @@ def run(config: Config) -> int:
         log.error("cannot start: %s", exc)
         return 1
     daemon.run()
-    return 0
+    return daemon.server.exit_code

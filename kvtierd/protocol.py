@@ -133,8 +133,13 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "layout": Field("map"),
         "pid": _int(0, 1 << 31, required=False),
         "pidns": _int(0, 1 << 63, required=False),
+        # Re-attaching after a lost reply: end this earlier session (proved by its token) first.
+        "replaces": _int(0, 1 << 63, required=False),
+        "replaces_token": _int(0, 1 << 63, required=False),
     },
-    "ping": {},
+    # A heartbeat may come from any socket: session + token (from the hello reply) name the
+    # session whose liveness it proves (clients the daemon cannot watch through a pidfd).
+    "ping": {"session": _int(0, 1 << 63, required=False), "token": _int(0, 1 << 63, required=False)},
     "bye": {},
     "lookup": {"keys": KEYS},
     "store": {"job": JOB, "keys": KEYS},

@@ -22,13 +22,21 @@ Liveness: a client that shares the daemon's PID namespace (it reports the inode 
 /proc/self/ns/pid at hello) is watched through a pidfd, which becomes readable the moment the
 process dies; its session then ends as if it had said ``bye``: jobs still waiting for that rank
 abort, its pins drop (invariant 6). A PID from another namespace proves nothing, so such a
-session is not watched; its jobs are bounded by the job timeout.
+session must prove it is alive: any request, or a heartbeat (``ping`` with the session id and
+the token from its hello reply, sent from any socket), at least every ``heartbeat_timeout``
+seconds; otherwise it ends as dead.
+
+The loop also checks every ``region_check_interval`` that the region file is still the file it
+mapped: a removed or replaced file is reported (new clients could not map it); a truncated one
+stops the daemon, because any access past the new end would kill the daemon and its clients
+with SIGBUS.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import time
 from collections import Counter, deque
@@ -62,13 +70,23 @@ def own_pid_namespace() -> int | None:
 class Server:
     def __init__(self, store: Store, region: Region, socket_path: str, gid: int | None = None,
                  admin_socket_path: str | None = None, notifier: Notifier | None = None,
-                 drain_timeout: float = 10.0):
+                 drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0,
+                 region_check_interval: float = 5.0, checksums: bool = False):
         self.store = store
         self.region = region
         self.socket_path = socket_path
         self.admin_socket_path = admin_socket_path or socket_path.removesuffix(".sock") + ".admin.sock"
         self.notifier = notifier or Notifier({})
         self.drain_timeout = drain_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.region_check_interval = region_check_interval
+        self.checksums = checksums
+        self.heartbeats: dict[int, float] = {}   # unwatched session id → when it last proved alive
+        self.tokens: dict[int, int] = {}         # session id → heartbeat token
+        self.region_problem: str | None = None
+        self.exit_code = 0
+        st = os.stat(region.paths.region)
+        self._region_identity = (st.st_dev, st.st_ino)
         self.ctx = zmq.Context.instance()
         self.sock = self._bind(socket_path, 0o117, gid)                 # 0660, client group
         self.admin = self._bind(self.admin_socket_path, 0o177, None)    # 0600, daemon's user only
@@ -157,6 +175,8 @@ class Server:
         watchdog = self.notifier.watchdog_interval
         next_watchdog = time.monotonic()
         next_pressure, evictions_seen = time.monotonic() + PRESSURE_LOG_SECONDS, 0
+        next_region_check = time.monotonic() + self.region_check_interval
+        next_sweep = time.monotonic() + 0.5
         drain_deadline = None
         while True:
             now = time.monotonic()
@@ -178,9 +198,15 @@ class Server:
                                 evictions - evictions_seen, PRESSURE_LOG_SECONDS, store.allocator.free_pages,
                                 store.allocator.num_pages)
                 next_pressure, evictions_seen = now + PRESSURE_LOG_SECONDS, evictions
+            if now >= next_sweep:
+                self._sweep_heartbeats(now)
+                next_sweep = now + min(0.5, self.heartbeat_timeout / 4)
+            if now >= next_region_check:
+                self._check_region_file()
+                next_region_check = now + self.region_check_interval
             deadline = store.expire()
             wake_at = min(filter(None, [deadline, next_watchdog if watchdog else None, next_pressure,
-                                        drain_deadline]))
+                                        drain_deadline, next_sweep, next_region_check]))
             timeout = max(0, min(1000, int((wake_at - store.clock()) * 1000) + 1))
             events = dict(self.poller.poll(timeout))
             if self._wake_r in events:
@@ -199,6 +225,46 @@ class Server:
                             session.pid, session.role, session.engine.id)
                 self._end_session(session, "died")
         self.close()
+
+    def _sweep_heartbeats(self, now: float) -> None:
+        for session_id, seen in list(self.heartbeats.items()):
+            if now - seen > self.heartbeat_timeout:
+                session = self.store.sessions.get(session_id)
+                if session is not None:
+                    log.warning("client pid %s (%s of engine %r) sent nothing for %.1fs; ending its session",
+                                session.pid, session.role, session.engine.id, now - seen)
+                    self._end_session(session, "heartbeat_lost")
+                else:
+                    self.heartbeats.pop(session_id, None)
+
+    def _check_region_file(self) -> None:
+        path = self.region.paths.region
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            problem = "removed"
+        else:
+            if (st.st_dev, st.st_ino) != self._region_identity:
+                problem = "replaced by another file"
+            elif st.st_size < self.region.geometry.file_bytes:
+                problem = "truncated"
+            else:
+                problem = None
+        if problem == self.region_problem:
+            return
+        self.region_problem = problem
+        if problem is None:
+            log.info("region file %s is back", path)
+        elif problem == "truncated":
+            log.critical("region file %s was truncated under the daemon (%d < %d bytes); stopping before any "
+                         "access past its end kills this daemon or its clients. Restart with --recreate.",
+                         path, st.st_size, self.region.geometry.file_bytes)
+            self.exit_code = 1
+            self.drain_timeout = 0.0
+            self.request_stop()
+        else:
+            log.error("region file %s was %s while the daemon runs: attached clients keep working, new ones "
+                      "cannot map it. Restart kvtierd to recreate it (cached blocks are lost).", path, problem)
 
     def _open_loads(self) -> int:
         return sum(1 for e in self.store.engines.values() for j in e.jobs.values()
@@ -229,6 +295,8 @@ class Server:
         self.requests[op] += 1
         started = time.perf_counter()
         session = self.sessions.get(identity)
+        if session is not None and session.id in self.heartbeats:
+            self.heartbeats[session.id] = time.monotonic()
         try:
             if session is None and op not in P.SESSIONLESS_OPS:
                 raise RequestError(ErrorCode.NOT_ATTACHED, f"{op} before hello: attach a session first")
@@ -268,6 +336,9 @@ class Server:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
         if session is not None:
             self._end_session(session, "rehello")
+        replaced = self.store.sessions.get(msg.get("replaces", -1))
+        if replaced is not None and self.tokens.get(replaced.id) == msg.get("replaces_token"):
+            self._end_session(replaced, "reattached")
         layout = NamespaceLayout.from_wire(msg["layout"], msg["world_size"])
         pid = msg.get("pid")
         session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], layout, pid)
@@ -283,6 +354,10 @@ class Server:
             self.pidfds[fd] = session
             self.poller.register(fd, zmq.POLLIN)
             watched = True
+        else:
+            self.heartbeats[session.id] = time.monotonic()
+        token = secrets.randbits(62)
+        self.tokens[session.id] = token
         log.info("attach session=%d engine=%r %s world_size=%d pid=%s namespace=%s watched=%s", session.id,
                  session.engine.id, session.role, msg["world_size"], pid, layout.name(), watched)
         ns = session.engine.ns
@@ -293,13 +368,17 @@ class Server:
             "file_bytes": geo.file_bytes, "page_size": geo.page_size, "num_pages": geo.num_pages,
             "data_offset": geo.data_offset, "namespace": ns.layout.name(), "pages_per_shard": ns.pages_per_shard,
             "writers": sorted(session.engine.writers), "job_timeout": self.store.job_timeout,
-            "watched": watched,
+            "watched": watched, "token": token,
+            "heartbeat_interval": None if watched else self.heartbeat_timeout / 3,
+            "checksums": self.checksums,
         }
 
     def _end_session(self, session: Session, cause: str) -> None:
         identity = self.identities.pop(session.id, None)
         if identity is not None:
             self.sessions.pop(identity, None)
+        self.heartbeats.pop(session.id, None)
+        self.tokens.pop(session.id, None)
         for fd, watched in list(self.pidfds.items()):
             if watched is session:
                 self.poller.unregister(fd)
@@ -313,6 +392,13 @@ class Server:
         return {}
 
     def _ping(self, identity: bytes, session: Session | None, msg: dict) -> dict:
+        if "session" in msg:       # a heartbeat for a session, possibly from another socket
+            session_id = msg["session"]
+            if self.tokens.get(session_id) != msg.get("token"):
+                raise RequestError(ErrorCode.NOT_ATTACHED, f"no session {session_id} with that token")
+            if session_id in self.heartbeats:
+                self.heartbeats[session_id] = time.monotonic()
+            return {"generation": self.region.generation, "attached": True}
         return {"generation": self.region.generation, "attached": session is not None}
 
     # ------------------------------------------------------------------ data ops
@@ -373,6 +459,9 @@ class Server:
             "file_bytes": self.region.geometry.file_bytes,
             "daemon_pid": os.getpid(),
             "stopping": self.stopping,
+            "region_problem": self.region_problem,
+            "sessions_heartbeat": len(self.heartbeats),
+            "checksums": self.checksums,
         }
 
     # ------------------------------------------------------------------ admin ops

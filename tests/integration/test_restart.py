@@ -1,0 +1,148 @@
+"""Daemon restarts under live clients, heartbeat liveness, and the region file changing under us."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import kvtier.api
+from kvtier import Client, DaemonUnavailable, Layout, LayoutMismatch
+from kvtier.session import Channel
+from kvtierd import protocol as P
+
+from .test_jobs import wait_for
+from .test_tp_roundtrip import keys_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def make_client(daemon, rank: int = 0, world_size: int = 1, engine: str = "restart", seed: int = 0) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    kv = [torch.randint(0, 255, (8, 16, 512), dtype=torch.uint8, generator=gen) for _ in range(2)]
+    layout = Layout.for_kv_caches(kv, "restart-model", 16)
+    client = Client(daemon.socket, engine_id=engine, rank=rank, world_size=world_size, layout=layout,
+                    timeout=3, reconnect_timeout=30)
+    client.register_kv_caches(kv)
+    return client, kv
+
+
+def test_client_reattaches_after_a_daemon_crash_and_in_flight_jobs_fail_typed(daemon):
+    client, kv = make_client(daemon)
+    try:
+        keys = keys_for("before", 3)
+        client.store(1, keys, [0, 1, 2])
+        assert client.wait([1])[0].ok
+        pid_before, generation_before = client.info["daemon_pid"], client.info["generation"]
+
+        client.store(2, keys_for("in-flight", 2), [3, 4])    # copied, but not yet committed...
+        os.kill(daemon.proc.pid, signal.SIGKILL)              # ...when the daemon dies
+        daemon.proc.wait(10)
+        daemon.start()
+        # The job that was in flight fails with a typed error (a miss for the engine)...
+        (lost,) = client.wait([2])
+        assert not lost.ok and isinstance(lost.error, DaemonUnavailable)
+        assert client.info["daemon_pid"] == daemon.proc.pid != pid_before   # ...and it re-attached on its own
+        # The unfinished entries were discarded, so the region was rebuilt: a new generation.
+        assert client.info["generation"] != generation_before
+        assert "2 unfinished and 0 damaged discarded" in daemon.log()
+        # What was READY before the crash is still there and loads back byte for byte.
+        assert client.lookup(keys) == 3
+        assert client.load(3, keys, [5, 6, 7]) == 3
+        assert client.wait([3])[0].ok
+        for t in kv:
+            assert torch.equal(t[5:8], t[0:3])
+        assert client.lookup(keys_for("in-flight", 2)) == 0
+        stats = daemon.stats()
+        assert stats["sessions"] == 1 and stats["entries_writing"] == 0 and stats["entries_pinned"] == 0
+    finally:
+        client.close()
+
+
+def test_clean_restart_keeps_the_generation(daemon):
+    client, _ = make_client(daemon)
+    try:
+        generation = client.info["generation"]
+        assert daemon.stop() == 0
+        daemon.start()
+        assert client.lookup(keys_for("x", 1)) == 0          # re-attached transparently
+        assert client.info["generation"] == generation       # nothing was rebuilt: no remap needed
+    finally:
+        client.close()
+
+
+def test_daemon_gone_for_good_raises_daemon_unavailable(daemon):
+    client, _ = make_client(daemon)
+    client.reconnect_timeout = 1.0
+    try:
+        daemon.stop(signal.SIGKILL)
+        with pytest.raises(DaemonUnavailable):
+            client.lookup(keys_for("x", 1))
+    finally:
+        client.close()
+
+
+def test_hello_may_replace_its_own_lost_session_but_not_anothers(daemon):
+    first, _ = make_client(daemon)
+    layout = first.layout.to_wire()
+    hello = dict(version=P.PROTOCOL_VERSION, engine="restart", rank=0, world_size=1, layout=layout)
+    other = Channel(daemon.socket, timeout=5)
+    try:
+        with pytest.raises(LayoutMismatch):                   # rank 0 is taken...
+            other.call("hello", **hello, replaces=first.session, replaces_token=first.info["token"] ^ 1)
+        reply = other.call("hello", **hello, replaces=first.session, replaces_token=first.info["token"])
+        assert reply["session"] != first.session              # ...unless the caller proves it was its own
+        assert daemon.stats()["sessions"] == 1
+    finally:
+        other.close()
+        first.close()
+
+
+def test_unwatched_session_lives_by_heartbeats_and_dies_without_them(start_daemon, monkeypatch):
+    daemon = start_daemon("--heartbeat-timeout", "1.0")
+    real_stat = os.stat
+
+    def no_pid_namespace(path, *args, **kwargs):   # as if the client ran in another PID namespace
+        if path == "/proc/self/ns/pid":
+            raise OSError("no pid namespace")
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(kvtier.api.os, "stat", no_pid_namespace)
+    client, _ = make_client(daemon)
+    try:
+        assert client.info["watched"] is False and client.info["heartbeat_interval"] == pytest.approx(1 / 3)
+        session = client.session
+        # Idle for three heartbeat timeouts: the heartbeat thread keeps the session alive.
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            assert daemon.stats()["sessions"] == 1
+            time.sleep(0.2)
+        assert client.lookup(keys_for("x", 1)) == 0 and client.session == session
+    finally:
+        client.close()
+    # A raw session that never sends anything is declared dead.
+    silent = Channel(daemon.socket, timeout=5)
+    try:
+        silent.call("hello", version=P.PROTOCOL_VERSION, engine="silent", rank=None, world_size=1,
+                    layout=client.layout.to_wire(), pid=os.getpid(), pidns=1)
+        assert daemon.stats()["sessions"] == 1
+        wait_for(lambda: daemon.stats()["sessions"] == 0, what="heartbeat timeout")
+        assert "sent nothing for" in daemon.log()
+    finally:
+        silent.close()
+
+
+def test_region_file_removed_is_reported_and_truncated_stops_the_daemon(start_daemon):
+    daemon = start_daemon("--region-check-interval", "0.1")
+    moved = daemon.region + ".moved"
+    os.rename(daemon.region, moved)
+    wait_for(lambda: daemon.stats()["region_problem"] == "removed", what="removal detected")
+    assert "was removed while the daemon runs" in daemon.log()
+    os.rename(moved, daemon.region)
+    wait_for(lambda: daemon.stats()["region_problem"] is None, what="file back")
+    os.truncate(daemon.region, 4096 * 4)
+    assert daemon.proc.wait(20) == 1
+    assert "was truncated under the daemon" in daemon.log()
