@@ -39,7 +39,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kvtierd import protocol as P
-from kvtierd.layout import RegionView
+from kvtierd.layout import RegionView, shard_checksum
 from kvtierd.mapping import CudaRuntime, Mapping
 from kvtierd.protocol import LayoutKind, StoreOutcome
 
@@ -107,6 +107,7 @@ class _Pending:
     handle: CopyHandle
     hits: int = 0
     vote: bool = True         # store: this rank must commit after the copy
+    pages: np.ndarray | None = None   # store: [written keys, pages per shard] this rank copied into
     result: JobResult | None = field(default=None)
 
 
@@ -259,6 +260,7 @@ class Client:
             raise
         self.mapping = mapping
         self.region_data = mapping.address + info["data_offset"]
+        self.region_bytes = np.frombuffer(mapping.buffer, dtype=np.uint8)[info["data_offset"]:]
 
     def register_kv_caches(self, tensors: Sequence) -> None:
         """Describe this rank's KV cache: per-layer tensors [num_blocks, ...] (see kvcache.py)."""
@@ -324,7 +326,7 @@ class Client:
         except BaseException:
             self._call_quietly("commit", job=job, ok=False)
             raise
-        self._pending[job] = _Pending("store", handle)
+        self._pending[job] = _Pending("store", handle, pages=pages)
         return StoreDecision(outcomes)
 
     def load(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
@@ -361,7 +363,11 @@ class Client:
         failure = p.handle.error()
         try:
             if p.kind == "store":
-                if p.vote:
+                if p.vote and failure is None and self.info["checksums"]:
+                    sums = [shard_checksum(self.region_bytes, row, self.page_size, self.layout.block_bytes)
+                            for row in p.pages]
+                    self._call("commit", job=job, ok=True, checksums=sums)
+                elif p.vote:
                     self._call("commit", job=job, ok=failure is None)
             else:
                 self._call("release", job=job)

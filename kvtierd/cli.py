@@ -166,7 +166,7 @@ fetch_entries = _offline(lambda off, view, args: off.entries(view, args.namespac
 fetch_inspect = _offline(lambda off, view, args: (
     {"entries": off.inspect_key(view, _key(args.value))} if args.what == "key"
     else off.inspect_page(view, int(args.value))))
-fetch_check = _offline(lambda off, view, args: off.check(view, daemon_running(_paths(args)[3])))
+fetch_check = _offline(lambda off, view, args: off.check(view, daemon_running(_paths(args)[3]), args.checksums))
 
 
 def fetch_clients(args: argparse.Namespace) -> dict:
@@ -229,8 +229,10 @@ COMMANDS: dict[str, tuple] = {
     "inspect": ("show the entry of a KEY (hex) or what holds a PAGE",
                 lambda p: (p.add_argument("what", choices=("key", "page")), p.add_argument("value")),
                 fetch_inspect, format_inspect, None),
-    "check": ("consistency of the entry table and page chains (offline; exit 1 when damaged)", None, fetch_check,
-              format_check, lambda d: 0 if d["ok"] else 1),
+    "check": ("consistency of the entry table and page chains (offline; exit 1 when damaged)",
+              lambda p: p.add_argument("--checksums", action="store_true",
+                                       help="also rehash every entry that carries a checksum (reads its bytes)"),
+              fetch_check, format_check, lambda d: 0 if d["ok"] else 1),
     "clients": ("attached sessions (admin socket)", None, fetch_clients,
                 lambda d, a: _table(d["clients"], ["session", "engine", "role", "pid", "world_size", "watched",
                                                    "namespace"]), None),

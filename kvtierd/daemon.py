@@ -59,7 +59,7 @@ class Daemon:
         self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
                                   recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress)
         try:
-            self.store = Store(self.region.view, job_timeout=c.job_timeout)
+            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums)
             rec = self.store.recovered
             if self.region.adopted:
                 log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
@@ -73,7 +73,7 @@ class Daemon:
             self.server = Server(self.store, self.region, self.region.paths.socket, self.region.gid,
                                  notifier=self.notifier, drain_timeout=c.drain_timeout,
                                  heartbeat_timeout=c.heartbeat_timeout,
-                                 region_check_interval=c.region_check_interval, checksums=c.checksums)
+                                 region_check_interval=c.region_check_interval)
         except BaseException:
             self.region.close(clean=False)
             raise

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from .protocol import MAX_KEY_BYTES, MAX_STR_BYTES, LayoutKind
 
@@ -224,6 +225,31 @@ class NamespaceLayout:
                    int(rec["block_bytes"]), _KIND_NAMES[int(rec["kind"])], int(rec["world_size"]))
 
 
+def shard_checksum(data: np.ndarray, pages: np.ndarray, page_size: int, nbytes: int) -> int:
+    """xxh64 of one shard's logical bytes: the first ``nbytes`` bytes of ``pages`` in order.
+
+    ``data`` is the region's data area as uint8. Writers compute it after their copy; recovery
+    and ``kvtierctl check --checksums`` recompute it from the pages.
+    """
+    h = xxhash.xxh64()
+    for i, page in enumerate(pages.tolist()):
+        n = min(page_size, nbytes - i * page_size)
+        if n <= 0:
+            break
+        start = page * page_size
+        h.update(data[start:start + n])
+    return h.intdigest()
+
+
+def entry_checksum(shard_sums: list[int]) -> int:
+    """One entry's checksum from its shards' (rank order); never 0, which means "none"."""
+    if len(shard_sums) == 1:
+        value = shard_sums[0]
+    else:
+        value = xxhash.xxh64_intdigest(np.asarray(shard_sums, dtype="<u8").tobytes())
+    return value or 1
+
+
 class RegionView:
     """NumPy views of a mapped region's parts. Holds no state beyond the views."""
 
@@ -330,7 +356,7 @@ class RegionScan:
         return int((self.owner >= 0).sum())
 
 
-def scan(view: RegionView) -> RegionScan:
+def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
     """Judge every namespace and entry record without changing anything.
 
     One piece of logic serves the daemon's recovery (which keeps ``ready`` and frees the rest)
@@ -338,7 +364,8 @@ def scan(view: RegionView) -> RegionScan:
     namespace record is sound, its key length is 1..MAX_KEY_BYTES, its page count is its
     namespace's, its chain stays in the data area and ends exactly after page_count links, it
     shares no page with an older sound entry and no older sound entry of its namespace has its
-    key. Nothing in the bytes can make this raise.
+    key. With ``verify_checksums``, an entry that carries a checksum must also match it (this
+    reads every such entry's bytes). Nothing in the bytes can make this raise.
     """
     geo = view.geometry
     namespaces: dict[int, NamespaceLayout] = {}
@@ -409,7 +436,19 @@ def scan(view: RegionView) -> RegionScan:
         if (int(ns_of[i]), key) in keys_seen:
             problems.append((slot, "duplicate key in its namespace"))
             continue
+        if verify_checksums and int(rec["checksum"]) and not _checksum_matches(view, namespaces[int(ns_of[i])],
+                                                                            pages, int(rec["checksum"])):
+            problems.append((slot, "checksum mismatch"))
+            continue
         keys_seen.add((int(ns_of[i]), key))
         owner[pages] = slot
         kept.append((slot, int(ns_of[i]), key, pages))
     return RegionScan(namespaces, damaged, kept, writing, problems, owner)
+
+
+def _checksum_matches(view: RegionView, layout: NamespaceLayout, pages: np.ndarray, expected: int) -> bool:
+    page_size = view.geometry.page_size
+    per_shard = layout.pages_per_shard(page_size)
+    sums = [shard_checksum(view.data, pages[r * per_shard:(r + 1) * per_shard], page_size, layout.block_bytes)
+            for r in range(layout.shards)]
+    return entry_checksum(sums) == expected

@@ -134,11 +134,12 @@ def inspect_page(view: RegionView, page: int, dump_bytes: int = 64) -> dict:
     return out
 
 
-def check(view: RegionView, daemon_running: bool) -> dict:
+def check(view: RegionView, daemon_running: bool, verify_checksums: bool = False) -> dict:
     """Consistency of the tables and chains. ``ok`` is False when a restart would discard a
     damaged record. WRITING entries are not damage: while a daemon runs they are copies in
-    flight; after a crash, unfinished writes that a restart discards."""
-    found = scan(view)
+    flight; after a crash, unfinished writes that a restart discards. ``verify_checksums`` also
+    rehashes every entry that carries a checksum (reads its bytes)."""
+    found = scan(view, verify_checksums)
     return {
         "ok": not found.problems and not found.damaged_namespaces,
         "entries_sound": len(found.ready),
@@ -148,4 +149,5 @@ def check(view: RegionView, daemon_running: bool) -> dict:
         "damaged_namespaces": [{"slot": s, "reason": r} for s, r in found.damaged_namespaces.items()],
         "problems": [{"slot": s, "reason": r} for s, r in found.problems],
         "daemon_running": daemon_running,
+        "checksums_verified": verify_checksums,
     }

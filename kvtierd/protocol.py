@@ -102,6 +102,7 @@ class Field:
     hi: int | None = None
     choices: tuple[str, ...] | None = None
     nullable: bool = False
+    max_items: int = MAX_JOBS_PER_QUERY   # for "ints" lists
 
 
 def _int(lo: int, hi: int, **kw: Any) -> Field:
@@ -143,7 +144,10 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "bye": {},
     "lookup": {"keys": KEYS},
     "store": {"job": JOB, "keys": KEYS},
-    "commit": {"job": JOB, "ok": Field("bool")},
+    # checksums: with the daemon's checksums setting on, a writer sends the xxh64 of its shard of
+    # each WRITE key (in key order) after its copy (layout.shard_checksum).
+    "commit": {"job": JOB, "ok": Field("bool"), "checksums": Field("ints", lo=0, hi=(1 << 64) - 1, required=False,
+                                                                      max_items=MAX_KEYS_PER_REQUEST)},
     "load": {"job": JOB, "keys": KEYS},
     "release": {"job": JOB},
     "abort": {"job": JOB},
@@ -309,8 +313,8 @@ def _(name: str, value: Any, spec: Field) -> None:
 def _(name: str, value: Any, spec: Field) -> None:
     if not isinstance(value, list):
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a list of ints")
-    if len(value) > MAX_JOBS_PER_QUERY:
-        raise RequestError(ErrorCode.LIMIT, f"{len(value)} items exceed the limit of {MAX_JOBS_PER_QUERY}")
+    if len(value) > spec.max_items:
+        raise RequestError(ErrorCode.LIMIT, f"{len(value)} items exceed the limit of {spec.max_items}")
     for item in value:
         _check_int(name, item, spec.lo, spec.hi)
 

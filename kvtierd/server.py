@@ -71,7 +71,7 @@ class Server:
     def __init__(self, store: Store, region: Region, socket_path: str, gid: int | None = None,
                  admin_socket_path: str | None = None, notifier: Notifier | None = None,
                  drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0,
-                 region_check_interval: float = 5.0, checksums: bool = False):
+                 region_check_interval: float = 5.0):
         self.store = store
         self.region = region
         self.socket_path = socket_path
@@ -80,7 +80,6 @@ class Server:
         self.drain_timeout = drain_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.region_check_interval = region_check_interval
-        self.checksums = checksums
         self.heartbeats: dict[int, float] = {}   # unwatched session id → when it last proved alive
         self.tokens: dict[int, int] = {}         # session id → heartbeat token
         self.region_problem: str | None = None
@@ -370,7 +369,7 @@ class Server:
             "writers": sorted(session.engine.writers), "job_timeout": self.store.job_timeout,
             "watched": watched, "token": token,
             "heartbeat_interval": None if watched else self.heartbeat_timeout / 3,
-            "checksums": self.checksums,
+            "checksums": self.store.checksums,
         }
 
     def _end_session(self, session: Session, cause: str) -> None:
@@ -416,7 +415,7 @@ class Server:
         return {"outcomes": bytes(outcomes), "pages": b"".join(pages)}
 
     def _commit(self, identity: bytes, session: Session, msg: dict) -> dict:
-        self.store.commit(session, msg["job"], msg["ok"])
+        self.store.commit(session, msg["job"], msg["ok"], msg.get("checksums"))
         return {}
 
     def _load(self, identity: bytes, session: Session, msg: dict) -> dict:
@@ -461,7 +460,7 @@ class Server:
             "stopping": self.stopping,
             "region_problem": self.region_problem,
             "sessions_heartbeat": len(self.heartbeats),
-            "checksums": self.checksums,
+            "checksums": self.store.checksums,
         }
 
     # ------------------------------------------------------------------ admin ops

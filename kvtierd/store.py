@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .histogram import Histogram
-from .layout import EntryState, NamespaceLayout, RegionView, scan
+from .layout import EntryState, NamespaceLayout, RegionView, entry_checksum, scan
 from .lru import LRUPolicy
 from .pages import PageAllocator
 from .protocol import PAGES_DTYPE, ErrorCode, JobState, LayoutKind, RequestError, StoreOutcome
@@ -141,11 +141,14 @@ class Job:
     copying: set = field(default_factory=set)       # writers that may still copy into them
     quarantine_deadline: float = 0.0
     opened: float = 0.0                             # clock() at the first request (vote-wait metric)
+    shard_sums: dict = field(default_factory=dict)  # writer rank → checksum of its shard per entry
 
 
 class Store:
-    def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic):
+    def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
+                 checksums: bool = False):
         self.view = view
+        self.checksums = checksums        # keep writers' checksums, verify them on recovery
         self.geometry = view.geometry
         self.page_size = view.geometry.page_size
         self.job_timeout = job_timeout
@@ -178,7 +181,7 @@ class Store:
         make recovery raise.
         """
         view, geo = self.view, self.geometry
-        found = scan(view)
+        found = scan(view, verify_checksums=self.checksums)
         for slot, why in found.damaged_namespaces.items():
             log.warning("namespace slot %d is damaged (%s); discarding it and its entries", slot, why)
             view.namespaces[slot]["in_use"] = 0
@@ -457,8 +460,9 @@ class Store:
         self.entry_count[entry.state] -= 1
         entry.state = EntryState.FREE
 
-    def commit(self, session: Session, job_id: int, ok: bool) -> None:
-        """A rank's vote on a store job; writers send it after their copy completed."""
+    def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
+        """A rank's vote on a store job; writers send it after their copy completed, with the
+        checksums of their shard of each entry when the daemon keeps checksums."""
         rank = self._rank_of(session, "vote")
         job = self._find_for_vote(session, job_id)
         if job.state is JobState.ABORTED:       # a writer acknowledging an aborted job's copy
@@ -471,6 +475,11 @@ class Store:
             self._abort(job, "vote_failed")
             self._writer_gone(job, rank)        # a writer voting no is not copying any more
             return
+        if checksums is not None:
+            if rank not in job.engine.writers or len(checksums) != len(job.entries):
+                raise RequestError(ErrorCode.BAD_REQUEST, f"commit of job {job_id} carries {len(checksums)} "
+                                   f"checksums; rank {rank} writes {len(job.entries) if rank in job.engine.writers else 0} entries")
+            job.shard_sums[rank] = checksums
         self._vote(job, rank)
 
     def _find_for_vote(self, session: Session, job_id: int) -> Job:
@@ -487,11 +496,14 @@ class Store:
         entries = job.entries
         table = self.view.entries
         self.tick += 1
-        for entry in entries:
+        writers = sorted(job.engine.writers)
+        sums = job.shard_sums if self.checksums and all(r in job.shard_sums for r in writers) else None
+        for i, entry in enumerate(entries):
             entry.state = EntryState.READY
             entry.job = None
             rec = table[entry.slot]
             rec["tick"] = self.tick
+            rec["checksum"] = entry_checksum([sums[r][i] for r in writers]) if sums else 0
             rec["state"] = EntryState.READY     # last: the record is complete before it says READY
             self.policy.add(entry.slot)
         n = len(entries)

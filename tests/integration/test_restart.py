@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -13,6 +14,8 @@ import kvtier.api
 from kvtier import Client, DaemonUnavailable, Layout, LayoutMismatch
 from kvtier.session import Channel
 from kvtierd import protocol as P
+from kvtierd.layout import RegionView
+from kvtierd.mapping import Mapping
 
 from .test_jobs import wait_for
 from .test_tp_roundtrip import keys_for
@@ -146,3 +149,38 @@ def test_region_file_removed_is_reported_and_truncated_stops_the_daemon(start_da
     os.truncate(daemon.region, 4096 * 4)
     assert daemon.proc.wait(20) == 1
     assert "was truncated under the daemon" in daemon.log()
+
+
+def test_checksums_catch_a_corrupted_block_offline_and_on_restart(start_daemon):
+    daemon = start_daemon("--checksums")
+    client, kv = make_client(daemon)
+    keys = keys_for("sums", 3)
+    try:
+        assert client.info["checksums"] is True
+        client.store(1, keys, [0, 1, 2])
+        assert client.wait([1])[0].ok
+    finally:
+        client.close()
+    assert daemon.stop() == 0
+    from .test_kvtierctl import run
+    entries = {e["key"]: e for e in json.loads(run(daemon, "entries", "--json").stdout)}
+    assert len(entries) == 3
+    assert json.loads(run(daemon, "check", "--checksums", "--json").stdout)["ok"]
+    # Flip one byte in the middle of the second block's bytes.
+    damaged = json.loads(run(daemon, "inspect", "key", keys[1].hex(), "--json").stdout)["entries"][0]
+    mapping = Mapping.of_file(daemon.region)
+    view = RegionView(mapping.buffer)
+    offset = damaged["pages"][0] * view.geometry.page_size + 1000
+    view.data[offset] ^= 0xFF
+    del view
+    mapping.close()
+    assert json.loads(run(daemon, "check", "--json").stdout)["ok"]          # tables alone look sound
+    report = json.loads(run(daemon, "check", "--checksums", "--json", expect=1).stdout)
+    assert report["problems"] == [{"slot": damaged["slot"], "reason": "checksum mismatch"}]
+    daemon.start()
+    assert "1 damaged discarded" in daemon.log()
+    client, kv = make_client(daemon, seed=0)
+    try:
+        assert client.lookup(keys[:1]) == 1 and client.lookup(keys[1:2]) == 0 and client.lookup(keys[2:]) == 1
+    finally:
+        client.close()
