@@ -141,8 +141,8 @@ SETTINGS: tuple[Setting, ...] = (
             lo=4096, hi=1 << 30),
     Setting("pin", "choice", "auto", "Pin the region: auto (cudaHostRegister, else mlock, else unpinned "
             "with a warning), cuda, mlock or off.", choices=("auto", "cuda", "mlock", "off")),
-    Setting("group", "str", "", "Client group: may reach the socket and map the region (empty: the "
-            "daemon's user only)."),
+    Setting("group", "str", "", "Client group (name or numeric gid): may reach the socket and map the region "
+            "(empty: the daemon's user only)."),
     Setting("job_timeout", "float", "30", "Seconds a store or load job may stay open before it is aborted "
             "and its pages freed.", lo=0.05, hi=86400),
     Setting("heartbeat_timeout", "float", "15", "Seconds without a request or heartbeat after which a client the "

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 from prometheus_client import start_http_server
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     InfoMetricFamily, Metric)
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ def start_endpoint(address: str, snapshot: Callable[[], dict]) -> tuple[object, 
         raise ValueError(f"metrics address {address!r} must be HOST:PORT (or 'off'); setting metrics_address")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(snapshot))
+    ProcessCollector(registry=registry)     # process_resident_memory_bytes, open fds, CPU, start time
     try:
         server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
     except OSError as exc:

@@ -65,6 +65,8 @@ class RegionPaths:
 def _resolve_gid(group: str | None) -> int | None:
     if not group:
         return None
+    if group.isdigit():          # a numeric gid: container images often lack the group's name
+        return int(group)
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
