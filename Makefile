@@ -3,7 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install run test test-unit test-integration nvcc-check bench-loop docs clean
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: install run test test-unit test-integration vllm-install test-vllm nvcc-check bench-loop docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,12 +31,29 @@ test-unit: install
 test-integration: install
 	$(BIN)/pytest -q tests/integration
 
+# vLLM 0.33.0 for the plugin's tests, in its own venv (CPU torch, vLLM --no-deps + the packages its imports need).
+$(VLLM_VENV)/.installed: pyproject.toml tools/install-vllm-cpu.sh
+	PYTHON=$(PYTHON) bash tools/install-vllm-cpu.sh $(VLLM_VENV)
+	touch $@
+
+vllm-install: $(VLLM_VENV)/.installed
+
+# The vLLM plugin against vLLM's own Scheduler and OffloadingConnector and a real kvtierd (CPU only).
+test-vllm: vllm-install
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/pytest -q tests/vllm
+
+NVCC ?= nvcc
+# CI's compile check of the copy kernel for Hopper (sm_90): any error or warning fails.
+nvcc-check:
+	@mkdir -p build
+	$(NVCC) -arch=sm_90 -std=c++17 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -c csrc/kvtier_copy.cu -o build/kvtier_copy.o
+
 bench-loop: install
 	$(BIN)/pip install -q uvloop
 	$(BIN)/python bench/loop_choice.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis
 
 # Regenerate the settings reference and the example config from kvtierd/config.py.
 docs: install

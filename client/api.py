@@ -40,7 +40,7 @@ import numpy as np
 
 from kvtierd import protocol as P
 from kvtierd.layout import RegionView, shard_checksum
-from kvtierd.mapping import CudaRuntime, Mapping
+from kvtierd.mapping import Mapping
 from kvtierd.protocol import LayoutKind, StoreOutcome
 
 from .copy import CopyEngine, CopyHandle, select_engine
@@ -158,6 +158,7 @@ class Client:
         self.pinned = "off"
         self.kv: KVCacheLayout | None = None
         self.engine: CopyEngine | None = None
+        self._stream = None                       # the compute stream copies wait for (None: current)
         self.info: dict = {}
         self._heartbeat: _Heartbeat | None = None
         self._copy_engine_name = copy_engine
@@ -192,10 +193,15 @@ class Client:
         self.is_writer = self.rank is not None and self.rank in info["writers"]
         if self.rank is not None and (self.mapping is None or (previous.get("region"), previous.get("generation"))
                                       != (info["region"], info["generation"])):
+            if self.engine is not None:      # it holds the old mapping's addresses (and its pinning)
+                self.engine.close()
+                self.engine = None
             if self.mapping is not None:
                 self.mapping.close()
                 self.mapping = None
             self._map_region()
+            if self.kv is not None:
+                self._start_engine()
         if info.get("heartbeat_interval"):
             self._heartbeat = _Heartbeat(self.socket_path, info["session"], info["token"], info["heartbeat_interval"])
             self._heartbeat.start()
@@ -248,31 +254,57 @@ class Client:
                 raise KvtierError(f"region {info['region']} does not match what kvtierd announced; "
                                   "another daemon may have replaced it")
             del view
-            if self._pin in ("auto", "cuda"):
-                cudart = CudaRuntime.load()
-                if cudart is not None:
-                    mapping._unpin = cudart.register(mapping.address, mapping.size)
-                    self.pinned = mapping.pinned = "cuda"
-                elif self._pin == "cuda":
-                    raise KvtierError("pin='cuda' but no CUDA device is usable in this process")
         except BaseException:
             mapping.close()
             raise
         self.mapping = mapping
+        self.pinned = "off"       # pinning is per mapping: _start_engine pins it for a CUDA KV cache
         self.region_data = mapping.address + info["data_offset"]
         self.region_bytes = np.frombuffer(mapping.buffer, dtype=np.uint8)[info["data_offset"]:]
 
-    def register_kv_caches(self, tensors: Sequence) -> None:
-        """Describe this rank's KV cache: per-layer tensors [num_blocks, ...] (see kvcache.py)."""
+    def register_kv_caches(self, tensors: Sequence, stream=None) -> None:
+        """Describe this rank's KV cache: per-layer tensors [num_blocks, ...] (see kvcache.py).
+
+        ``stream``: the stream the engine runs its model on (torch.cuda.Stream, cupy Stream or a raw
+        cudaStream_t); device copies start after the work queued on it when store()/load() is
+        called. None means torch.cuda.current_stream() at each call.
+        """
         self._need_rank("register KV caches")
         kv = KVCacheLayout(tensors, self.page_size)
         if kv.block_bytes != self.layout.block_bytes:
             raise ValueError(f"the KV-cache tensors hold {kv.block_bytes} bytes per block; the layout this client "
                              f"attached with says {self.layout.block_bytes}")
+        self.kv, self._stream = kv, stream
+        self._start_engine()
+
+    def _start_engine(self) -> None:
+        """(Re)build the copy engine over the current mapping; for a CUDA KV cache, pin the mapping first."""
         if self.engine is not None:
             self.engine.close()
-        self.kv = kv
-        self.engine = select_engine(self._copy_engine_name, kv.device)
+            self.engine = None
+        kv = self.kv
+        if kv.device.type == "cuda":
+            self._pin_for(kv.device)
+        self.engine = select_engine(self._copy_engine_name, kv.device, kv_tensors=kv.tensors,
+                                    host_spans=[(self.mapping.address, self.mapping.size)], stream=self._stream)
+
+    def _pin_for(self, device) -> None:
+        """Register this process's mapping of the region with CUDA (once per mapping), on ``device``.
+
+        Pinning is per process: the daemon's does not cover this mapping. It happens under the KV
+        cache's device so that registering creates no context on device 0. pin='auto' continues
+        unpinned after one warning line when registration fails (auto then picks the torch engine,
+        which copies unpinned memory); pin='cuda' raises; pin='off' skips it.
+        """
+        if self.pinned == "cuda" or self._pin not in ("auto", "cuda"):
+            return
+        import torch
+        with torch.cuda.device(device):
+            try:
+                if self.mapping.pin_cuda(required=self._pin == "cuda"):
+                    self.pinned = "cuda"
+            except RuntimeError as exc:
+                raise KvtierError(str(exc)) from None
 
     def _need_rank(self, what: str) -> None:
         if self.rank is None:

@@ -9,19 +9,49 @@ assumed (invariant 1).
 ``CPUCopyEngine`` serves KV caches in host memory (CPU-only engines, and the test suite): one
 worker thread runs memmove over the coalesced descriptors; the GIL is released inside each
 memmove, so the engine's own thread keeps running while bytes move.
+
+KV caches on a CUDA device use one of two device engines (``select_engine`` picks):
+
+- ``cuda`` (kvtier.cuda): csrc/kvtier_copy.cu compiled through CuPy/NVRTC, one kernel launch
+  per job reading and writing the UVA-mapped pinned region directly. Needs CuPy and a region
+  this process registered with cudaHostRegister (pinned + mapped).
+- ``torch`` (kvtier.torch_engine): one non_blocking ``copy_`` per descriptor. Needs only a CUDA
+  build of torch, and works with an unpinned region too (then each copy is staged, slower).
+
+Both order their copies after the engine's compute stream and complete through a CUDA event
+(``EventCopyHandle``). ``auto`` takes ``cuda`` when it is usable, else ``torch`` (one warning
+line says why); an explicitly named engine that cannot run raises ``CopyEngineUnavailable``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Sequence
 
+import numpy as np
+
+from .errors import KvtierError
 from .kvcache import Descriptors
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("auto", "cpu", "cuda", "torch")
+
+
+class CopyEngineUnavailable(KvtierError):
+    """The named copy engine cannot run here (missing CuPy, no CUDA device, unpinned region…)."""
 
 
 class CopyHandle:
-    """Completion of one submitted copy."""
+    """Completion of one submitted copy: a Future of a worker thread, or None (nothing to copy).
+
+    Device engines return ``EventCopyHandle``, which has the same three methods.
+    """
 
     def __init__(self, future: Future | None = None):
         self._future = future
@@ -30,13 +60,70 @@ class CopyHandle:
         return self._future is None or self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the copy completed; raise its error if it failed."""
+        """Block until the copy completed; raise its error if it failed (FutureTimeout on timeout)."""
         if self._future is not None:
             self._future.result(timeout)
 
     def error(self) -> BaseException | None:
         """The failure of a completed copy, or None."""
         return None if self._future is None else self._future.exception()
+
+
+class EventCopyHandle(CopyHandle):
+    """Completion of a device copy, observed through a CUDA event recorded after it.
+
+    ``query()`` returns whether the event completed and raises if the device reported an error
+    (a faulting kernel surfaces here); ``synchronize()`` blocks until it completed. A device
+    error counts as completion with a failure, so the client votes "not ok" instead of hanging.
+    """
+
+    # Polling interval bounds for wait(timeout): short first (most copies finish in
+    # milliseconds), growing so that a long wait does not spin a core.
+    _POLL_MIN_S, _POLL_MAX_S = 50e-6, 2e-3
+
+    def __init__(self, query: Callable[[], bool], synchronize: Callable[[], None]):
+        super().__init__()
+        self._query = query
+        self._synchronize = synchronize
+        self._finished = False
+        self._error: BaseException | None = None
+
+    def _settle(self, error: BaseException | None) -> None:
+        self._finished, self._error = True, error
+        self._query = self._synchronize = None   # drop the event: nothing else needs it
+
+    def done(self) -> bool:
+        if not self._finished:
+            try:
+                if self._query():
+                    self._settle(None)
+            except Exception as exc:
+                self._settle(exc)
+        return self._finished
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._finished:
+            if timeout is None:
+                try:
+                    self._synchronize()
+                    self._settle(None)
+                except Exception as exc:
+                    self._settle(exc)
+            else:
+                # CUDA events have no timed wait: poll with a growing interval up to the deadline.
+                deadline = time.monotonic() + timeout
+                pause = self._POLL_MIN_S
+                while not self.done():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise FutureTimeout(f"device copy still running after {timeout}s")
+                    time.sleep(min(pause, left))
+                    pause = min(pause * 2, self._POLL_MAX_S)
+        if self._error is not None:
+            raise self._error
+
+    def error(self) -> BaseException | None:
+        return self._error if self.done() else None
 
 
 class CopyEngine(ABC):
@@ -73,10 +160,99 @@ class CPUCopyEngine(CopyEngine):
         self._pool.shutdown(wait=True)
 
 
-def select_engine(name: str, device) -> CopyEngine:
-    """The copy engine for KV caches on ``device`` (a torch.device); ``name`` may force one."""
-    if name not in ("auto", "cpu"):
-        raise ValueError(f"copy engine {name!r} is not available; this build has: auto, cpu")
-    if device.type != "cpu":
-        raise ValueError(f"KV caches on {device} need a device copy engine; this build copies CPU tensors only")
-    return CPUCopyEngine()
+def stream_handle(stream) -> int:
+    """The raw cudaStream_t of a torch.cuda.Stream, a CuPy stream, or an int handle."""
+    if isinstance(stream, int):
+        return stream
+    for attribute in ("cuda_stream", "ptr"):        # torch, CuPy
+        if hasattr(stream, attribute):
+            return int(getattr(stream, attribute))
+    raise TypeError(f"not a CUDA stream: {stream!r} (pass a torch.cuda.Stream, a cupy Stream or a cudaStream_t)")
+
+
+class AddressRanges:
+    """The memory a device engine may touch: disjoint [base, base+size) ranges, sorted by base.
+
+    A device engine copies raw addresses; a wrong one makes the kernel fault, which poisons the
+    whole process's CUDA context (the inference engine's too). Engines therefore check every
+    descriptor against the ranges they were given (the KV-cache storages and the region mapping)
+    before queuing anything: one vectorised search per side, microseconds per thousand pieces.
+    """
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]):
+        sizes: dict[int, int] = {}
+        for base, size in ranges:
+            if size > 0:
+                sizes[base] = max(size, sizes.get(base, 0))    # layers often share one storage
+        order = sorted(sizes)
+        self.base = np.asarray(order, dtype=np.uint64)
+        self.end = self.base + np.asarray([sizes[b] for b in order], dtype=np.uint64)
+        if len(order) > 1 and np.any(self.base[1:] < self.end[:-1]):
+            raise ValueError("copy ranges overlap: the KV-cache storages and the region must be distinct memory")
+
+    def resolve(self, addresses: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Range index and offset of each address; ValueError if [address, address+n) leaves every range."""
+        if len(self.base) == 0:
+            raise ValueError("no memory was registered for copies")
+        index = np.searchsorted(self.base, addresses, side="right") - 1
+        clipped = np.maximum(index, 0)
+        inside = (index >= 0) & (addresses + nbytes <= self.end[clipped])
+        if not inside.all():
+            i = int(np.flatnonzero(~inside)[0])
+            raise ValueError(f"copy descriptor {i}: [{int(addresses[i]):#x}, +{int(nbytes[i])}) lies outside the "
+                             "registered KV-cache tensors and the region")
+        return index, (addresses - self.base[clipped]).astype(np.int64)
+
+    def check(self, desc: Descriptors) -> None:
+        self.resolve(desc.src, desc.nbytes)
+        self.resolve(desc.dst, desc.nbytes)
+
+
+def storage_ranges(tensors: Sequence) -> list[tuple[int, int]]:
+    """(address, bytes) of the whole storage behind each tensor."""
+    return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors]
+
+
+def select_engine(name: str, device, *, kv_tensors: Sequence = (), host_spans: Sequence[tuple[int, int]] = (),
+                  stream=None) -> CopyEngine:
+    """The copy engine for KV caches on ``device`` (a torch.device).
+
+    ``name`` is ``auto`` or forces ``cpu``, ``cuda`` or ``torch``. Device engines also need
+    ``host_spans``, the (address, size) ranges of host memory that descriptors may reference (the
+    client's mapping of the region), and the registered ``kv_tensors``: descriptors may touch
+    nothing else.
+    ``stream`` is the engine's compute stream (torch.cuda.Stream, cupy Stream or a raw
+    cudaStream_t); copies start only after the work queued on it at submit time. None means
+    ``torch.cuda.current_stream(device)`` as of each submit.
+    """
+    if name not in ENGINES:
+        raise ValueError(f"copy engine {name!r} is unknown; choose one of: {', '.join(ENGINES)}")
+    if device.type == "cpu":
+        if name not in ("auto", "cpu"):
+            raise ValueError(f"copy engine {name!r} moves data between a CUDA device and the host; "
+                             "KV caches in host memory use the 'cpu' engine")
+        return CPUCopyEngine()
+    if device.type != "cuda":
+        raise ValueError(f"KV caches on {device} are not supported; kvtier copies CPU and CUDA tensors")
+    if name == "cpu":
+        raise ValueError(f"copy engine 'cpu' cannot reach KV caches on {device}; use auto, cuda or torch")
+    if not host_spans:
+        raise ValueError("device copy engines need host_spans: the (address, size) of this process's region mapping")
+
+    from .torch_engine import TorchCopyEngine
+    if name == "torch":
+        return TorchCopyEngine(device, kv_tensors, host_spans, stream)
+    from .cuda import CudaKernelEngine
+    if name == "cuda":
+        return CudaKernelEngine(device, kv_tensors, host_spans, stream)
+    try:
+        return CudaKernelEngine(device, kv_tensors, host_spans, stream)
+    except CopyEngineUnavailable as kernel_missing:
+        try:
+            engine = TorchCopyEngine(device, kv_tensors, host_spans, stream)
+        except CopyEngineUnavailable as torch_missing:
+            raise CopyEngineUnavailable(f"no copy engine can serve KV caches on {device}: "
+                                        f"cuda: {kernel_missing}; torch: {torch_missing}") from None
+        log.warning("kvtier copy engine: torch fallback (one copy_ per piece) because the kernel engine "
+                    "is unavailable: %s", kernel_missing)
+        return engine

@@ -120,18 +120,16 @@ class Mapping:
             raise ValueError(f"pin mode {mode!r}: use auto, cuda, mlock or off")
         if mode == "off":
             return "off"
+        cuda_failure = None
         if mode in ("auto", "cuda"):
-            cudart = CudaRuntime.load()
-            if cudart is not None:
-                self._unpin = cudart.register(self.address, self.size)
-                self.pinned = "cuda"
+            cuda_failure = self._register_cuda()
+            if cuda_failure is None:
                 return "cuda"
             if mode == "cuda":
-                raise RuntimeError("pin=cuda but no usable CUDA runtime/device was found; "
-                                   "use --pin auto or --pin mlock")
+                raise RuntimeError(f"pin=cuda: {cuda_failure}; use --pin auto or --pin mlock")
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        fits = soft == resource.RLIM_INFINITY or soft >= self.size
-        if fits and _libc.mlock(self.address, self.size) == 0:
+        # Try even when the limit looks too low: CAP_IPC_LOCK (containers) lifts it in the kernel.
+        if _libc.mlock(self.address, self.size) == 0:
             addr, size = self.address, self.size
             self._unpin = lambda: _libc.munlock(addr, size)
             self.pinned = "mlock"
@@ -139,10 +137,45 @@ class Mapping:
         if mode == "mlock":
             raise RuntimeError(f"mlock of {self.size} bytes failed (RLIMIT_MEMLOCK soft limit {soft}); "
                                "raise it (LimitMEMLOCK=infinity in the unit, ulimit -l unlimited) or use --pin auto")
-        log.warning("region of %d bytes left unpinned: no CUDA device and RLIMIT_MEMLOCK=%s; "
+        log.warning("region of %d bytes left unpinned: %s, and RLIMIT_MEMLOCK=%s is too low to mlock it; "
                     "raise the memlock limit (ulimit -l unlimited / LimitMEMLOCK=infinity) to pin it",
-                    self.size, "unlimited" if soft == resource.RLIM_INFINITY else soft)
+                    self.size, cuda_failure, "unlimited" if soft == resource.RLIM_INFINITY else soft)
         return "off"
+
+    def pin_cuda(self, required: bool) -> bool:
+        """A client's pinning: register this process's mapping with CUDA (portable + mapped).
+
+        Pinning is per process, so every client that copies with a GPU registers its own mapping;
+        the copy kernel reads it through UVA. Returns True when registered (``close()``
+        unregisters it). Without a usable CUDA runtime: raise if ``required``, else return False
+        quietly (a CPU-only client needs no pinning). When registration fails: raise if
+        ``required``, else log one warning line and return False; the mapping stays usable
+        unpinned (copies then go through the torch engine, staged by the driver).
+        """
+        failure = self._register_cuda()
+        if failure is None:
+            return True
+        if required:
+            raise RuntimeError(f"pin='cuda': {failure}")
+        if failure != NO_CUDA:
+            log.warning("region mapping of %d bytes left unpinned in this process (%s); device copies fall back "
+                        "to the slower staged path", self.size, failure)
+        return False
+
+    def _register_cuda(self) -> str | None:
+        """cudaHostRegister the whole mapping; None on success, else why not (nothing left registered)."""
+        cudart = CudaRuntime.load()
+        if cudart is None:
+            return NO_CUDA
+        try:
+            self._unpin = cudart.register(self.address, self.size)
+        except Exception as exc:
+            return f"cudaHostRegister failed: {exc}"
+        self.pinned = "cuda"
+        return None
+
+
+NO_CUDA = "no usable CUDA runtime/device"
 
 
 def _round_up(n: int, align: int) -> int:

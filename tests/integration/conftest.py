@@ -28,8 +28,10 @@ pytestmark = pytest.mark.integration
 
 class DaemonProcess:
     def __init__(self, *args: str, size: str = "32MiB", job_timeout: float = 20.0, page_size: str = "64KiB",
-                 env: dict[str, str] | None = None):
-        self.dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+                 env: dict[str, str] | None = None, root: str = "/tmp"):
+        # root="/dev/shm" for tests that pin the region with CUDA: since Linux 6.5 the kernel may
+        # refuse to pin file-backed pages that are not on tmpfs.
+        self.dir = tempfile.mkdtemp(prefix="kvt-", dir=root)
         self.name = "kvtierd"
         self.socket = os.path.join(self.dir, f"{self.name}.sock")
         self.region = os.path.join(self.dir, f"{self.name}.region")

@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""Store (D2H) and load (H2D) bandwidth of kvtier's device copy engines, against the link's ceiling.
+
+For each geometry, a job of ``--blocks-per-job`` blocks is copied between a paged GPU KV cache
+and scattered pages of a pinned region (a /dev/shm file mapped and cudaHostRegister'ed exactly as
+a client does), by:
+
+- ``kernel``: the CUDA kernel engine (csrc/kvtier_copy.cu, one launch per job; needs CuPy);
+- ``torch``: the torch fallback engine (one non_blocking copy_ per piece);
+- ``ceiling``: one contiguous cudaMemcpyAsync of the same total bytes between a device buffer and
+  the same pinned region: what the host link gives a single large copy.
+
+Reported per job: GB/s (10^9 bytes/s, median over ``--iters`` timed jobs after one warm-up,
+timed from submit to the completion event on the host, as the client sees it), the ratio of each
+engine to the ceiling, the number of pieces, and the host time to build the descriptors. Every
+measured copy is checked byte for byte once, so a fast wrong copy cannot pass.
+
+Geometries: DeepSeek-V3 MLA (61 layers, [blocks, 64 tokens, 576] per layer, bf16 and fp8) and a
+Llama-70B-like GQA shard at TP=1 (80 layers, 8 KV heads × 128, 16 tokens per block, K and V of
+each layer as views of one [2, blocks, 16, 8, 128] tensor, vLLM's flash-attention layout).
+
+Writes gpu_bench.json and gpu_bench.md under ``--out`` (default $OUT, else ./out, which git ignores) and
+prints the table. Fits one device run: about a minute on an H100/H200-class machine with the
+defaults; ``--budget-s`` (default 420) stops starting new cases after that many seconds. On a
+machine without CUDA it prints why and exits 0 without measuring anything.
+
+Usage: python bench/gpu_bench.py [--out DIR] [--blocks-per-job 32] [--iters 5] [--budget-s 420]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+PAGE = 64 << 10      # kvtierd's default page size
+
+
+@dataclass(frozen=True)
+class Geometry:
+    name: str
+    layers: int
+    block_tokens: int
+    dtype: str                       # torch dtype name
+    mla_width: int = 0               # MLA: latent width per token (576)
+    kv_heads: int = 0                # GQA: KV heads of this rank's shard
+    head_dim: int = 0
+
+    def make(self, num_blocks: int, device):
+        """The per-layer KV-cache tensors, filled with random bytes."""
+        import torch
+        dtype = getattr(torch, self.dtype)
+        tensors = []
+        for _ in range(self.layers):
+            if self.mla_width:
+                t = torch.empty((num_blocks, self.block_tokens, self.mla_width), dtype=dtype, device=device)
+                t.view(torch.uint8).random_(0, 256)
+                tensors.append(t)
+            else:
+                kv = torch.empty((2, num_blocks, self.block_tokens, self.kv_heads, self.head_dim), dtype=dtype,
+                                 device=device)
+                kv.view(torch.uint8).random_(0, 256)
+                tensors += [kv[0], kv[1]]
+        return tensors
+
+
+GEOMETRIES = [
+    Geometry("deepseek-v3 mla bf16", layers=61, block_tokens=64, dtype="bfloat16", mla_width=576),
+    Geometry("deepseek-v3 mla fp8", layers=61, block_tokens=64, dtype="float8_e4m3fn", mla_width=576),
+    Geometry("llama-70b gqa tp1 bf16", layers=80, block_tokens=16, dtype="bfloat16", kv_heads=8, head_dim=128),
+]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "out", help="directory for JSON + markdown")
+    p.add_argument("--blocks-per-job", type=int, default=32)
+    p.add_argument("--iters", type=int, default=5, help="timed jobs per case (after one warm-up)")
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no new case after this many seconds")
+    return p.parse_args(argv)
+
+
+class PinnedRegion:
+    """A tmpfs file mapped and registered with CUDA the way a kvtier client registers the region."""
+
+    def __init__(self, nbytes: int):
+        from kvtier.torch_engine import host_view
+        from kvtierd.mapping import Mapping
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix="kvtier-bench-", dir=root)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.mapping = Mapping.of_file(self.path)
+        self.mapping.prefault()
+        self.mapping.pin_cuda(required=True)
+        self.address, self.size = self.mapping.address, nbytes
+        self.tensor = host_view(self.address, nbytes)
+
+    def close(self) -> None:
+        self.tensor = None
+        self.mapping.close()
+        os.unlink(self.path)
+
+
+def timed(submit_and_wait, iters: int) -> list[float]:
+    import torch
+    submit_and_wait()                         # warm-up: NVRTC load, pools, first-touch
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        submit_and_wait()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def block_rows(tensors, blocks):
+    import torch
+    idx = torch.as_tensor(np.asarray(blocks), device=tensors[0].device)
+    return torch.cat([t.view(torch.uint8).index_select(0, idx).reshape(len(idx), -1) for t in tensors], dim=1)
+
+
+def entry_bytes(region: PinnedRegion, pages: np.ndarray, block_bytes: int):
+    import torch
+    rows = region.tensor[: (int(pages.max()) + 1) * PAGE].view(-1, PAGE)
+    return rows[torch.as_tensor(pages)].reshape(len(pages), -1)[:, :block_bytes]
+
+
+def run_geometry(geo: Geometry, args, engines: dict, device) -> list[dict]:
+    import torch
+
+    from kvtier.copy import select_engine
+    from kvtier.kvcache import KVCacheLayout
+
+    k = args.blocks_per_job
+    tensors = geo.make(2 * k, device)
+    kv = KVCacheLayout(tensors, PAGE)
+    per_block = -(-kv.block_bytes // PAGE)
+    rng = np.random.default_rng(0)
+    src_blocks = rng.permutation(2 * k)[:k]
+    dst_blocks = np.setdiff1d(np.arange(2 * k), src_blocks)
+    pages = rng.permutation(k * per_block).reshape(k, per_block)    # scattered, as in a used region
+    region = PinnedRegion(k * per_block * PAGE)
+    job_bytes = k * kv.block_bytes
+    results = []
+    try:
+        t0 = time.perf_counter()
+        store = kv.descriptors(src_blocks, pages, region.address, to_region=True)
+        build_ms = (time.perf_counter() - t0) * 1e3
+        load = kv.descriptors(dst_blocks, pages, region.address, to_region=False)
+        expected = block_rows(tensors, src_blocks).cpu()
+
+        # The ceiling: one contiguous copy of the same bytes between device memory and the pinned region.
+        flat = torch.empty(job_bytes, dtype=torch.uint8, device=device)
+        host = region.tensor[:job_bytes]
+        stream = torch.cuda.Stream(device)
+
+        def contiguous(dst, src):
+            def go():
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                stream.synchronize()
+            return go
+
+        ceiling = {"store": timed(contiguous(host, flat), args.iters),
+                   "load": timed(contiguous(flat, host), args.iters)}
+        del flat, host      # free the device buffer before the engines run
+
+        measured: dict[tuple[str, str], list[float] | str] = {}
+        for label, name in (("kernel", "cuda"), ("torch", "torch")):
+            if isinstance(engines.get(name), str):
+                measured[(label, "store")] = measured[(label, "load")] = engines[name]
+                continue
+            engine = select_engine(name, device, kv_tensors=tensors, host_spans=[(region.address, region.size)])
+            try:
+                for direction, desc in (("store", store), ("load", load)):
+                    # Clear the destination first, so that bytes a copy failed to move show up.
+                    if direction == "store":
+                        region.tensor.zero_()
+                    else:
+                        for t in tensors:
+                            t.view(torch.uint8).index_fill_(0, torch.as_tensor(dst_blocks, device=device), 0)
+                    times = timed(lambda d=desc: engine.submit(d).wait(), args.iters)
+                    # Every timed job rewrote the same bytes: check them once.
+                    got = (entry_bytes(region, pages, kv.block_bytes) if direction == "store"
+                           else block_rows(tensors, dst_blocks).cpu())
+                    if not torch.equal(got, expected):
+                        raise AssertionError(f"{geo.name}: {label} engine {direction} produced wrong bytes")
+                    measured[(label, direction)] = times
+            finally:
+                engine.close()
+
+        for direction, desc in (("store", store), ("load", load)):
+            ceil_gbps = job_bytes / statistics.median(ceiling[direction]) / 1e9
+            row = {"geometry": geo.name, "direction": direction, "job_blocks": k, "job_bytes": job_bytes,
+                   "block_bytes": kv.block_bytes, "pieces": len(desc), "descriptor_build_ms": round(build_ms, 3),
+                   "ceiling_gbps": round(ceil_gbps, 2), "ceiling_times_s": ceiling[direction]}
+            for label in ("kernel", "torch"):
+                times = measured[(label, direction)]
+                if isinstance(times, str):
+                    row[f"{label}_gbps"], row[f"{label}_unavailable"] = None, times
+                    continue
+                gbps = job_bytes / statistics.median(times) / 1e9
+                row[f"{label}_gbps"] = round(gbps, 2)
+                row[f"{label}_vs_ceiling"] = round(gbps / ceil_gbps, 3)
+                row[f"{label}_times_s"] = times
+            results.append(row)
+    finally:
+        region.close()
+    return results
+
+
+def markdown(env: dict, rows: list[dict], skipped: list[str]) -> str:
+    def cell(row, label):
+        g = row.get(f"{label}_gbps")
+        return "n/a" if g is None else f"{g:.1f} ({row[f'{label}_vs_ceiling']:.2f}×)"
+
+    lines = [f"GPU: {env['gpu']} · torch {env['torch']} (CUDA {env['torch_cuda']}) · CuPy {env['cupy']} · "
+             f"{env['blocks_per_job']} blocks/job, page {PAGE // 1024} KiB, median of {env['iters']} jobs",
+             "",
+             "| geometry | direction | MiB/job | pieces | kernel GB/s (×ceiling) | torch GB/s (×ceiling) "
+             "| ceiling GB/s | descriptors ms |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['geometry']} | {r['direction']} ({'D2H' if r['direction'] == 'store' else 'H2D'}) "
+                     f"| {r['job_bytes'] / 2**20:.1f} | {r['pieces']} | {cell(r, 'kernel')} | {cell(r, 'torch')} "
+                     f"| {r['ceiling_gbps']:.1f} | {r['descriptor_build_ms']:.2f} |")
+    for reason in sorted({r.get('kernel_unavailable') for r in rows} - {None}):
+        lines.append(f"\nkernel engine unavailable: {reason}")
+    for s in skipped:
+        lines.append(f"\nnot measured (time budget): {s}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("gpu_bench: torch is not installed; nothing measured.", file=sys.stderr)
+        return 0
+    if not torch.cuda.is_available():
+        print(f"gpu_bench: no CUDA device is visible (torch {torch.__version__}, built for CUDA "
+              f"{torch.version.cuda or 'none'}); nothing measured.", file=sys.stderr)
+        return 0
+
+    from kvtier.copy import CopyEngineUnavailable
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        import cupy
+        cupy_version = cupy.__version__
+    except ImportError:
+        cupy_version = None
+    env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "cupy": cupy_version or "not installed", "python": platform.python_version(), "host": platform.node(),
+           "blocks_per_job": args.blocks_per_job, "iters": args.iters, "page_bytes": PAGE}
+    engines: dict = {}
+    if cupy_version is None:
+        engines["cuda"] = "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
+    else:
+        # Compile once up front so that a failing NVRTC shows as a clear line, not a traceback.
+        probe = PinnedRegion(PAGE)
+        try:
+            from kvtier.cuda import CudaKernelEngine
+            CudaKernelEngine(device, [], [(probe.address, probe.size)]).close()
+        except CopyEngineUnavailable as exc:
+            engines["cuda"] = str(exc)
+        finally:
+            probe.close()
+
+    start = time.monotonic()
+    rows, skipped = [], []
+    for geo in GEOMETRIES:
+        if time.monotonic() - start > args.budget_s:
+            skipped.append(geo.name)
+            continue
+        print(f"gpu_bench: {geo.name} …", file=sys.stderr, flush=True)
+        rows += run_geometry(geo, args, engines, device)
+
+    os.makedirs(args.out, exist_ok=True)
+    table = markdown(env, rows, skipped)
+    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+        json.dump({"env": env, "results": rows, "skipped": skipped, "seconds": time.monotonic() - start}, f, indent=2)
+    with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
+        f.write(table)
+    print(table)
+    print(f"gpu_bench: wrote {args.out}/gpu_bench.json and gpu_bench.md in {time.monotonic() - start:.0f}s",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
