@@ -1,0 +1,338 @@
+"""Drive vLLM's own Scheduler and worker-role OffloadingConnector against a real kvtierd, on the CPU.
+
+What is real: vLLM 0.33's ``VllmConfig``/``ModelConfig`` (from a tiny local config.json, no
+weights), its KV-cache planning (``get_kv_cache_configs``), its KV-cache allocation
+(``allocate_kv_cache``, with ``device="cpu"``), its ``Scheduler`` (with the scheduler-role
+``OffloadingConnector`` loading ``kvtier.integrations.vllm`` through ``spec_module_path``), one
+worker-role ``OffloadingConnector`` per rank process (which registers the KV cache and calls the
+plugin's worker), vLLM's ``KVOutputAggregator`` merging the ranks' connector outputs, and the
+kvtierd daemon.
+
+The seams (what a GPU engine has that this harness replaces, and why each is the narrowest):
+
+- **KV-cache specs** are built from the config.json the way the attention layers report them
+  (``FullAttentionSpec`` for GQA, ``MLAAttentionSpec(max_tp_shards=1)`` for MLA), because
+  instantiating the model would need weights and a device.
+- **The KV layout** is resolved with vLLM's own ``resolve_kv_cache_layout`` from the layouts a
+  worker without declared backends supports (what the executor RPC would report).
+- **The "model"**: a step writes, for every block its scheduled tokens touch, bytes derived from
+  the block's token ids (the same on every rank, as MLA's latent KV is), into the CPU KV cache,
+  and samples token 7. ``rank_variant`` makes ranks ≥ 1 write other bytes, to prove what they
+  load came from rank 0's copy.
+- **Transport**: the scheduler's ``kv_connector_metadata`` reaches the ranks pickled over a pipe
+  (vLLM's executor pickles it into shared memory); no torch.distributed group is needed because
+  the kvtier plugin coordinates the ranks through kvtierd.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import pickle
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+MODELS = Path(__file__).parent / "models"
+BLOCK_TOKENS = 16
+CTX = mp.get_context("spawn")
+
+
+@dataclass
+class EngineRecipe:
+    """Everything that decides one engine's configuration; every process builds it the same way."""
+
+    model: str                    # directory name under tests/vllm/models
+    tp: int
+    socket: str
+    engine_id: str
+    extra: dict = field(default_factory=dict)
+    num_blocks_memory: int = 1 << 20   # KV-cache bytes per rank handed to vLLM's planner
+
+    def extra_config(self) -> dict:
+        return {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
+                "kvtier_socket": self.socket, "kvtier_timeout_s": 20, **self.extra}
+
+
+def build(recipe: EngineRecipe, rank: int = 0):
+    """(vllm_config, kv_cache_config, per-layer specs) for ``rank`` of the recipe's engine."""
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    model_config = ModelConfig(model=str(MODELS / recipe.model), skip_tokenizer_init=True, dtype="bfloat16",
+                               max_model_len=1024, seed=0)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
+        parallel_config=ParallelConfig(tensor_parallel_size=recipe.tp, distributed_executor_backend="mp"),
+        kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                            engine_id=recipe.engine_id,
+                                            kv_connector_extra_config=recipe.extra_config()),
+    )
+    vllm_config.scheduler_config.async_scheduling = False
+    vllm_config.parallel_config.rank = rank
+    hf = model_config.hf_text_config
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
+    if model_config.use_mla:
+        spec = MLAAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=1, max_tp_shards=1,
+                                head_size=hf.kv_lora_rank + hf.qk_rope_head_dim, dtype=torch.bfloat16,
+                                cache_dtype_str="auto")
+    else:
+        spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=max(1, hf.num_key_value_heads // recipe.tp),
+                                 head_size=hf.head_dim, dtype=torch.bfloat16)
+    specs = {name: spec for name in layers}
+    supported = [layout.name for layout in get_supported_kv_cache_layouts([])]
+    resolve_kv_cache_layout(vllm_config, [supported] * recipe.tp, specs.values())
+    groups = get_global_kv_cache_groups(vllm_config, [specs] * recipe.tp)
+    kv_cache_config = get_kv_cache_configs(vllm_config, [specs] * recipe.tp,
+                                           [recipe.num_blocks_memory] * recipe.tp, groups)[rank]
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    return vllm_config, kv_cache_config
+
+
+def block_content(token_ids: tuple[int, ...], layer: int, nbytes: int, variant: int = 0) -> bytes:
+    """What the fake model writes into a block of one layer: a function of the block's tokens."""
+    out = bytearray()
+    counter = 0
+    seed = repr((token_ids, layer, variant)).encode()
+    while len(out) < nbytes:
+        out += hashlib.sha256(seed + counter.to_bytes(4, "little")).digest()
+        counter += 1
+    return bytes(out[:nbytes])
+
+
+# ------------------------------------------------------------------------------ one rank
+class RankWorker:
+    """One TP rank: vLLM's worker-role OffloadingConnector over a CPU KV cache (in any process)."""
+
+    def __init__(self, recipe: EngineRecipe, rank: int, rank_variant: bool = False):
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        self.rank = rank
+        self.variant = rank if rank_variant else 0
+        self.vllm_config, self.kv_cache_config = build(recipe, rank)
+        with set_current_vllm_config(self.vllm_config):
+            layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
+            # vLLM's own allocation, on the CPU instead of a GPU.
+            self.kv = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
+            self.connector = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.connector.register_kv_caches(self.kv)
+        self.layers = list(self.kv)
+        self.spec = self.connector.connector_worker.spec
+        self.worker = self.connector.connector_worker.worker
+
+    def _rows(self, block_id: int):
+        import torch
+        for layer, name in enumerate(self.layers):
+            yield layer, self.kv[name][block_id].view(torch.uint8).reshape(-1)
+
+    def step(self, metadata: bytes, writes: list[tuple[int, tuple[int, ...]]], finished: set[str]) -> bytes:
+        """One engine step as the model runner drives the connector; returns the pickled output."""
+        import torch
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = pickle.loads(metadata)
+        connector = self.connector
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        for block_id, token_ids in writes:                     # the forward pass
+            for layer, row in self._rows(block_id):
+                content = block_content(token_ids, layer, row.numel(), self.variant)
+                row.copy_(torch.frombuffer(bytearray(content), dtype=torch.uint8))
+        connector.wait_for_save()
+        results = connector.get_transfer_results(finished)
+        output = KVConnectorOutput(finished_sending=results.finished_sending,
+                                   finished_recving=results.finished_recving,
+                                   kv_connector_worker_meta=connector.build_connector_worker_meta())
+        connector.clear_connector_metadata()
+        return pickle.dumps(output)
+
+    def digests(self, block_ids: list[int]) -> list[str]:
+        """sha256 over every layer's bytes of each block."""
+        out = []
+        for block_id in block_ids:
+            h = hashlib.sha256()
+            for _, row in self._rows(block_id):
+                h.update(row.numpy().tobytes())
+            out.append(h.hexdigest())
+        return out
+
+    def expected(self, token_ids: tuple[int, ...], variant: int = 0) -> str:
+        """The digest of a block holding what the fake model writes for ``token_ids``."""
+        h = hashlib.sha256()
+        for layer, row in self._rows(0):
+            h.update(block_content(token_ids, layer, row.numel(), variant))
+        return h.hexdigest()
+
+    def zero(self) -> None:
+        for tensor in {t.untyped_storage().data_ptr(): t for t in self.kv.values()}.values():
+            tensor.untyped_storage().fill_(0)
+
+    def info(self) -> dict:
+        client = self.worker.client
+        return {"writer": client.is_writer, "namespace": client.info["namespace"],
+                "kind": self.spec.layout.kind, "block_bytes": self.spec.layout.block_bytes,
+                "replicated_gate": self.spec.config.replicated_layout, "pid": os.getpid()}
+
+    def close(self) -> None:
+        self.connector.shutdown()
+
+
+def _serve(conn, recipe: EngineRecipe, rank: int, rank_variant: bool) -> None:   # in the child
+    try:
+        worker = RankWorker(recipe, rank, rank_variant)
+        conn.send(("ok", None))
+    except Exception as exc:
+        conn.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            name, kwargs = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", getattr(worker, name)(**kwargs)))
+        except Exception as exc:
+            conn.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
+        if name == "close":
+            return
+
+
+class RankProcess:
+    """A RankWorker in its own spawned process (its own ZMQ context, region mapping and pid)."""
+
+    def __init__(self, recipe: EngineRecipe, rank: int, rank_variant: bool = False):
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=_serve, args=(child, recipe, rank, rank_variant), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ready(self, timeout: float = 120) -> None:
+        self._result(timeout)
+
+    def send(self, name: str, **kwargs: Any) -> None:
+        self.conn.send((name, kwargs))
+
+    def _result(self, timeout: float = 120) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError("rank process did not answer")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"rank process failed: {value}")
+        return value
+
+    def call(self, name: str, **kwargs: Any) -> Any:
+        self.send(name, **kwargs)
+        return self._result()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("close")
+            except Exception:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+def all_call(ranks: list[RankProcess], name: str, **kwargs: Any) -> list:
+    for r in ranks:
+        r.send(name, **kwargs)
+    return [r._result() for r in ranks]
+
+
+# ------------------------------------------------------------------------------ the engine
+class Engine:
+    """vLLM's Scheduler plus rank processes, stepped by hand like EngineCore.step()."""
+
+    def __init__(self, recipe: EngineRecipe, ranks: list[RankProcess]):
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.vllm_config, self.kv_cache_config = build(recipe, 0)
+        self.ranks = ranks
+        self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                   block_size=BLOCK_TOKENS, log_stats=True)
+        hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(BLOCK_TOKENS, hash_fn)
+        self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, recipe.tp)
+        self.connector_scheduler = self.scheduler.connector.connector_scheduler
+        self.manager = self.connector_scheduler.manager
+        self.first_computed: dict[str, int] = {}     # request -> tokens it had before its first forward
+
+    def add_request(self, request_id: str, prompt: list[int], max_tokens: int = 2):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=params,
+                          pooling_params=None, block_hasher=self.block_hasher)
+        self.scheduler.add_request(request)
+        return request
+
+    def _writes(self, output) -> list[tuple[int, tuple[int, ...]]]:
+        """(block id, the block's token ids) of every block the scheduled tokens write."""
+        writes = []
+        for req_id, count in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            start = request.num_computed_tokens - count     # schedule() already advanced it
+            self.first_computed.setdefault(req_id, start)
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            tokens = request.all_token_ids
+            for index in range(start // BLOCK_TOKENS, (start + count - 1) // BLOCK_TOKENS + 1):
+                writes.append((block_ids[index], tuple(tokens[index * BLOCK_TOKENS:(index + 1) * BLOCK_TOKENS])))
+        return writes
+
+    def step(self) -> None:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        output = self.scheduler.schedule()
+        writes = self._writes(output)
+        metadata = pickle.dumps(output.kv_connector_metadata)
+        kv_outputs = [pickle.loads(o) for o in all_call(self.ranks, "step", metadata=metadata, writes=writes,
+                                                        finished=set(output.finished_req_ids))]
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests[req_id]
+            done = request.num_computed_tokens >= request.num_prompt_tokens
+            sampled.append([7] if done else [])
+        outputs = [ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                     sampled_token_ids=sampled, kv_connector_output=kv)
+                   for kv in kv_outputs]
+        self.scheduler.update_from_output(output, self.aggregator.aggregate(outputs))
+
+    def run(self, timeout: float = 60.0) -> None:
+        """Step until no request is left and every transfer of the connector completed."""
+        deadline = time.monotonic() + timeout
+        while self.scheduler.requests or self.connector_scheduler._jobs:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine still busy: requests {list(self.scheduler.requests)}, "
+                                   f"transfers {list(self.connector_scheduler._jobs)}")
+            self.step()
+            if not self.scheduler.requests:
+                time.sleep(0.005)      # only transfers left: let the copies finish
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
