@@ -4,6 +4,21 @@ Each ``RankProcess`` is a spawned Python process holding a CPU "KV cache" (per-l
 tensors) and a ``kvtier.Client``; the test drives it over a pipe with small commands. Spawned
 (not forked) so each rank is a clean process with its own ZMQ context, its own region mapping
 and its own pid, as in a real engine; the daemon watches each through a pidfd.
+
+Commands (``rank.call(name, **kwargs)``):
+
+- ``connect``, ``close``, ``fill``, ``hashes``, ``lookup``, ``stats``: set-up and queries.
+- ``store`` / ``load``: a whole job on this rank (request, copy, vote/release), its result.
+- ``store_hold`` / ``load_hold``: send the request and start the copy, but do not vote or
+  release yet; ``finish(jobs)`` does that later (``Client.wait``) and returns the results. A
+  rank that is SIGKILLed in between dies holding its pages (writer) or its pins (loader).
+- ``store_partial_then_hang``: the writer's request, then only a prefix (``fraction``) of the
+  job's bytes copied into its pages by hand, then the process blocks forever without voting:
+  the test SIGKILLs it "mid-copy". After this command the process answers nothing more.
+- ``job_status``, ``raw`` (any protocol op on this rank's session, its reply or typed error).
+
+Errors come back as ``RankError`` whose ``type`` is the client's exception class name
+(``JobAborted``, ``ShuttingDown``, ``DaemonUnavailable``, ...).
 """
 
 from __future__ import annotations
@@ -11,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import signal
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -56,12 +73,12 @@ def _worker(conn) -> None:  # runs in the child
             out.append(h.hexdigest())
         return out
 
-    def connect(socket, engine, rank, world_size, spec, layout, seed):
+    def connect(socket, engine, rank, world_size, spec, layout, seed, timeout=20.0):
         dtype = getattr(torch, spec.dtype)
         state["kv"] = [torch.zeros((spec.num_blocks, *spec.row_shape), dtype=dtype) for _ in range(spec.layers)]
         fill(range(spec.num_blocks), seed)
         state["client"] = Client(socket, engine_id=engine, rank=rank, world_size=world_size,
-                                 layout=Layout(**layout), timeout=20)
+                                 layout=Layout(**layout), timeout=timeout)
         state["client"].register_kv_caches(state["kv"])
         return {"writer": state["client"].is_writer, "pid": os.getpid()}
 
@@ -82,12 +99,62 @@ def _worker(conn) -> None:  # runs in the child
             client.close()
         return None
 
+    def result_dict(result):
+        return {"job": result.job, "kind": result.kind, "ok": result.ok, "hits": result.hits,
+                "error": repr(result.error) if result.error else None,
+                "error_type": type(result.error).__name__ if result.error else None}
+
+    def store_hold(job, keys, block_ids):
+        decision = state["client"].store(job, keys, block_ids)
+        return {"outcomes": [int(o) for o in decision.outcomes]}
+
+    def load_hold(job, keys, block_ids):
+        return {"hits": state["client"].load(job, keys, block_ids)}
+
+    def finish(jobs, timeout=60):
+        return [result_dict(r) for r in state["client"].wait(jobs, timeout=timeout)]
+
+    def store_partial_then_hang(job, keys, block_ids, fraction=0.5):
+        """The writer's store request, then only ``fraction`` of the job's bytes copied into the
+        pages the daemon handed out, then hang (the test kills this process)."""
+        import ctypes
+
+        import numpy as np
+
+        from kvtierd import protocol as P
+        from kvtierd.protocol import StoreOutcome
+
+        client = state["client"]
+        reply = client.channel.call("store", job=job, keys=list(keys))
+        outcomes = np.frombuffer(reply["outcomes"], dtype=np.uint8)
+        write = np.flatnonzero(outcomes == StoreOutcome.WRITE)
+        pages = np.frombuffer(reply["pages"], dtype=P.PAGES_DTYPE).reshape(len(write), client.pages_per_shard)
+        desc = client.kv.descriptors(np.asarray(block_ids)[write], pages, client.region_data, to_region=True)
+        budget = int(desc.total_bytes * fraction)
+        copied = 0
+        for src, dst, n in zip(desc.src.tolist(), desc.dst.tolist(), desc.nbytes.tolist()):
+            n = min(n, budget - copied)
+            if n <= 0:
+                break
+            ctypes.memmove(dst, src, n)
+            copied += n
+        state["hang"] = True
+        return {"outcomes": outcomes.tolist(), "copied_bytes": copied, "total_bytes": desc.total_bytes}
+
+    def raw(op, **fields):
+        reply = dict(state["client"].channel.call(op, **fields))
+        return {k: v for k, v in reply.items() if k not in ("pages",)}
+
     commands = {
         "connect": connect, "store": store, "load": load, "close": close,
         "fill": lambda block_ids, seed: fill(block_ids, seed),
         "hashes": block_hashes,
         "lookup": lambda keys: state["client"].lookup(keys),
         "stats": lambda: state["client"].stats(),
+        "store_hold": store_hold, "load_hold": load_hold, "finish": finish,
+        "store_partial_then_hang": store_partial_then_hang,
+        "job_status": lambda jobs: state["client"].job_status(jobs),
+        "raw": lambda op, fields=None: raw(op, **(fields or {})),
     }
     while True:
         try:
@@ -103,6 +170,8 @@ def _worker(conn) -> None:  # runs in the child
         except Exception as exc:
             conn.send(("error", {"type": type(exc).__name__, "message": str(exc),
                                  "traceback": traceback.format_exc()}))
+        while state.get("hang"):       # store_partial_then_hang: wait here to be killed
+            time.sleep(3600)
 
 
 class RankError(Exception):
@@ -133,6 +202,16 @@ class RankProcess:
     def call(self, name: str, timeout: float = 90, **kwargs: Any) -> Any:
         self.send(name, **kwargs)
         return self.result(timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL this rank process (no chance to clean up) and reap it."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+        assert not self.proc.is_alive(), "rank process survived SIGKILL"
 
     def stop(self) -> None:
         if self.proc.is_alive():
