@@ -41,11 +41,13 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 
 import numpy as np
 
 from .histogram import Histogram
-from .layout import EntryState, NamespaceLayout, RegionView, entry_checksum, scan
+from .layout import ENTRY_DTYPE, EntryState, NamespaceLayout, RegionView, entry_checksum, scan
 from .lru import LRUPolicy
 from .pages import PageAllocator
 from .protocol import PAGES_DTYPE, ErrorCode, JobState, LayoutKind, RequestError, StoreOutcome
@@ -53,6 +55,22 @@ from .protocol import PAGES_DTYPE, ErrorCode, JobState, LayoutKind, RequestError
 log = logging.getLogger(__name__)
 
 TOMBSTONES = 65536
+
+# Per-key work is done in C-level passes (map over these getters, NumPy fancy indexing of the
+# entry table) rather than Python loops: a job carries up to thousands of keys, and the daemon's
+# cost per key is what bounds lookup latency and keys/s (docs/benchmarks.md has the figures).
+_SLOT = attrgetter("slot")
+_STATE = attrgetter("state")
+_PAGES = attrgetter("pages")
+
+
+class _Absent:
+    """Stands in for a key the index does not hold, so that a state can be read for every key."""
+    state = EntryState.FREE
+
+
+_ABSENT = _Absent()
+_READY = bytes([EntryState.READY])
 
 # Monotonic counters, reported by stats() (zero until they happen).
 COUNTERS = (
@@ -81,7 +99,7 @@ class Entry:
 
 
 class Namespace:
-    __slots__ = ("slot", "layout", "index", "pages_per_shard", "entry_pages", "shard_bytes")
+    __slots__ = ("slot", "layout", "index", "pages_per_shard", "entry_pages", "shard_bytes", "record")
 
     def __init__(self, slot: int, layout: NamespaceLayout, page_size: int):
         self.slot = slot
@@ -90,6 +108,10 @@ class Namespace:
         self.pages_per_shard = layout.pages_per_shard(page_size)
         self.entry_pages = layout.entry_pages(page_size)
         self.shard_bytes = self.pages_per_shard * 4   # bytes of one shard's page list
+        # What every new entry record of this namespace starts from.
+        self.record = np.zeros(1, ENTRY_DTYPE)
+        self.record[["state", "ns", "page_count", "length"]] = (EntryState.WRITING, slot, self.entry_pages,
+                                                                 layout.entry_bytes)
 
 
 @dataclass(eq=False)
@@ -160,11 +182,18 @@ class Store:
         self.sessions: dict[int, Session] = {}
         self.tick = int(view.header["tick"])
         self._session_ids = itertools.count(1)
-        self._deadlines: list[tuple[float, int, Job]] = []
+        # (deadline, seq, engine id, job id): ids, not the Job, so that a finished job is freed at
+        # once instead of living on in the heap until its deadline comes up.
+        self._deadlines: list[tuple[float, int, str, int]] = []
         self._seq = itertools.count()
         self.entry_count = {EntryState.WRITING: 0, EntryState.READY: 0}
         self.pinned_entries = 0
         self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
+        self._states = view.entries["state"]    # columns of the entry table, for vectorised writes
+        self._ticks = view.entries["tick"]
+        # The entry table as rows of bytes: NumPy scatters whole structured records ~100x slower
+        # than the same bytes as uint8 rows.
+        self._records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
         self.counters: Counter = Counter()
         self.aborted: Counter = Counter()
         self.vote_wait = Histogram()      # first request of a store job → its last vote
@@ -194,14 +223,19 @@ class Store:
             log.warning("entry %d discarded: %s", slot, why)
             states[slot] = EntryState.FREE
         states[found.writing] = EntryState.FREE
-        kept: list[Entry] = []
-        for slot, ns_slot, key, pages in found.ready:
-            ns = self.ns_by_slot[ns_slot]
-            entry = Entry(slot, ns, key, EntryState.READY, pages.astype(PAGES_DTYPE).tobytes())
-            ns.index[key] = entry
-            self.by_slot[slot] = entry
-            kept.append(entry)
-        self.policy.add_oldest_first(e.slot for e in kept)
+        # A region holds millions of entries: the objects are built with C-level loops (map, zip).
+        slots = found.ready_slots.tolist()
+        kept = list(map(Entry, slots, map(self.ns_by_slot.__getitem__, found.ready_ns.tolist()), found.ready_keys,
+                        repeat(EntryState.READY), found.ready_pages))
+        if len(self.namespaces) == 1:
+            next(iter(self.namespaces.values())).index.update(zip(found.ready_keys, kept))
+        else:
+            for key, entry in zip(found.ready_keys, kept):
+                entry.ns.index[key] = entry
+        by_slot = self.by_slot
+        for slot, entry in zip(slots, kept):
+            by_slot[slot] = entry
+        self.policy.add_oldest_first(slots)
         self.entry_count[EntryState.READY] = len(kept)
         self.allocator = PageAllocator(geo.num_pages, np.flatnonzero(found.owner >= 0))
         self._free_slots: list[int] = np.flatnonzero(states == EntryState.FREE)[::-1].tolist()
@@ -294,26 +328,31 @@ class Store:
     # ------------------------------------------------------------------ lookup
     def lookup(self, session: Session, keys: list[bytes]) -> int:
         """How many leading keys are READY; touches them (they are about to be used)."""
-        index = session.engine.ns.index
-        hits = 0
-        for key in keys:
-            entry = index.get(key)
-            if entry is None or entry.state is not EntryState.READY:
-                break
-            hits += 1
-        self._touch([index[k] for k in keys[:hits]])
-        self.counters["lookup_hit_keys"] += hits
-        self.counters["lookup_miss_keys"] += len(keys) - hits
-        return hits
+        hits = self._ready_prefix(session.engine.ns.index, keys)
+        self._touch(hits)
+        self.counters["lookup_hit_keys"] += len(hits)
+        self.counters["lookup_miss_keys"] += len(keys) - len(hits)
+        return len(hits)
+
+    @staticmethod
+    def _ready_prefix(index: dict[bytes, Entry], keys: list[bytes]) -> list[Entry]:
+        """The entries of the leading keys that are in the index and READY."""
+        entries = list(map(index.get, keys, repeat(_ABSENT)))
+        states = bytes(map(_STATE, entries))               # one byte per key
+        hits = len(states) - len(states.lstrip(_READY))
+        return entries if hits == len(entries) else entries[:hits]
 
     def _touch(self, entries: list[Entry]) -> None:
-        if not entries:
-            return
+        """The entries were just used: young end of the policy (if evictable), new tick."""
+        if entries:
+            slots = list(map(_SLOT, entries))
+            self.policy.touch_many(slots)
+            self._stamp(slots)
+
+    def _stamp(self, slots: list[int]) -> None:
+        """A new access tick for these entries in the table (recovery rebuilds the LRU order from it)."""
         self.tick += 1
-        for entry in entries:
-            self.policy.touch(entry.slot)
-        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
-        self.view.entries["tick"][slots] = self.tick
+        self._ticks[np.fromiter(slots, np.intp, len(slots))] = self.tick
 
     # ------------------------------------------------------------------ jobs
     def _job(self, session: Session, job_id: int, kind: str, keys: list[bytes]) -> tuple[Job, bool]:
@@ -327,7 +366,7 @@ class Store:
             now = self.clock()
             job = Job(engine, job_id, kind, keys, now + self.job_timeout, opened=now)
             engine.jobs[job_id] = job
-            heapq.heappush(self._deadlines, (job.deadline, next(self._seq), job))
+            heapq.heappush(self._deadlines, (job.deadline, next(self._seq), engine.id, job_id))
             return job, True
         if job.kind != kind or job.keys != keys:
             self._abort(job, "conflict")
@@ -383,82 +422,97 @@ class Store:
         job.seen.add(rank)
         if rank in job.engine.writers:
             ns = job.engine.ns
-            shard = rank if ns.layout.kind is LayoutKind.SHARDED else 0
-            lo, hi = shard * ns.shard_bytes, (shard + 1) * ns.shard_bytes
+            if ns.layout.kind is LayoutKind.REPLICATED:
+                return job.outcomes, list(map(_PAGES, job.entries))
+            lo, hi = rank * ns.shard_bytes, (rank + 1) * ns.shard_bytes
             return job.outcomes, [e.pages[lo:hi] for e in job.entries]
         self._vote(job, rank)
         return job.outcomes, []
 
     def _decide_store(self, job: Job) -> None:
         ns = job.engine.ns
-        present = [ns.index[k] for k in job.keys if k in ns.index]
+        found = list(map(ns.index.get, job.keys))    # keys of a job are distinct (protocol)
+        present = [e for e in found if e is not None]
         self._touch([e for e in present if e.state is EntryState.READY])
-        exclude = {e.slot for e in present}
-        full = False
-        outcomes = job.outcomes
-        for key in job.keys:
-            if key in ns.index:
-                outcomes.append(StoreOutcome.PRESENT)
-                continue
-            pages = None if full else self._alloc(ns.entry_pages, exclude)
-            if pages is None:
-                full = True
-                outcomes.append(StoreOutcome.NO_SPACE)
-                continue
-            entry = self._new_entry(ns, key, pages, job)
-            exclude.add(entry.slot)
-            job.entries.append(entry)
-            outcomes.append(StoreOutcome.WRITE)
-        n_write = len(job.entries)
-        self.counters["store_written_keys"] += n_write
+        new_keys = [k for k, e in zip(job.keys, found) if e is None]
+        fit = self._make_room(len(new_keys), ns.entry_pages, set(map(_SLOT, present)))
+        job.entries = self._new_entries(ns, new_keys[:fit], job)
+        decided = iter([StoreOutcome.WRITE] * fit + [StoreOutcome.NO_SPACE] * (len(new_keys) - fit))
+        job.outcomes = [StoreOutcome.PRESENT if e is not None else next(decided) for e in found]
+        self.counters["store_written_keys"] += fit
         self.counters["store_present_keys"] += len(present)
-        self.counters["store_no_space_keys"] += len(job.keys) - n_write - len(present)
+        self.counters["store_no_space_keys"] += len(new_keys) - fit
 
-    def _alloc(self, n: int, exclude: set[int]) -> list[int] | None:
-        while True:
-            pages = self.allocator.alloc(n)
-            if pages is not None:
-                return pages
-            victim = self.policy.choose_victim(exclude)
-            if victim is None:
-                return None
-            self._evict(victim)
+    def _make_room(self, count: int, entry_pages: int, exclude: set[int]) -> int:
+        """Evict least recently used entries (never those in ``exclude``: the job's present keys)
+        until ``count`` entries of ``entry_pages`` fit, or nothing evictable is left. Returns how
+        many fit: the job writes that prefix of its new keys and the rest get NO_SPACE."""
+        need = count * entry_pages - self.allocator.free_pages
+        if need > 0:
+            victims = []
+            for slot in self.policy.candidates(exclude):
+                victims.append(self.by_slot[slot])
+                need -= victims[-1].ns.entry_pages
+                if need <= 0:
+                    break
+            self._evict(victims)
+        return min(count, self.allocator.free_pages // entry_pages)
 
-    def _evict(self, slot: int, counter: str = "evictions") -> None:
-        entry = self.by_slot[slot]
-        self._free_entry(entry)
-        self.allocator.free(np.frombuffer(entry.pages, PAGES_DTYPE).tolist())
-        self.counters[counter] += 1
+    def _evict(self, entries: list[Entry], counter: str = "evictions") -> None:
+        self._free_entries(entries)
+        self.allocator.free(self._pages_of(entries))
+        self.counters[counter] += len(entries)
 
-    def _new_entry(self, ns: Namespace, key: bytes, pages: list[int], job: Job) -> Entry:
-        slot = self._free_slots.pop()
-        arr = np.asarray(pages, dtype=PAGES_DTYPE)
-        rec = self.view.entries[slot]
-        rec["state"] = EntryState.WRITING
-        rec["key_len"] = len(key)
-        rec["key"][: len(key)] = np.frombuffer(key, dtype=np.uint8)
-        rec["ns"] = ns.slot
-        rec["page_count"] = len(pages)
-        rec["first_page"] = pages[0]
-        rec["length"] = ns.layout.entry_bytes
+    @staticmethod
+    def _pages_of(entries: list[Entry]) -> list[int]:
+        return np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).tolist()
+
+    def _new_entries(self, ns: Namespace, keys: list[bytes], job: Job) -> list[Entry]:
+        """WRITING entries for ``keys``, with pages (there is room: ``_make_room``) and records."""
+        n = len(keys)
+        if n == 0:
+            return []
+        pages = np.asarray(self.allocator.alloc(n * ns.entry_pages), dtype=PAGES_DTYPE).reshape(n, -1)
+        slots = self._free_slots[-n:]
+        del self._free_slots[-n:]
+        slots.reverse()                         # the order n pop()s would have given
+        # The records are built in a fresh array and written with one scatter. A torn write is
+        # harmless: recovery discards WRITING records.
+        rec = np.repeat(ns.record, n)
+        rec["first_page"] = pages[:, 0]
         rec["tick"] = self.tick
-        rec["checksum"] = 0
-        self.view.write_chain(arr)
-        entry = Entry(slot, ns, key, EntryState.WRITING, arr.tobytes(), job)
-        ns.index[key] = entry
-        self.by_slot[slot] = entry
-        self.entry_count[EntryState.WRITING] += 1
-        return entry
+        lengths = list(map(len, keys))
+        rec["key_len"] = lengths
+        if len(set(lengths)) == 1:
+            rec["key"][:, :lengths[0]] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, -1)
+        else:
+            for i, key in enumerate(keys):      # keys of mixed lengths (unusual): row by row
+                rec["key"][i, :len(key)] = np.frombuffer(key, np.uint8)
+        self._records[np.asarray(slots)] = rec.view(np.uint8).reshape(n, -1)
+        self.view.write_chain(pages)
+        entries = list(map(Entry, slots, repeat(ns), keys, repeat(EntryState.WRITING),
+                           pages.view(f"V{pages.shape[1] * 4}").ravel().tolist(), repeat(job)))
+        ns.index.update(zip(keys, entries))
+        by_slot = self.by_slot
+        for slot, entry in zip(slots, entries):
+            by_slot[slot] = entry
+        self.entry_count[EntryState.WRITING] += n
+        return entries
 
-    def _free_entry(self, entry: Entry) -> None:
-        """Forget an entry: out of the table first (state FREE), the index and the policy."""
-        self.view.entries[entry.slot]["state"] = EntryState.FREE
-        del entry.ns.index[entry.key]
-        self.policy.remove(entry.slot)
-        self.by_slot[entry.slot] = None
-        self._free_slots.append(entry.slot)
-        self.entry_count[entry.state] -= 1
-        entry.state = EntryState.FREE
+    def _free_entries(self, entries: list[Entry]) -> None:
+        """Forget entries: out of the table first (state FREE), the index and the policy."""
+        if not entries:
+            return
+        slots = list(map(_SLOT, entries))
+        self._states[slots] = EntryState.FREE
+        by_slot, count = self.by_slot, self.entry_count
+        for entry in entries:
+            del entry.ns.index[entry.key]
+            by_slot[entry.slot] = None
+            count[entry.state] -= 1
+            entry.state = EntryState.FREE
+        self.policy.remove_many(slots)
+        self._free_slots.extend(slots)
 
     def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
         """A rank's vote on a store job; writers send it after their copy completed, with the
@@ -494,18 +548,18 @@ class Store:
             return
         # Every rank voted, the writers after their copies: the entries become READY.
         entries = job.entries
-        table = self.view.entries
         self.tick += 1
         writers = sorted(job.engine.writers)
         sums = job.shard_sums if self.checksums and all(r in job.shard_sums for r in writers) else None
-        for i, entry in enumerate(entries):
+        slots = list(map(_SLOT, entries))
+        for entry in entries:
             entry.state = EntryState.READY
             entry.job = None
-            rec = table[entry.slot]
-            rec["tick"] = self.tick
-            rec["checksum"] = entry_checksum([sums[r][i] for r in writers]) if sums else 0
-            rec["state"] = EntryState.READY     # last: the record is complete before it says READY
-            self.policy.add(entry.slot)
+        self._ticks[slots] = self.tick
+        self.view.entries["checksum"][slots] = [entry_checksum([sums[r][i] for r in writers])
+                                                for i in range(len(entries))] if sums else 0
+        self._states[slots] = EntryState.READY    # last: the records are complete before they say READY
+        self.policy.add_many(slots)
         n = len(entries)
         self.entry_count[EntryState.WRITING] -= n
         self.entry_count[EntryState.READY] += n
@@ -526,17 +580,16 @@ class Store:
         """
         job, new = self._job(session, job_id, "load", keys)
         if new:
-            index = job.engine.ns.index
-            for key in keys:
-                entry = index.get(key)
-                if entry is None or entry.state is not EntryState.READY:
-                    break
-                job.entries.append(entry)
+            job.entries = self._ready_prefix(job.engine.ns.index, keys)
+            pinned = []
+            for entry in job.entries:
                 entry.pins += 1
                 if entry.pins == 1:
-                    self.policy.remove(entry.slot)
-                    self.pinned_entries += 1
-            self._touch(job.entries)
+                    pinned.append(entry.slot)
+            self.policy.remove_many(pinned)
+            self.pinned_entries += len(pinned)
+            if job.entries:          # pinned: out of the policy until released; only the tick moves
+                self._stamp(list(map(_SLOT, job.entries)))
             self.counters["load_hit_keys"] += len(job.entries)
             self.counters["load_miss_keys"] += len(keys) - len(job.entries)
         hits = len(job.entries)
@@ -547,7 +600,7 @@ class Store:
         if ns.layout.kind is LayoutKind.SHARDED:
             lo, hi = session.rank * ns.shard_bytes, (session.rank + 1) * ns.shard_bytes
             return hits, [e.pages[lo:hi] for e in job.entries]
-        return hits, [e.pages for e in job.entries]
+        return hits, list(map(_PAGES, job.entries))
 
     def release(self, session: Session, job_id: int) -> None:
         """A rank finished copying a load job's blocks out of the region."""
@@ -562,11 +615,13 @@ class Store:
             self._finish(job, JobState.DONE)
 
     def _unpin(self, job: Job) -> None:
+        unpinned = []
         for entry in job.entries:
             entry.pins -= 1
             if entry.pins == 0:
-                self.pinned_entries -= 1
-                self.policy.add(entry.slot)
+                unpinned.append(entry.slot)
+        self.pinned_entries -= len(unpinned)
+        self.policy.add_many(unpinned)
         job.entries = []
 
     # ------------------------------------------------------------------ abort and finish
@@ -590,9 +645,8 @@ class Store:
             live_writers = {r for r in job.seen & job.engine.writers if r in job.engine.ranks}
             job.copying = live_writers - job.done_ranks
             self.counters["store_aborted_keys"] += len(job.entries)
-            for entry in job.entries:
-                self._free_entry(entry)
-                job.quarantine.extend(np.frombuffer(entry.pages, PAGES_DTYPE).tolist())
+            self._free_entries(job.entries)
+            job.quarantine.extend(self._pages_of(job.entries))
             job.entries = []
             job.quarantine_deadline = self.clock() + self.job_timeout
             self._free_quarantine(job)
@@ -613,7 +667,7 @@ class Store:
         if not job.quarantine and job.state is not JobState.OPEN:
             job.engine.jobs.pop(job.id, None)
         elif job.quarantine:
-            heapq.heappush(self._deadlines, (job.quarantine_deadline, next(self._seq), job))
+            heapq.heappush(self._deadlines, (job.quarantine_deadline, next(self._seq), job.engine.id, job.id))
 
     def _finish(self, job: Job, state: JobState) -> None:
         job.state = state
@@ -643,10 +697,14 @@ class Store:
         """Abort jobs past their deadline, free quarantines past theirs. Returns the next deadline."""
         now = self.clock()
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, job = heapq.heappop(self._deadlines)
-            if job.state is JobState.OPEN:
+            _, _, engine_id, job_id = heapq.heappop(self._deadlines)
+            engine = self.engines.get(engine_id)
+            job = engine.jobs.get(job_id) if engine is not None else None
+            if job is None:
+                continue                      # finished, or its engine left: nothing to expire
+            if job.state is JobState.OPEN and job.deadline <= now:
                 self._abort(job, "timeout")
-            elif job.quarantine:
+            elif job.quarantine and job.quarantine_deadline <= now:
                 self._free_quarantine(job)
         return self._deadlines[0][0] if self._deadlines else None
 
@@ -681,11 +739,10 @@ class Store:
         the namespace named ``namespace`` (None: any). Pinned and WRITING entries stay."""
         if namespace is not None and not any(ns.layout.name() == namespace for ns in self.namespaces.values()):
             raise RequestError(ErrorCode.BAD_REQUEST, f"no namespace {namespace!r}; kvtierctl namespaces lists them")
-        victims = [slot for slot in self.policy.oldest_first()
+        victims = [self.by_slot[slot] for slot in self.policy.oldest_first()
                    if namespace is None or self.by_slot[slot].ns.layout.name() == namespace]
         victims = victims if count is None else victims[:count]
-        for slot in victims:
-            self._evict(slot, "operator_evictions")
+        self._evict(victims, "operator_evictions")
         if victims:
             log.info("operator evicted %d entries (namespace %s)", len(victims), namespace or "any")
         return len(victims)
