@@ -10,12 +10,9 @@ engine selection. The test drives it over a pipe; every command answers ("ok", v
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
-import traceback
 from dataclasses import dataclass
-from typing import Any
 
-CTX = mp.get_context("spawn")
+from tests.procs import ChildProcess, all_call, error_info, serve  # noqa: F401  (all_call: re-exported)
 
 
 @dataclass(frozen=True)
@@ -48,8 +45,8 @@ def _worker(conn, socket: str, engine: str, rank: int, world_size: int, spec: Gp
         client = Client(socket, engine_id=engine, rank=rank, world_size=world_size,
                         layout=Layout(**spec.layout("gpu-tp2")), timeout=30)
         client.register_kv_caches(kv)
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
+    except Exception as exc:
+        conn.send(("error", error_info(exc)))
         return
 
     def hashes(block_ids):
@@ -68,62 +65,9 @@ def _worker(conn, socket: str, engine: str, rank: int, world_size: int, spec: Gp
 
     commands = {"hashes": hashes, "store": store, "load": load}
     conn.send(("ok", {"writer": client.is_writer, "engine": client.engine.name, "pinned": client.pinned}))
-    try:
-        while True:
-            try:
-                name, kwargs = conn.recv()
-            except EOFError:
-                return
-            if name == "exit":
-                conn.send(("ok", None))
-                return
-            try:
-                conn.send(("ok", commands[name](**kwargs)))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        client.close()
+    serve(conn, commands, close=client.close)
 
 
-class CudaRank:
+class CudaRank(ChildProcess):
     def __init__(self, socket: str, engine: str, rank: int, world_size: int, spec: GpuCacheSpec, seed: int):
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_worker, args=(child, socket, engine, rank, world_size, spec, seed),
-                                daemon=True)
-        self.proc.start()
-        child.close()
-
-    def result(self, timeout: float = 120) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError("rank process did not answer")
-        status, value = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(f"rank process failed:\n{value}")
-        return value
-
-    def send(self, name: str, **kwargs: Any) -> None:
-        self.conn.send((name, kwargs))
-
-    def call(self, name: str, **kwargs: Any) -> Any:
-        self.send(name, **kwargs)
-        return self.result()
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.send("exit")
-                self.conn.poll(30)
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-
-def all_call(ranks: list[CudaRank], name: str, **kwargs: Any) -> list:
-    """The same command to every rank at once (TP ranks run concurrently), then gather."""
-    for r in ranks:
-        r.send(name, **kwargs)
-    return [r.result() for r in ranks]
+        super().__init__(_worker, socket, engine, rank, world_size, spec, seed)

@@ -24,15 +24,12 @@ Errors come back as ``RankError`` whose ``type`` is the client's exception class
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
-import signal
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
-CTX = mp.get_context("spawn")
+from tests.procs import ChildError, ChildProcess, all_call, serve  # noqa: F401  (all_call: re-exported)
 
 
 @dataclass
@@ -156,79 +153,16 @@ def _worker(conn) -> None:  # runs in the child
         "job_status": lambda jobs: state["client"].job_status(jobs),
         "raw": lambda op, fields=None: raw(op, **(fields or {})),
     }
-    while True:
-        try:
-            name, kwargs = conn.recv()
-        except EOFError:
-            return
-        if name == "exit":
-            close()
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", commands[name](**kwargs)))
-        except Exception as exc:
-            conn.send(("error", {"type": type(exc).__name__, "message": str(exc),
-                                 "traceback": traceback.format_exc()}))
+    def park() -> None:
         while state.get("hang"):       # store_partial_then_hang: wait here to be killed
             time.sleep(3600)
 
-
-class RankError(Exception):
-    def __init__(self, info: dict):
-        super().__init__(f"{info['type']}: {info['message']}")
-        self.type = info["type"]
-        self.info = info
+    serve(conn, commands, close=close, after=park)
 
 
-class RankProcess:
+RankError = ChildError
+
+
+class RankProcess(ChildProcess):
     def __init__(self) -> None:
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_worker, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def send(self, name: str, **kwargs: Any) -> None:
-        self.conn.send((name, kwargs))
-
-    def result(self, timeout: float = 90) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError("rank process did not answer")
-        status, value = self.conn.recv()
-        if status == "error":
-            raise RankError(value)
-        return value
-
-    def call(self, name: str, timeout: float = 90, **kwargs: Any) -> Any:
-        self.send(name, **kwargs)
-        return self.result(timeout)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill(self) -> None:
-        """SIGKILL this rank process (no chance to clean up) and reap it."""
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-        assert not self.proc.is_alive(), "rank process survived SIGKILL"
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.send("exit")
-                self.conn.poll(10)
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-
-def all_call(ranks: list[RankProcess], name: str, per_rank: list[dict] | None = None, **kwargs: Any) -> list:
-    """Send the same command to every rank at once (they run concurrently), then gather."""
-    for i, r in enumerate(ranks):
-        r.send(name, **{**kwargs, **(per_rank[i] if per_rank else {})})
-    return [r.result() for r in ranks]
+        super().__init__(_worker, timeout=90)

@@ -27,20 +27,18 @@ The seams (what a GPU engine has that this harness replaces, and why each is the
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import pickle
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from tests.procs import ChildProcess, all_call, error_info, serve  # noqa: F401  (all_call: re-exported)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 MODELS = Path(__file__).parent / "models"
 BLOCK_TOKENS = 16
-CTX = mp.get_context("spawn")
 
 
 @dataclass
@@ -196,65 +194,22 @@ def _serve(conn, recipe: EngineRecipe, rank: int, rank_variant: bool) -> None:  
         worker = RankWorker(recipe, rank, rank_variant)
         conn.send(("ok", None))
     except Exception as exc:
-        conn.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
+        conn.send(("error", error_info(exc)))
         return
-    while True:
-        try:
-            name, kwargs = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send(("ok", getattr(worker, name)(**kwargs)))
-        except Exception as exc:
-            conn.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
-        if name == "close":
-            return
+    commands = {name: getattr(worker, name) for name in dir(worker)
+                if not name.startswith("_") and callable(getattr(worker, name))}
+    serve(conn, commands, close=worker.close)
 
 
-class RankProcess:
+class RankProcess(ChildProcess):
     """A RankWorker in its own spawned process (its own ZMQ context, region mapping and pid)."""
 
     def __init__(self, recipe: EngineRecipe, rank: int, rank_variant: bool = False):
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_serve, args=(child, recipe, rank, rank_variant), daemon=True)
-        self.proc.start()
-        child.close()
+        super().__init__(_serve, recipe, rank, rank_variant)
 
     def ready(self, timeout: float = 120) -> None:
-        self._result(timeout)
-
-    def send(self, name: str, **kwargs: Any) -> None:
-        self.conn.send((name, kwargs))
-
-    def _result(self, timeout: float = 120) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError("rank process did not answer")
-        status, value = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(f"rank process failed: {value}")
-        return value
-
-    def call(self, name: str, **kwargs: Any) -> Any:
-        self.send(name, **kwargs)
-        return self._result()
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("close")
-            except Exception:
-                pass
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-
-def all_call(ranks: list[RankProcess], name: str, **kwargs: Any) -> list:
-    for r in ranks:
-        r.send(name, **kwargs)
-    return [r._result() for r in ranks]
+        """Wait until the worker is built (the child's first answer)."""
+        self.result(timeout)
 
 
 # ------------------------------------------------------------------------------ the engine
