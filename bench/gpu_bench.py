@@ -35,7 +35,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -89,18 +88,12 @@ def parse_args(argv):
 
 
 class PinnedRegion:
-    """A tmpfs file mapped and registered with CUDA the way a kvtier client registers the region."""
+    """Scratch host memory mapped and registered with CUDA the way a kvtier client registers the region."""
 
     def __init__(self, nbytes: int):
         from kvtier.torch_engine import host_view
         from kvtierd.mapping import Mapping
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix="kvtier-bench-", dir=root)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
-        self.mapping = Mapping.of_file(self.path)
+        self.mapping = Mapping.anonymous(nbytes, "kvtier-bench")
         self.mapping.prefault()
         self.mapping.pin_cuda(required=True)
         self.address, self.size = self.mapping.address, nbytes
@@ -109,7 +102,6 @@ class PinnedRegion:
     def close(self) -> None:
         self.tensor = None
         self.mapping.close()
-        os.unlink(self.path)
 
 
 def timed(submit_and_wait, iters: int) -> list[float]:

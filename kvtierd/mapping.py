@@ -68,6 +68,17 @@ class Mapping:
         finally:
             os.close(fd)
 
+    @classmethod
+    def anonymous(cls, size: int, name: str = "kvtier-scratch") -> "Mapping":
+        """A shared mapping of a fresh memory file (memfd: shmem, like /dev/shm) of ``size`` bytes:
+        scratch host memory that pins like the region does (benchmarks and GPU tests)."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            return cls(fd, size)
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         if self.address is None:
             return

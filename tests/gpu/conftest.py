@@ -12,8 +12,6 @@ tests/integration/conftest.py.
 
 from __future__ import annotations
 
-import os
-import tempfile
 
 import pytest
 
@@ -22,17 +20,11 @@ from tests.integration.conftest import daemon, start_daemon  # noqa: F401  (fixt
 
 
 class PinnedRegion:
-    """A tmpfs file mapped and CUDA-registered in this process; ``tensor`` is a uint8 CPU view."""
+    """Scratch memory mapped and CUDA-registered in this process; ``tensor`` is a uint8 CPU view."""
 
     def __init__(self, nbytes: int):
         from kvtier.torch_engine import host_view
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix="kvtier-gpu-test-", dir=root)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
-        self.mapping = Mapping.of_file(self.path)
+        self.mapping = Mapping.anonymous(nbytes, "kvtier-gpu-test")
         self.mapping.pin_cuda(required=True)
         self.address, self.size = self.mapping.address, nbytes
         self.tensor = host_view(self.address, nbytes)
@@ -44,7 +36,6 @@ class PinnedRegion:
     def close(self) -> None:
         self.tensor = None
         self.mapping.close()
-        os.unlink(self.path)
 
 
 @pytest.fixture
