@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from .protocol import MAX_KEY_BYTES, MAX_STR_BYTES, LayoutKind
+from .protocol import MAX_KEY_BYTES, MAX_STR_BYTES, PAGES_DTYPE, LayoutKind
 
 MAGIC = b"KVTIERD\x00"
 FORMAT_VERSION = 1
@@ -313,9 +313,10 @@ class RegionView:
         return pages
 
     def write_chain(self, pages: np.ndarray) -> None:
-        """Link ``pages`` in order (vectorised): chain[p_i] = p_{i+1}, chain[p_last] = CHAIN_END."""
-        self.chain[pages[:-1]] = pages[1:]
-        self.chain[pages[-1]] = CHAIN_END
+        """Link ``pages`` in order (vectorised): chain[p_i] = p_{i+1}, chain[p_last] = CHAIN_END.
+        A 2-D array links each row as one entry's chain."""
+        self.chain[pages[..., :-1]] = pages[..., 1:]
+        self.chain[pages[..., -1]] = CHAIN_END
 
 
 def read_geometry(raw: np.ndarray) -> Geometry:
@@ -339,21 +340,38 @@ def read_geometry(raw: np.ndarray) -> Geometry:
 class RegionScan:
     """What the tables of a region hold, judged record by record (see ``scan``).
 
-    ``ready`` holds the sound READY entries, least recently used first, as
-    (slot, namespace slot, key, pages); ``problems`` the records a restarted daemon would discard,
-    as (slot, reason); ``writing`` the WRITING slots (unfinished: discarded on restart).
+    The sound READY entries, least recently used first, are four parallel sequences:
+    ``ready_slots``, ``ready_ns`` (namespace slots), ``ready_keys`` and ``ready_pages`` (each
+    entry's chain as little-endian uint32 bytes, PAGES_DTYPE); ``ready`` zips them into
+    (slot, namespace slot, key, pages array) tuples. ``problems`` holds the records a
+    restarted daemon would discard, as (slot, reason); ``writing`` the WRITING slots
+    (unfinished: discarded on restart).
     """
 
     namespaces: dict[int, NamespaceLayout]
     damaged_namespaces: dict[int, str]
-    ready: list[tuple[int, int, bytes, np.ndarray]]
+    ready_slots: np.ndarray
+    ready_ns: np.ndarray
+    ready_keys: list[bytes]
+    ready_pages: list[bytes]
     writing: np.ndarray
     problems: list[tuple[int, str]]
     owner: np.ndarray           # page → slot of the sound entry holding it, or -1
 
     @property
+    def ready(self) -> list[tuple[int, int, bytes, np.ndarray]]:
+        return [(slot, ns, key, np.frombuffer(pages, PAGES_DTYPE)) for slot, ns, key, pages in
+                zip(self.ready_slots.tolist(), self.ready_ns.tolist(), self.ready_keys, self.ready_pages)]
+
+    @property
     def pages_held(self) -> int:
         return int((self.owner >= 0).sum())
+
+
+# Why scan() judges a READY record unsound, by code (0: sound so far).
+_REASONS = ("", "bad key length", "unknown or damaged namespace", "page count differs from its namespace's",
+            "chain leaves the data area", "chain longer than its page count")
+_BAD_KEY, _BAD_NS, _BAD_COUNT, _CHAIN_OUT, _CHAIN_LONG = range(1, len(_REASONS))
 
 
 def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
@@ -366,6 +384,10 @@ def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
     shares no page with an older sound entry and no older sound entry of its namespace has its
     key. With ``verify_checksums``, an entry that carries a checksum must also match it (this
     reads every such entry's bytes). Nothing in the bytes can make this raise.
+
+    Every check is vectorised over all records (a region holds millions): only records that
+    share a page or a key fingerprint with another candidate are judged one by one, oldest
+    first, since whether they are kept depends on which older ones were.
     """
     geo = view.geometry
     namespaces: dict[int, NamespaceLayout] = {}
@@ -397,53 +419,122 @@ def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
     counts = ents["page_count"][ready].astype(np.int64)
     key_len = ents["key_len"][ready].astype(np.int64)
     ns_of = ents["ns"][ready].astype(np.int64)
-    reason = np.full(len(ready), "", dtype=object)
+    why = np.zeros(len(ready), dtype=np.int8)
     # Records whose count, namespace or key is not sound are judged before any chain walk: a
     # damaged count must not size the walk.
-    reason[(key_len == 0) | (key_len > MAX_KEY_BYTES)] = "bad key length"
-    wrong_count = (counts != ns_pages[ns_of]) & (reason == "")
-    reason[wrong_count & (ns_pages[ns_of] < 0)] = "unknown or damaged namespace"
-    reason[wrong_count & (ns_pages[ns_of] >= 0)] = "page count differs from its namespace's"
-    walk = np.where(reason == "", counts, 0)
+    why[(key_len == 0) | (key_len > MAX_KEY_BYTES)] = _BAD_KEY
+    wrong_count = (counts != ns_pages[ns_of]) & (why == 0)
+    why[wrong_count & (ns_pages[ns_of] < 0)] = _BAD_NS
+    why[wrong_count & (ns_pages[ns_of] >= 0)] = _BAD_COUNT
+    walk = np.where(why == 0, counts, 0)
     # Walk every chain at once, one link per step (steps = the longest chain).
     max_count = int(walk.max()) if len(ready) else 0
-    chains = np.full((len(ready), max_count), CHAIN_END, dtype=np.uint32)
+    chains = np.full((len(ready), max_count), CHAIN_END, dtype=PAGES_DTYPE)
     cur = ents["first_page"][ready].astype(np.int64)
     for step in range(max_count):
-        active = (walk > step) & (reason == "")
+        active = (walk > step) & (why == 0)
         out = active & (cur >= geo.num_pages)
-        reason[out] = "chain leaves the data area"
+        why[out] = _CHAIN_OUT
         active &= ~out
         chains[active, step] = cur[active]
         nxt = cur.copy()        # a finished chain keeps its last link, checked below
         nxt[active] = view.chain[cur[active]]
         cur = nxt
-    reason[(reason == "") & (cur != CHAIN_END)] = "chain longer than its page count"
+    why[(why == 0) & (cur != CHAIN_END)] = _CHAIN_LONG
+
+    # The candidates (sound so far), oldest first: their keys, and which of them meet another
+    # candidate on a page or on a key of the same namespace (equal fingerprints).
+    cand = np.flatnonzero(why == 0)
+    slots, counts, ns_of = ready[cand], counts[cand], ns_of[cand]
+    key_at = ENTRY_DTYPE.fields["key"][1]        # gathering byte rows is ~10x faster than the field
+    records = ents.view(np.uint8).reshape(len(ents), ENTRY_DTYPE.itemsize)
+    keys, fingerprint = _keys(records[slots, key_at:key_at + MAX_KEY_BYTES], key_len[cand], ns_of)
+    in_chain = np.arange(max_count)[None, :] < counts[:, None]
+    pages = chains[cand][in_chain]                       # every candidate's pages, in order
+    holder = np.repeat(np.arange(len(cand)), counts)     # the candidate each page belongs to
+    involved = np.zeros(len(cand), dtype=bool)
+    involved[holder[np.bincount(pages, minlength=geo.num_pages)[pages] > 1]] = True
+    ordered = np.sort(fingerprint)
+    if (ordered[1:] == ordered[:-1]).any():              # rare: find which candidates they are
+        order = np.argsort(fingerprint, kind="stable")
+        twins = np.flatnonzero(fingerprint[order][1:] == fingerprint[order][:-1])
+        involved[order[twins]] = involved[order[twins + 1]] = True
+
+    keep = np.ones(len(cand), dtype=bool)
+    judged: list[tuple[int, int, str]] = [(int(i), int(ready[i]), _REASONS[why[i]])
+                                          for i in np.flatnonzero(why).tolist()]
+    checksum = ents["checksum"][slots]
     owner = np.full(geo.num_pages, -1, dtype=np.int64)
-    kept: list[tuple[int, int, bytes, np.ndarray]] = []
     keys_seen: set[tuple[int, bytes]] = set()
-    for i, slot in enumerate(ready.tolist()):
-        if reason[i]:
-            problems.append((slot, reason[i]))
-            continue
-        rec = ents[slot]
-        pages = chains[i, : counts[i]]
-        key = bytes(rec["key"][: rec["key_len"]])
-        if (owner[pages] >= 0).any():
-            other = int(owner[pages][owner[pages] >= 0][0])
-            problems.append((slot, f"shares a page with entry {other}"))
-            continue
-        if (int(ns_of[i]), key) in keys_seen:
-            problems.append((slot, "duplicate key in its namespace"))
-            continue
-        if verify_checksums and int(rec["checksum"]) and not _checksum_matches(view, namespaces[int(ns_of[i])],
-                                                                            pages, int(rec["checksum"])):
-            problems.append((slot, "checksum mismatch"))
-            continue
-        keys_seen.add((int(ns_of[i]), key))
-        owner[pages] = slot
-        kept.append((slot, int(ns_of[i]), key, pages))
-    return RegionScan(namespaces, damaged, kept, writing, problems, owner)
+    for i in np.flatnonzero(involved).tolist():          # the original judgement, oldest first
+        slot, entry_pages = int(slots[i]), chains[cand[i], : counts[i]]
+        problem = None
+        if (owner[entry_pages] >= 0).any():
+            problem = f"shares a page with entry {int(owner[entry_pages][owner[entry_pages] >= 0][0])}"
+        elif (int(ns_of[i]), keys[i]) in keys_seen:
+            problem = "duplicate key in its namespace"
+        elif verify_checksums and checksum[i] and not _checksum_matches(
+                view, namespaces[int(ns_of[i])], entry_pages, int(checksum[i])):
+            problem = "checksum mismatch"
+        if problem:
+            keep[i] = False
+            judged.append((int(cand[i]), slot, problem))
+        else:
+            keys_seen.add((int(ns_of[i]), keys[i]))
+            owner[entry_pages] = slot
+    if verify_checksums:
+        for i in np.flatnonzero(~involved & (checksum != 0)).tolist():
+            if not _checksum_matches(view, namespaces[int(ns_of[i])], chains[cand[i], : counts[i]], int(checksum[i])):
+                keep[i] = False
+                judged.append((int(cand[i]), int(slots[i]), "checksum mismatch"))
+    alone = ~involved & keep
+    owner[pages[alone[holder]]] = np.repeat(slots[alone], counts[alone])
+    problems += [(slot, reason) for _, slot, reason in sorted(judged)]
+    kept = np.flatnonzero(keep)
+    return RegionScan(namespaces, damaged, slots[kept], ns_of[kept],
+                      keys if len(kept) == len(keys) else [keys[i] for i in kept.tolist()],
+                      _rows_as_bytes(chains[cand[kept]].view(np.uint8), 4 * counts[kept]),
+                      writing, problems, owner)
+
+
+def _rows_as_bytes(rows: np.ndarray, lengths: np.ndarray) -> list[bytes]:
+    """``bytes(rows[i, :lengths[i]])`` for every row, one NumPy pass per distinct length."""
+    out: list[bytes] = [b""] * len(rows)
+    for n, at in _by_length(lengths):
+        values = np.ascontiguousarray(rows[at, :n]).view(f"V{n}").ravel().tolist() if n else [b""] * len(at)
+        if len(at) == len(rows):
+            return values
+        for i, value in zip(at.tolist(), values):
+            out[i] = value
+    return out
+
+
+def _by_length(lengths: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(length, rows of that length) per distinct length; a single length is the usual case."""
+    distinct = np.unique(lengths)
+    if len(distinct) == 1:
+        return [(int(distinct[0]), np.arange(len(lengths)))]
+    return [(int(n), np.flatnonzero(lengths == n)) for n in distinct]
+
+
+def _keys(key_rows: np.ndarray, key_len: np.ndarray, ns: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+    """The keys (``key_rows[i, :key_len[i]]``) and a 64-bit fingerprint of (namespace, key) each.
+
+    Equal keys have equal fingerprints; unequal ones almost never do, and those that do are
+    only judged one by one (the bytes past a key's length are not part of it, so are left out).
+    """
+    keys = _rows_as_bytes(key_rows, key_len)
+    fingerprint = np.empty(len(key_rows), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for n, at in _by_length(key_len):
+            words = np.zeros((len(at), -(-n // 8) * 8), dtype=np.uint8)
+            words[:, :n] = key_rows[at, :n]
+            h = ns[at].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(n)
+            for word in words.view("<u8").T:
+                h = (h ^ word) * np.uint64(0x100000001B3)
+                h ^= h >> np.uint64(29)
+            fingerprint[at] = h
+    return keys, fingerprint
 
 
 def _checksum_matches(view: RegionView, layout: NamespaceLayout, pages: np.ndarray, expected: int) -> bool:

@@ -43,4 +43,9 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
-        self._free.extend(pages)
+        """Push pages back, last first, so that ``alloc`` hands them out again in the order given:
+        a block's run of pages stays in order through eviction and reuse, and its copy stays one
+        memcpy instead of one per page (a LIFO push in given order came back reversed)."""
+        freed = list(pages)
+        freed.reverse()
+        self._free.extend(freed)

@@ -252,16 +252,31 @@ def _check_int(name: str, value: Any, lo: int | None, hi: int | None) -> None:
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r}={value} out of range [{lo}, {hi}]")
 
 
+def _all_bytes(items: list) -> bool:
+    """Whether every item is bytes-like, in one C-level pass."""
+    try:
+        b"".join(items)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_keys(name: str, value: Any) -> None:
     if not isinstance(value, list):
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a list of bytes")
     if len(value) > MAX_KEYS_PER_REQUEST:
         raise RequestError(ErrorCode.LIMIT, f"{len(value)} keys exceed the limit of {MAX_KEYS_PER_REQUEST}")
-    for key in value:
-        if type(key) is not bytes:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must hold only bytes keys")
-        if not 0 < len(key) <= MAX_KEY_BYTES:
-            raise RequestError(ErrorCode.LIMIT, f"key of {len(key)} bytes; keys must be 1..{MAX_KEY_BYTES} bytes")
+    # The common case (every key bytes, of a valid length) is proved by C-level passes over the
+    # list: a per-key Python loop was a third of a 256-key lookup's time in the daemon. b"".join
+    # accepts only bytes-like items, and bytes is the only bytes-like type msgpack decodes to.
+    # Only a list that fails is walked key by key, to name the first bad key.
+    if value and not (_all_bytes(value) and 0 < min(lengths := set(map(len, value)))
+                      and max(lengths) <= MAX_KEY_BYTES):
+        for key in value:
+            if type(key) is not bytes:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must hold only bytes keys")
+            if not 0 < len(key) <= MAX_KEY_BYTES:
+                raise RequestError(ErrorCode.LIMIT, f"key of {len(key)} bytes; keys must be 1..{MAX_KEY_BYTES} bytes")
     if len(set(value)) != len(value):
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} holds duplicate keys")
 
