@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install run test test-unit test-integration vllm-install test-vllm soak nvcc-check bench-loop docs clean
+.PHONY: install run test test-unit test-integration vllm-install test-vllm soak bench bench-docs nvcc-check bench-loop docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,16 @@ NVCC ?= nvcc
 nvcc-check:
 	@mkdir -p build
 	$(NVCC) -arch=sm_90 -std=c++17 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -c csrc/kvtier_copy.cu -o build/kvtier_copy.o
+
+# Every benchmark section against its floor or peer measured in the same run (minutes).
+# The redis section needs redis-server (apt-get install redis-server); it is skipped without it.
+bench: install
+	$(BIN)/kvtierctl bench
+
+# A full run, then docs/benchmarks.md and its plots regenerated from it.
+bench-docs: install
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python bench/run_all.py
 
 bench-loop: install
 	$(BIN)/pip install -q uvloop

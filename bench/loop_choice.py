@@ -37,8 +37,6 @@ def poller_server(path: str) -> None:
 
 
 def uvloop_server(path: str) -> None:
-    import asyncio
-
     import uvloop
     import zmq.asyncio
 

@@ -244,7 +244,16 @@ COMMANDS: dict[str, tuple] = {
               lambda p: (p.add_argument("--namespace", help="the namespace to clear"),
                          p.add_argument("--all", action="store_true", help="clear every namespace")),
               fetch_clear, lambda d, a: f"evicted {d['evicted']} entries (pinned and in-flight ones stay)", None),
+    "bench": ("benchmark kvtierd against this machine's floors and Redis, each figure a ratio measured in the "
+              "same run (starts its own daemons; docs/benchmarks.md)",
+              lambda p: _bench().add_arguments(p), lambda a: _bench().fetch(a),
+              lambda d, a: _bench().format_results(d), None),
 }
+
+
+def _bench():
+    from . import bench  # numpy/torch/redis only when benchmarking
+    return bench
 
 
 def ctl_parser() -> argparse.ArgumentParser:
@@ -252,7 +261,8 @@ def ctl_parser() -> argparse.ArgumentParser:
         prog="kvtierctl",
         description="Inspect and manage a kvtierd. status, namespaces, entries, inspect and check read the region "
                     "file and work with the daemon down; stats, clients, evict and clear talk to the daemon "
-                    "(clients, evict and clear on its admin socket, which only the daemon's user can open).")
+                    "(clients, evict and clear on its admin socket, which only the daemon's user can open); bench "
+                    "starts daemons of its own.")
     parser.add_argument("--dir", help="daemon directory [env KVTIERD_DIR; default as kvtierd's]")
     parser.add_argument("--name", help="daemon name [env KVTIERD_NAME; default kvtierd]")
     parser.add_argument("--socket", default=os.environ.get("KVTIERD_SOCKET"),

@@ -1,0 +1,49 @@
+"""`kvtierctl bench --quick` runs every section end to end and reports ratios (the CI smoke test).
+
+No timing is asserted: the machine CI runs on says nothing about kvtierd's speed. What must
+hold is that the bench runs from a fresh install, starts and cleans up its own daemons, and
+reports every section with finite, positive ratios (the redis section may be skipped only when
+redis-server or the redis Python client is not installed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvtierd.bench import SECTIONS
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+BIN = os.path.dirname(sys.executable)
+
+
+def test_bench_quick_reports_every_section_as_ratios(tmp_path):
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    out = subprocess.run([os.path.join(BIN, "kvtierctl"), "bench", "--quick", "--json", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=580)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout)
+    assert set(result["sections"]) == set(SECTIONS)
+    redis_there = shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
+    for name, section in result["sections"].items():
+        if "skipped" in section:
+            assert name == "redis" and not redis_there, (name, section["skipped"])
+            continue
+        assert section["rows"] and section["ratios"], name
+        for key, value in section["ratios"].items():
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, key, value)
+        for t in section["targets"]:
+            assert isinstance(t["met"], bool) and math.isfinite(t["value"]), (name, t)
+    assert json.loads((tmp_path / "bench.json").read_text())["sections"].keys() == result["sections"].keys()
+    assert "== targets" in (tmp_path / "bench.txt").read_text()
+    assert not os.path.exists(result["workdir"])                     # the bench cleaned up after itself
+    if os.path.isdir("/dev/shm"):
+        assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvtbench-")}
