@@ -19,24 +19,11 @@ import time
 import msgpack
 import zmq
 
-
-def poller_server(path: str) -> None:
-    sock = zmq.Context().socket(zmq.ROUTER)
-    sock.bind(f"ipc://{path}")
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    while True:
-        poller.poll(1000)
-        for _ in range(256):
-            try:
-                ident, frame = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            msg = msgpack.unpackb(frame)
-            sock.send_multipart([ident, msgpack.packb({"rid": msg["rid"], "ok": True})])
+from kvtierd.bench import echo_reply, echo_server
 
 
 def uvloop_server(path: str) -> None:
+    """The same echo as ``kvtierd.bench.echo_server`` (the daemon's poller loop), on uvloop."""
     import uvloop
     import zmq.asyncio
 
@@ -45,8 +32,8 @@ def uvloop_server(path: str) -> None:
         sock.bind(f"ipc://{path}")
         while True:
             ident, frame = await sock.recv_multipart()
-            msg = msgpack.unpackb(frame)
-            await sock.send_multipart([ident, msgpack.packb({"rid": msg["rid"], "ok": True})])
+            reply = echo_reply(msgpack.unpackb(frame, raw=False))
+            await sock.send_multipart([ident, msgpack.packb(reply, use_bin_type=True)])
 
     uvloop.run(main())
 
@@ -90,7 +77,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--clients", type=int, default=4)
     args = ap.parse_args()
-    poll = measure(poller_server, args.n, args.clients)
+    poll = measure(echo_server, args.n, args.clients)
     uv = measure(uvloop_server, args.n, args.clients)
     print(f"{'loop':<22}{'1 client us/rtt':>18}{f'{args.clients} clients us/rtt':>20}")
     print(f"{'zmq.Poller':<22}{poll[0]:>18.1f}{poll[1]:>20.1f}")

@@ -256,12 +256,28 @@ OPS = ("lookup", "store", "load")
 SLICES = 5                         # each (op, B, C) point alternates kvtierd and echo this many times
 
 
-def _echo_server(path: str) -> None:
-    """A daemon that does no work: decode each request, answer with a reply of kvtierd's size.
+def echo_reply(msg: dict) -> dict:
+    """What a daemon doing no work answers: a reply of kvtierd's size for the request.
 
     Lookup → {hits}; store → {outcomes: B bytes, pages: 4·B bytes}; load → {hits, pages: 4·B};
-    commit/release/hello → {} (one-page blocks, so one uint32 page index per key).
+    anything else (commit, release, hello, ping) → {} (one-page blocks: one uint32 page per key).
     """
+    op, n = msg["op"], len(msg.get("keys", ()))
+    if op == "lookup":
+        reply = {"hits": n}
+    elif op == "store":
+        reply = {"outcomes": bytes(n), "pages": bytes(4 * n)}
+    elif op == "load":
+        reply = {"hits": n, "pages": bytes(4 * n)}
+    else:
+        reply = {}
+    reply.update(rid=msg["rid"], ok=True)
+    return reply
+
+
+def echo_server(path: str) -> None:
+    """The floor of the control plane: the daemon's own loop shape (a zmq.Poller draining bursts
+    of up to 256 requests), decoding each request and answering ``echo_reply``."""
     import msgpack
     import zmq
     sock = zmq.Context().socket(zmq.ROUTER)
@@ -276,17 +292,7 @@ def _echo_server(path: str) -> None:
             except zmq.Again:
                 break
             msg = msgpack.unpackb(frame, raw=False)
-            op, n = msg["op"], len(msg.get("keys", ()))
-            if op == "lookup":
-                reply = {"hits": n}
-            elif op == "store":
-                reply = {"outcomes": bytes(n), "pages": bytes(4 * n)}
-            elif op == "load":
-                reply = {"hits": n, "pages": bytes(4 * n)}
-            else:
-                reply = {}
-            reply.update(rid=msg["rid"], ok=True)
-            sock.send_multipart([ident, msgpack.packb(reply, use_bin_type=True)])
+            sock.send_multipart([ident, msgpack.packb(echo_reply(msg), use_bin_type=True)])
 
 
 def _control_worker(conn, wid: int, kvt_socket: str, echo_socket: str) -> None:
@@ -351,7 +357,7 @@ def control(ctx: Context) -> dict:
     daemon = Daemon(ctx.path("control"), plan.control_region, CONTROL_PAGE)
     daemon.start()
     echo_path = ctx.path("echo.sock")
-    echo = spawn.Process(target=_echo_server, args=(echo_path,), daemon=True)
+    echo = spawn.Process(target=echo_server, args=(echo_path,), daemon=True)
     echo.start()
     while not os.path.exists(echo_path):
         time.sleep(0.01)
