@@ -50,7 +50,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +59,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
+
+from .launcher import DaemonProcess
 
 SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "redis")
 KEY_BYTES = 36                     # a vLLM key: 32-byte block hash + 4-byte group index
@@ -156,71 +157,18 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-class Daemon:
-    """A kvtierd started for the bench, in ``directory``; ``start()`` times process start → ready."""
+class Daemon(DaemonProcess):
+    """A kvtierd started for the bench in ``directory``, unpinned and without metrics;
+    ``start()`` returns the seconds from process start to serving."""
 
     def __init__(self, directory: str, size: int, page_size: int, job_timeout: float = 120.0):
-        self.dir = directory
         os.makedirs(directory, exist_ok=True)
-        self.socket = os.path.join(directory, "kvtierd.sock")
-        self.admin_socket = os.path.join(directory, "kvtierd.admin.sock")
-        self.region = os.path.join(directory, "kvtierd.region")
-        self.log_path = os.path.join(directory, "daemon.log")
-        self.args = ["--dir", directory, "--name", "kvtierd", "--size", str(size), "--page-size", str(page_size),
-                     "--pin", "off", "--metrics-address", "off", "--job-timeout", str(job_timeout),
-                     "--log-level", "info"]
-        self.proc: subprocess.Popen | None = None
+        super().__init__(directory, "--size", str(size), "--page-size", str(page_size), "--pin", "off",
+                         "--metrics-address", "off", "--job-timeout", str(job_timeout), "--log-level", "info")
+        self.call_timeout = 60.0
 
     def start(self, timeout: float = 300.0) -> float:
-        from kvtier.errors import KvtierError
-        from kvtier.session import Channel
-        log = open(self.log_path, "ab")
-        started = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtierd", *self.args], stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtierd exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            if os.path.exists(self.socket):
-                try:
-                    channel = Channel(self.socket, timeout=1.0)
-                    try:
-                        channel.call("ping")
-                        return time.perf_counter() - started
-                    finally:
-                        channel.close()
-                except KvtierError:
-                    pass
-            time.sleep(0.002)
-        self.stop()
-        raise RuntimeError(f"kvtierd did not become ready in {timeout}s:\n{self.log()[-3000:]}")
-
-    def call(self, op: str, admin: bool = False, **fields) -> dict:
-        from kvtier.session import Channel
-        channel = Channel(self.admin_socket if admin else self.socket, timeout=60)
-        try:
-            return channel.call(op, **fields)
-        finally:
-            channel.close()
-
-    def stats(self) -> dict:
-        return self.call("stats")
-
-    def log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def stop(self) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
+        return super().start(timeout)
 
 
 def region_size(pages: int, page_size: int) -> int:

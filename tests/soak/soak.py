@@ -53,6 +53,8 @@ import time
 import traceback
 from collections import Counter
 
+from kvtierd.launcher import DaemonProcess
+
 # Workers are forked from a fork server that imported torch once (16 interpreters importing torch
 # one by one would take most of a short run); each is still its own process with its own pid,
 # ZMQ context, session and region mapping, created after the fork.
@@ -201,52 +203,14 @@ def worker(cfg: dict, engine: int, rank: int, shared: dict, results) -> None:
 
 
 # ---------------------------------------------------------------------------------- daemon
-class Daemon:
+class Daemon(DaemonProcess):
+    """The soak's daemon, in a fresh directory under /tmp, serving once constructed."""
+
     def __init__(self, args):
-        self.dir = tempfile.mkdtemp(prefix="kvt-soak-", dir="/tmp")
-        self.socket = os.path.join(self.dir, "kvtierd.sock")
-        self.log_path = os.path.join(self.dir, "daemon.log")
-        self.log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "kvtierd", "--dir", self.dir, "--name", "kvtierd", "--size", args.size,
-               "--page-size", args.page_size, "--pin", "off", "--job-timeout", str(args.job_timeout), "--log-level", "info",
-               "--metrics-address", "off"]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     cwd=ROOT)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtierd exited with {self.proc.returncode}:\n{self.read_log()}")
-            if os.path.exists(self.socket):
-                try:
-                    self.call("ping")
-                    return
-                except Exception:
-                    pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvtierd did not become ready:\n{self.read_log()}")
-            time.sleep(0.05)
-
-    def call(self, op: str, **fields):
-        from kvtier.session import Channel
-        channel = Channel(self.socket, timeout=10)
-        try:
-            return channel.call(op, **fields)
-        finally:
-            channel.close()
-
-    def rss(self) -> dict[str, int]:
-        """VmRSS and RssAnon of the daemon, in bytes."""
-        out = {}
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                    out[name] = int(value.split()[0]) * 1024
-        return out
-
-    def read_log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
+        super().__init__(tempfile.mkdtemp(prefix="kvt-soak-", dir="/tmp"), "--size", args.size,
+                         "--page-size", args.page_size, "--pin", "off", "--job-timeout", str(args.job_timeout),
+                         "--log-level", "info", "--metrics-address", "off")
+        self.start(timeout=60)
 
     def check(self) -> dict:
         ctl = os.path.join(os.path.dirname(sys.executable), "kvtierctl")
@@ -258,22 +222,8 @@ class Daemon:
         except ValueError:
             return {"ok": False, "stdout": out.stdout, "stderr": out.stderr}
 
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-                return None
-        return self.proc.returncode
-
     def cleanup(self, keep: bool) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
+        self.stop(signal.SIGKILL)
         if not keep:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -465,7 +415,7 @@ def run(args) -> tuple[dict, list[str]]:
         figures["daemon_exit"] = code
         if code != 0:
             failures.append(f"kvtierd exited with {code} on SIGTERM")
-        log = daemon.read_log()
+        log = daemon.log()
         if "Traceback" in log or "internal error" in log:
             failures.append("the daemon log holds a traceback / internal error")
     except BaseException as exc:

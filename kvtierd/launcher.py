@@ -1,0 +1,97 @@
+"""A kvtierd child process: start it, know when it serves, talk to it, stop it.
+
+For the places that run a real daemon next to its callers: ``kvtierctl bench``, the soak and the
+integration tests. The daemon counts as ready when its socket answers a ping (it binds the socket
+only after the region is adopted or created, so a ping answer means a serving daemon). Its
+output goes to ``<dir>/daemon.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+class DaemonProcess:
+    def __init__(self, directory: str, *args: str, name: str = "kvtierd", env: dict[str, str] | None = None):
+        self.dir = directory
+        self.name = name
+        base = os.path.join(directory, name)
+        self.socket = f"{base}.sock"
+        self.admin_socket = f"{base}.admin.sock"
+        self.region = f"{base}.region"
+        self.log_path = os.path.join(directory, "daemon.log")
+        self.args = ["--dir", directory, "--name", name, *args]
+        self.env = {**os.environ, **(env or {})}
+        self.call_timeout = 30.0            # seconds a request waits for its reply
+        self.proc: subprocess.Popen | None = None
+
+    def launch(self) -> "DaemonProcess":
+        """Start the process without waiting for it to serve."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvtierd", *self.args], stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        from kvtier.errors import KvtierError
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvtierd exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if os.path.exists(self.socket):
+                try:
+                    self.call("ping", timeout=1.0)
+                    return
+                except KvtierError:
+                    pass
+            time.sleep(0.002)
+        self.stop(signal.SIGKILL)
+        raise RuntimeError(f"kvtierd did not become ready in {timeout}s:\n{self.log()[-3000:]}")
+
+    def start(self, timeout: float = 60.0) -> float:
+        """Launch and wait until it serves; returns the seconds from launch to serving."""
+        started = time.perf_counter()
+        self.launch()
+        self.wait_ready(timeout)
+        return time.perf_counter() - started
+
+    def call(self, op: str, admin: bool = False, timeout: float | None = None, **fields):
+        """One request on a fresh channel (the admin socket for admin operations)."""
+        from kvtier.session import Channel
+        channel = Channel(self.admin_socket if admin else self.socket, timeout=timeout or self.call_timeout)
+        try:
+            return channel.call(op, **fields)
+        finally:
+            channel.close()
+
+    def stats(self) -> dict:
+        return self.call("stats")
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def rss(self) -> dict[str, int]:
+        """VmRSS, RssAnon, RssFile and RssShmem of the daemon, in bytes."""
+        out = {}
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(value.split()[0]) * 1024
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        """Signal the daemon (SIGTERM: drain and stop cleanly) and reap it; SIGKILL after ``timeout``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
