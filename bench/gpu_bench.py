@@ -92,7 +92,7 @@ class PinnedRegion:
 
     def __init__(self, nbytes: int):
         from kvtier.torch_engine import host_view
-        from kvtierd.mapping import Mapping
+        from kvtierd.contract.mapping import Mapping
         self.mapping = Mapping.anonymous(nbytes, "kvtier-bench")
         self.mapping.prefault()
         self.mapping.pin_cuda(required=True)

@@ -7,7 +7,7 @@ jobs need no coordinator: the first request of a job fixes its decision for ever
 
 Rank usage::
 
-    client = Client(socket, engine_id="e1", rank=r, world_size=n, layout=layout)
+    client = Client(socket, engine_id="e1", rank=r, world_size=n, namespace=namespace_id)
     client.register_kv_caches(per_layer_tensors)
     hits = client.lookup(keys)                      # leading keys that are cached
     client.store(job, keys, block_ids)              # returns the per-key decision at once
@@ -19,7 +19,7 @@ accepted; a load job once its copy completed and its release was accepted. ``Job
 False when the daemon aborted the job (then loaded blocks must be treated as a miss).
 
 Daemon restarts: when the daemon stops answering or no longer knows the session, the client
-re-attaches on its own (same engine, rank and layout; for up to ``reconnect_timeout`` seconds),
+re-attaches on its own (same engine, rank and namespace; for up to ``reconnect_timeout`` seconds),
 remapping the region when its path or generation changed. Jobs in flight across the restart
 finish with ``ok=False`` and a ``DaemonUnavailable`` error (a miss for the engine); the call
 that discovered the restart is retried once on the new daemon, except commit/release, whose
@@ -38,49 +38,18 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvtierd import protocol as P
-from kvtierd.layout import RegionView, shard_checksum
-from kvtierd.mapping import Mapping
-from kvtierd.protocol import LayoutKind, StoreOutcome
+from kvtierd.contract import protocol as P
+from kvtierd.contract.channel import Channel
+from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached
+from kvtierd.contract.mapping import Mapping
+from kvtierd.contract.namespace import NamespaceId
+from kvtierd.contract.paths import default_socket
+from kvtierd.contract.protocol import (HelloReply, JobsReply, LoadReply, LookupReply, StatsReply, StoreOutcome,
+                                      StoreReply)
+from kvtierd.contract.region_format import RegionView, shard_checksum
 
 from .copy import CopyEngine, CopyHandle, select_engine
-from .errors import DaemonUnavailable, KvtierError, NotAttached
 from .kvcache import KVCacheLayout
-from .session import Channel
-
-
-def default_socket() -> str:
-    """$KVTIERD_SOCKET, else the socket a default-configured daemon creates."""
-    if "KVTIERD_SOCKET" in os.environ:
-        return os.environ["KVTIERD_SOCKET"]
-    from kvtierd.config import default_directory
-    return os.path.join(default_directory(), "kvtierd.sock")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What identifies a namespace: engines with equal layouts share cached blocks."""
-
-    model: str
-    dtype: str
-    block_tokens: int
-    block_bytes: int                      # bytes one rank holds of one block
-    kind: str = LayoutKind.REPLICATED.value
-
-    def __post_init__(self) -> None:
-        LayoutKind(self.kind)  # raises on anything but replicated / sharded
-
-    def to_wire(self) -> dict:
-        return {"model": self.model, "dtype": self.dtype, "block_tokens": self.block_tokens,
-                "block_bytes": self.block_bytes, "kind": LayoutKind(self.kind).value}
-
-    @classmethod
-    def for_kv_caches(cls, tensors: Sequence, model: str, block_tokens: int,
-                      kind: str = LayoutKind.REPLICATED.value) -> "Layout":
-        """The layout of these per-layer KV-cache tensors (block bytes and dtype from them)."""
-        block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
-        dtype = str(tensors[0].dtype).removeprefix("torch.")
-        return cls(model, dtype, block_tokens, block_bytes, kind)
 
 
 @dataclass
@@ -144,12 +113,12 @@ _RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort"})
 
 class Client:
     def __init__(self, socket_path: str | None = None, *, engine_id: str, rank: int | None, world_size: int,
-                 layout: Layout, copy_engine: str = "auto", pin: str = "auto", timeout: float = 10.0,
+                 namespace: NamespaceId, copy_engine: str = "auto", pin: str = "auto", timeout: float = 10.0,
                  reconnect_timeout: float = 30.0):
         self.socket_path = socket_path or default_socket()
         self.rank = rank
         self.world_size = world_size
-        self.layout = layout
+        self.namespace = namespace
         self.engine_id = engine_id
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
@@ -159,7 +128,7 @@ class Client:
         self.kv: KVCacheLayout | None = None
         self.engine: CopyEngine | None = None
         self._stream = None                       # the compute stream copies wait for (None: current)
-        self.info: dict = {}
+        self.info: HelloReply | None = None     # the last hello's reply
         self._heartbeat: _Heartbeat | None = None
         self._copy_engine_name = copy_engine
         self._pin = pin
@@ -175,24 +144,25 @@ class Client:
         except OSError:
             pidns = None
         fields = dict(version=P.PROTOCOL_VERSION, engine=self.engine_id, rank=self.rank, world_size=self.world_size,
-                      layout=self.layout.to_wire(), pid=os.getpid())
+                      namespace=self.namespace.to_wire(), pid=os.getpid())
         if pidns is not None:        # unknown: the daemon cannot watch us and expects heartbeats
             fields["pidns"] = pidns
-        if self.info:   # re-attaching: the daemon may still hold our old session (a lost reply)
-            fields.update(replaces=self.info["session"], replaces_token=self.info["token"])
+        previous = self.info
+        if previous is not None:   # re-attaching: the daemon may still hold our old session (a lost reply)
+            fields.update(replaces=previous.session, replaces_token=previous.token)
         channel = Channel(self.socket_path, self.timeout)
         try:
-            info = channel.call("hello", **fields)
+            info = HelloReply.from_wire(channel.call("hello", **fields))
         except BaseException:
             channel.close()
             raise
-        previous, self.channel, self.info = self.info, channel, info
-        self.session = info["session"]
-        self.page_size = info["page_size"]
-        self.pages_per_shard = info["pages_per_shard"]
-        self.is_writer = self.rank is not None and self.rank in info["writers"]
-        if self.rank is not None and (self.mapping is None or (previous.get("region"), previous.get("generation"))
-                                      != (info["region"], info["generation"])):
+        self.channel, self.info = channel, info
+        self.session = info.session
+        self.page_size = info.page_size
+        self.pages_per_shard = info.pages_per_shard
+        self.is_writer = self.rank is not None and self.rank in info.writers
+        if self.rank is not None and (self.mapping is None or previous is None
+                                      or (previous.region, previous.generation) != (info.region, info.generation)):
             if self.engine is not None:      # it holds the old mapping's addresses (and its pinning)
                 self.engine.close()
                 self.engine = None
@@ -202,8 +172,8 @@ class Client:
             self._map_region()
             if self.kv is not None:
                 self._start_engine()
-        if info.get("heartbeat_interval"):
-            self._heartbeat = _Heartbeat(self.socket_path, info["session"], info["token"], info["heartbeat_interval"])
+        if info.heartbeat_interval:
+            self._heartbeat = _Heartbeat(self.socket_path, info.session, info.token, info.heartbeat_interval)
             self._heartbeat.start()
 
     def _reattach(self, cause: KvtierError) -> None:
@@ -247,11 +217,11 @@ class Client:
 
     def _map_region(self) -> None:
         info = self.info
-        mapping = Mapping.of_file(info["region"])
+        mapping = Mapping.of_file(info.region)
         try:
             view = RegionView(mapping.buffer)
-            if int(view.header["generation"]) != info["generation"] or view.geometry.data_offset != info["data_offset"]:
-                raise KvtierError(f"region {info['region']} does not match what kvtierd announced; "
+            if int(view.header["generation"]) != info.generation or view.geometry.data_offset != info.data_offset:
+                raise KvtierError(f"region {info.region} does not match what kvtierd announced; "
                                   "another daemon may have replaced it")
             del view
         except BaseException:
@@ -259,8 +229,8 @@ class Client:
             raise
         self.mapping = mapping
         self.pinned = "off"       # pinning is per mapping: _start_engine pins it for a CUDA KV cache
-        self.region_data = mapping.address + info["data_offset"]
-        self.region_bytes = np.frombuffer(mapping.buffer, dtype=np.uint8)[info["data_offset"]:]
+        self.region_data = mapping.address + info.data_offset
+        self.region_bytes = np.frombuffer(mapping.buffer, dtype=np.uint8)[info.data_offset:]
 
     def register_kv_caches(self, tensors: Sequence, stream=None) -> None:
         """Describe this rank's KV cache: per-layer tensors [num_blocks, ...] (see kvcache.py).
@@ -271,9 +241,9 @@ class Client:
         """
         self._need_rank("register KV caches")
         kv = KVCacheLayout(tensors, self.page_size)
-        if kv.block_bytes != self.layout.block_bytes:
-            raise ValueError(f"the KV-cache tensors hold {kv.block_bytes} bytes per block; the layout this client "
-                             f"attached with says {self.layout.block_bytes}")
+        if kv.block_bytes != self.namespace.block_bytes:
+            raise ValueError(f"the KV-cache tensors hold {kv.block_bytes} bytes per block; the namespace this "
+                             f"client attached with says {self.namespace.block_bytes}")
         self.kv, self._stream = kv, stream
         self._start_engine()
 
@@ -319,23 +289,23 @@ class Client:
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are cached and ready (they count as recently used)."""
-        return self._call("lookup", keys=list(keys))["hits"]
+        return LookupReply.from_wire(self._call("lookup", keys=list(keys))).hits
 
-    def stats(self) -> dict:
-        return self._call("stats")
+    def stats(self) -> StatsReply:
+        return StatsReply.from_wire(self._call("stats"))
 
     def job_status(self, jobs: Iterable[int]) -> list[dict]:
-        return self._call("jobs", jobs=list(jobs))["jobs"]
+        return JobsReply.from_wire(self._call("jobs", jobs=list(jobs))).jobs
 
     # ------------------------------------------------------------------ jobs
     def open_store(self, job: int, keys: Sequence[bytes]) -> StoreDecision:
         """Coordinator: fix a store job's decision; the ranks then store() the same job."""
-        reply = self._call("store", job=job, keys=list(keys))
-        return StoreDecision([StoreOutcome(o) for o in reply["outcomes"]])
+        reply = StoreReply.from_wire(self._call("store", job=job, keys=list(keys)))
+        return StoreDecision([StoreOutcome(o) for o in reply.outcomes])
 
     def open_load(self, job: int, keys: Sequence[bytes]) -> int:
         """Coordinator: pin the cached prefix of ``keys`` for a load job; returns its length."""
-        return self._call("load", job=job, keys=list(keys))["hits"]
+        return LoadReply.from_wire(self._call("load", job=job, keys=list(keys))).hits
 
     def store(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> StoreDecision:
         """Store KV-cache blocks ``block_ids`` under ``keys``. Returns the decision at once; the
@@ -345,13 +315,13 @@ class Client:
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
         if job in self._pending:
             raise KvtierError(f"job {job} is still in flight on this rank")
-        reply = self._call("store", job=job, keys=list(keys))
-        outcomes = [StoreOutcome(o) for o in reply["outcomes"]]
+        reply = StoreReply.from_wire(self._call("store", job=job, keys=list(keys)))
+        outcomes = [StoreOutcome(o) for o in reply.outcomes]
         if not self.is_writer:            # the request was this rank's vote
             self._pending[job] = _Pending("store", CopyHandle(), vote=False)
             return StoreDecision(outcomes)
-        write = np.flatnonzero(np.frombuffer(reply["outcomes"], dtype=np.uint8) == StoreOutcome.WRITE)
-        pages = np.frombuffer(reply["pages"], dtype=P.PAGES_DTYPE).reshape(len(write), self.pages_per_shard)
+        write = np.flatnonzero(np.frombuffer(reply.outcomes, dtype=np.uint8) == StoreOutcome.WRITE)
+        pages = np.frombuffer(reply.pages, dtype=P.PAGES_DTYPE).reshape(len(write), self.pages_per_shard)
         try:
             desc = kv.descriptors(np.asarray(block_ids)[write], pages, self.region_data, to_region=True)
             handle = self.engine.submit(desc)
@@ -369,9 +339,9 @@ class Client:
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
         if job in self._pending:
             raise KvtierError(f"job {job} is still in flight on this rank")
-        reply = self._call("load", job=job, keys=list(keys))
-        hits = reply["hits"]
-        pages = np.frombuffer(reply["pages"], dtype=P.PAGES_DTYPE).reshape(hits, self.pages_per_shard)
+        reply = LoadReply.from_wire(self._call("load", job=job, keys=list(keys)))
+        hits = reply.hits
+        pages = np.frombuffer(reply.pages, dtype=P.PAGES_DTYPE).reshape(hits, self.pages_per_shard)
         try:
             desc = kv.descriptors(np.asarray(block_ids)[:hits], pages, self.region_data, to_region=False)
             handle = self.engine.submit(desc)
@@ -395,8 +365,8 @@ class Client:
         failure = p.handle.error()
         try:
             if p.kind == "store":
-                if p.vote and failure is None and self.info["checksums"]:
-                    sums = [shard_checksum(self.region_bytes, row, self.page_size, self.layout.block_bytes)
+                if p.vote and failure is None and self.info.checksums:
+                    sums = [shard_checksum(self.region_bytes, row, self.page_size, self.namespace.block_bytes)
                             for row in p.pages]
                     self._call("commit", job=job, ok=True, checksums=sums)
                 elif p.vote:

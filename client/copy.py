@@ -35,7 +35,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import KvtierError
+from kvtierd.contract.errors import KvtierError
+
 from .kvcache import Descriptors
 
 log = logging.getLogger(__name__)

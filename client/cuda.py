@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtierd.mapping import CUDA_CHUNK_BYTES
+from kvtierd.contract.mapping import CUDA_REGISTER_CHUNK_BYTES
 
 from .copy import (AddressRanges, CopyEngine, CopyEngineUnavailable, CopyHandle, EventCopyHandle, storage_ranges,
                    stream_handle)
@@ -135,7 +135,7 @@ class CudaKernelEngine(CopyEngine):
         runtime = self._cupy.cuda.runtime
         for address, size in host_spans:
             # Registration is chunked, all or nothing per chunk: one probe per chunk sees them all.
-            probes = list(range(address, address + size, CUDA_CHUNK_BYTES)) + [address + size - 1]
+            probes = list(range(address, address + size, CUDA_REGISTER_CHUNK_BYTES)) + [address + size - 1]
             for ptr in probes:
                 try:
                     attrs = runtime.pointerGetAttributes(ptr)

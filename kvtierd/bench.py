@@ -173,13 +173,13 @@ class Daemon(DaemonProcess):
 
 def region_size(pages: int, page_size: int) -> int:
     """The --size that gives exactly ``pages`` pages of ``page_size``."""
-    from .layout import Geometry
+    from .contract.region_format import Geometry
     return Geometry.for_pages(pages, page_size).file_bytes
 
 
 def bench_layout(name: str, block_bytes: int, kind: str = "replicated"):
-    from kvtier import Layout
-    return Layout(model=f"bench-{name}", dtype="uint8", block_tokens=16, block_bytes=block_bytes, kind=kind)
+    from kvtier import NamespaceId
+    return NamespaceId(model=f"bench-{name}", dtype="uint8", block_tokens=16, block_bytes=block_bytes, sharding=kind)
 
 
 class Context:
@@ -251,9 +251,9 @@ def _control_worker(conn, wid: int, kvt_socket: str, echo_socket: str) -> None:
     returns (jobs, elapsed, latencies); ("stop",).
     """
     from kvtier import Client
-    from kvtier.session import Channel
+    from kvtierd.contract.channel import Channel
     client = Client(kvt_socket, engine_id=f"bench-control-{wid}", rank=0, world_size=1,
-                    layout=bench_layout("control", CONTROL_PAGE), copy_engine="cpu", pin="off", timeout=60)
+                    namespace=bench_layout("control", CONTROL_PAGE), copy_engine="cpu", pin="off", timeout=60)
     channels = {"kvtierd": client.channel, "echo": Channel(echo_socket, timeout=60)}
     job_ids = iter(range(1, 1 << 62))
     keys: list[bytes] = []
@@ -405,7 +405,7 @@ class BlockBench:
         rows[:] = 0x5A                                  # faults the KV cache in
         rows[:, :8] = np.arange(num_blocks, dtype="<u8")[:, None].view(np.uint8)
         self.client = Client(daemon.socket, engine_id=f"bench-{name}", rank=0, world_size=1,
-                             layout=bench_layout(name, block), copy_engine="cpu", pin="off", timeout=120)
+                             namespace=bench_layout(name, block), copy_engine="cpu", pin="off", timeout=120)
         self.client.register_kv_caches([self.kv])
         # A running engine has touched every page of its mapping long ago (or pinned it, which
         # populates it); without this, every job would pay first-touch page faults on pages it
@@ -447,7 +447,7 @@ def idle_round_trips(daemon: Daemon, samples: int, gaps: tuple[float, ...] = (0.
     """p50 µs of a ping round trip after both sides sat idle for each gap. A job's requests
     after its copy (commit, release, the next job's store) pay this: where waking an idle
     process is slow (a VM's idle vCPU), it bounds small jobs, not the daemon's work."""
-    from kvtier.session import Channel
+    from kvtierd.contract.channel import Channel
     channel = Channel(daemon.socket, timeout=10)
     out = {}
     try:
@@ -466,7 +466,7 @@ def idle_round_trips(daemon: Daemon, samples: int, gaps: tuple[float, ...] = (0.
 
 def _floor_mapping(path: str, size: int):
     """A prefaulted shared mapping of ``size`` bytes in a tmpfs file (the memcpy floor's target)."""
-    from .mapping import Mapping
+    from .contract.mapping import Mapping
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
@@ -560,7 +560,7 @@ def _capacity_case(daemon: Daemon, world: int, kind: str, block: int, stored_goa
     try:
         for r in range(world):
             c = Client(daemon.socket, engine_id=f"bench-cap-{case}", rank=r, world_size=world,
-                       layout=bench_layout("capacity", block, kind), copy_engine="cpu", pin="off", timeout=120)
+                       namespace=bench_layout("capacity", block, kind), copy_engine="cpu", pin="off", timeout=120)
             ranks.append(c)
             c.register_kv_caches([kv])
             c.engine = _CountingEngine(c.engine)
@@ -643,7 +643,7 @@ class RankChannel:
     def __init__(self, daemon: Daemon, engine: str):
         from kvtier import Client
         self.client = Client(daemon.socket, engine_id=engine, rank=0, world_size=1,
-                             layout=bench_layout("entries", CONTROL_PAGE), copy_engine="cpu", pin="off", timeout=300)
+                             namespace=bench_layout("entries", CONTROL_PAGE), copy_engine="cpu", pin="off", timeout=300)
         self.jobs = iter(range(1, 1 << 62))
 
     def store(self, keys: list[bytes]) -> bytes:
@@ -744,8 +744,9 @@ def eviction(ctx: Context) -> dict:
 # ----------------------------------------------------------------------------------------------- recovery
 def _time_store_recovery(region: str) -> dict:
     """Open the stopped daemon's region and time the store's recovery alone (scan + index build)."""
-    from .layout import RegionView, scan
-    from .mapping import Mapping
+    from .contract.mapping import Mapping
+    from .contract.region_format import RegionView
+    from .recovery import scan
     from .store import Store
     mapping = Mapping.of_file(region)
     try:

@@ -13,6 +13,8 @@ import sys
 from typing import Any
 
 from . import __version__, config
+from .contract.paths import DEFAULT_NAME, DaemonPaths, admin_socket_for, default_directory
+from .contract.protocol import StatsReply
 
 
 # ------------------------------------------------------------------ kvtierd
@@ -55,15 +57,14 @@ def daemon_main(argv: list[str] | None = None) -> int:
 
 def _paths(args: argparse.Namespace) -> tuple[str, str, str, str]:
     """(socket, admin socket, region, lock) of the daemon the flags/env point at."""
-    directory = args.dir or os.environ.get("KVTIERD_DIR") or config.default_directory()
-    name = args.name or os.environ.get("KVTIERD_NAME") or "kvtierd"
-    base = os.path.join(directory, name)
-    socket = args.socket or f"{base}.sock"
-    return socket, socket.removesuffix(".sock") + ".admin.sock", args.region or f"{base}.region", f"{base}.lock"
+    paths = DaemonPaths(args.dir or os.environ.get("KVTIERD_DIR") or default_directory(),
+                        args.name or os.environ.get("KVTIERD_NAME") or DEFAULT_NAME)
+    socket = args.socket or paths.socket
+    return socket, admin_socket_for(socket), args.region or paths.region, paths.lock
 
 
 def _call(path: str, timeout: float, op: str, **fields: Any) -> dict[str, Any]:
-    from kvtier.session import Channel
+    from .contract.channel import Channel
     channel = Channel(path, timeout)
     try:
         reply = channel.call(op, **fields)
@@ -127,19 +128,26 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 
 # --- fetchers -----------------------------------------------------------------------------------
+# The fields of protocol.StatsReply that `kvtierctl status` shows of a running daemon.
+STATUS_FIELDS = ("daemon_pid", "socket", "admin_socket", "metrics_address", "region", "generation", "pinned",
+                 "file_bytes", "capacity_bytes", "used_bytes", "pages_total", "pages_free", "entries_ready",
+                 "entries_writing", "entries_pinned", "namespaces", "engines", "sessions", "open_jobs",
+                 "uptime_seconds", "stopping")
+
+
+def _stats(socket: str, timeout: float) -> StatsReply:
+    return StatsReply.from_wire(_call(socket, timeout, "stats"))
+
+
 def fetch_stats(args: argparse.Namespace) -> dict:
-    return _call(_paths(args)[0], args.timeout, "stats")
+    return _stats(_paths(args)[0], args.timeout).to_wire()
 
 
 def fetch_status(args: argparse.Namespace) -> dict:
     socket, _, region, lock = _paths(args)
     if daemon_running(lock):
-        s = _call(socket, args.timeout, "stats")
-        keys = ("daemon_pid", "socket", "admin_socket", "metrics_address", "region", "generation", "pinned",
-                "file_bytes", "capacity_bytes", "used_bytes", "pages_total", "pages_free", "entries_ready",
-                "entries_writing", "entries_pinned", "namespaces", "engines", "sessions", "open_jobs",
-                "uptime_seconds", "stopping")
-        return {"daemon": "running", **{k: s[k] for k in keys}}
+        s = _stats(socket, args.timeout)
+        return {"daemon": "running", **{name: getattr(s, name) for name in STATUS_FIELDS}}
     from . import offline
     with offline.open_region(region) as view:
         return {"daemon": "not running", **offline.status(view, region)}
@@ -282,9 +290,8 @@ def ctl_parser() -> argparse.ArgumentParser:
 def ctl_main(argv: list[str] | None = None) -> int:
     args = ctl_parser().parse_args(argv)
     _, _, fetch, fmt, exit_code = COMMANDS[args.command]
-    from kvtier.errors import KvtierError
-
-    from .layout import FormatError
+    from .contract.errors import KvtierError
+    from .contract.region_format import FormatError
     try:
         data = fetch(args)
     except KvtierError as exc:

@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .contract.paths import DEFAULT_NAME, default_directory
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -56,16 +58,6 @@ def parse_bool(text: str | bool) -> bool:
     if low in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{text!r} is not a boolean (true/false)")
-
-
-def default_directory() -> str:
-    """/dev/shm/kvtierd when /dev/shm is writable, else $XDG_RUNTIME_DIR/kvtierd, else /tmp."""
-    if os.access("/dev/shm", os.W_OK | os.X_OK):
-        return "/dev/shm/kvtierd"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.access(runtime, os.W_OK | os.X_OK):
-        return os.path.join(runtime, "kvtierd")
-    return f"/tmp/kvtierd-{os.getuid()}"
 
 
 @dataclass(frozen=True)
@@ -135,7 +127,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dir", "str", default_directory,
             "Directory of the region file, its lock and the socket (default: /dev/shm/kvtierd, else "
             "$XDG_RUNTIME_DIR/kvtierd, else /tmp/kvtierd-UID)."),
-    Setting("name", "str", "kvtierd", "Base name of <dir>/<name>.region, .lock and .sock; one daemon per name."),
+    Setting("name", "str", DEFAULT_NAME, "Base name of <dir>/<name>.region, .lock and .sock; one daemon per name."),
     Setting("size", "size", "512MiB", "Size of the region file (metadata + pages).", lo=8 << 20, hi=1 << 50),
     Setting("page_size", "size", "64KiB", "Fixed page size of the data area (a power of two).",
             lo=4096, hi=1 << 30),

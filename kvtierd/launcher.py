@@ -14,15 +14,17 @@ import subprocess
 import sys
 import time
 
+from .contract.paths import DEFAULT_NAME, DaemonPaths
+
 
 class DaemonProcess:
-    def __init__(self, directory: str, *args: str, name: str = "kvtierd", env: dict[str, str] | None = None):
+    def __init__(self, directory: str, *args: str, name: str = DEFAULT_NAME, env: dict[str, str] | None = None):
         self.dir = directory
         self.name = name
-        base = os.path.join(directory, name)
-        self.socket = f"{base}.sock"
-        self.admin_socket = f"{base}.admin.sock"
-        self.region = f"{base}.region"
+        self.paths = DaemonPaths(directory, name)
+        self.socket = self.paths.socket
+        self.admin_socket = self.paths.admin_socket
+        self.region = self.paths.region
         self.log_path = os.path.join(directory, "daemon.log")
         self.args = ["--dir", directory, "--name", name, *args]
         self.env = {**os.environ, **(env or {})}
@@ -37,7 +39,7 @@ class DaemonProcess:
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        from kvtier.errors import KvtierError
+        from .contract.errors import KvtierError
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -61,7 +63,7 @@ class DaemonProcess:
 
     def call(self, op: str, admin: bool = False, timeout: float | None = None, **fields):
         """One request on a fresh channel (the admin socket for admin operations)."""
-        from kvtier.session import Channel
+        from .contract.channel import Channel
         channel = Channel(self.admin_socket if admin else self.socket, timeout=timeout or self.call_timeout)
         try:
             return channel.call(op, **fields)

@@ -2,7 +2,7 @@
 
 The file is mapped read-only, so these work whether or not a daemon runs on it (while one does,
 the tables may change under the reader; every answer is a snapshot). Every function returns
-plain data; ``kvtierd.cli`` formats it. The judging of records is ``layout.scan``, the same code
+plain data; ``kvtierd.cli`` formats it. The judging of records is ``recovery.scan``, the same code
 a restarting daemon uses, so ``check`` reports exactly what a restart would discard.
 """
 
@@ -15,7 +15,8 @@ from typing import Iterator
 
 import numpy as np
 
-from .layout import EntryState, FormatError, RegionView, scan
+from .contract.region_format import EntryState, FormatError, RegionView
+from .recovery import scan
 
 
 @contextmanager
@@ -68,10 +69,10 @@ def namespaces(view: RegionView) -> list[dict]:
     for _, ns_slot, _, _ in found.ready:
         counts[ns_slot] = counts.get(ns_slot, 0) + 1
     page = view.geometry.page_size
-    out = [{"slot": slot, "name": layout.name(), "model": layout.model, "dtype": layout.dtype,
-            "block_tokens": layout.block_tokens, "block_bytes": layout.block_bytes, "kind": layout.kind.value,
-            "world_size": layout.world_size, "entry_pages": layout.entry_pages(page),
-            "entries": counts.get(slot, 0)} for slot, layout in sorted(found.namespaces.items())]
+    out = [{"slot": slot, "name": ns_id.name(), "model": ns_id.model, "dtype": ns_id.dtype,
+            "block_tokens": ns_id.block_tokens, "block_bytes": ns_id.block_bytes, "sharding": ns_id.sharding.value,
+            "world_size": ns_id.world_size, "entry_pages": ns_id.entry_pages(page),
+            "entries": counts.get(slot, 0)} for slot, ns_id in sorted(found.namespaces.items())]
     out += [{"slot": slot, "name": f"(damaged: {why})", "entries": 0} for slot, why in found.damaged_namespaces.items()]
     return out
 
@@ -95,7 +96,7 @@ def entries(view: RegionView, namespace: str | None = None, sort: str = "age", l
             with_pages: bool = False) -> list[dict]:
     """Entries that a restart would keep, plus WRITING ones; oldest first or largest first."""
     found = scan(view)
-    names = {slot: layout.name() for slot, layout in found.namespaces.items()}
+    names = {slot: ns_id.name() for slot, ns_id in found.namespaces.items()}
     rows = [_entry(view, slot, names, pages if with_pages else None) for slot, _, _, pages in found.ready]
     rows += [_entry(view, int(slot), names, None) for slot in found.writing]
     if namespace is not None:
@@ -112,7 +113,7 @@ def entries(view: RegionView, namespace: str | None = None, sort: str = "age", l
 def inspect_key(view: RegionView, key: bytes) -> list[dict]:
     """Every entry holding ``key`` (one per namespace), with its pages."""
     found = scan(view)
-    names = {slot: layout.name() for slot, layout in found.namespaces.items()}
+    names = {slot: ns_id.name() for slot, ns_id in found.namespaces.items()}
     return [_entry(view, slot, names, pages) for slot, _, k, pages in found.ready if k == key]
 
 
@@ -122,7 +123,7 @@ def inspect_page(view: RegionView, page: int, dump_bytes: int = 64) -> dict:
         raise ValueError(f"page {page} is outside 0..{geo.num_pages - 1}")
     found = scan(view)
     owner = int(found.owner[page])
-    names = {slot: layout.name() for slot, layout in found.namespaces.items()}
+    names = {slot: ns_id.name() for slot, ns_id in found.namespaces.items()}
     start = page * geo.page_size
     out = {"page": page, "offset": geo.data_offset + start,
            "head": bytes(view.data[start:start + dump_bytes]).hex(),

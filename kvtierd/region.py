@@ -1,13 +1,10 @@
 """The region file's life: directory, lock, create or adopt, prefault, pin, clean close.
 
 This module owns files and memory, not meaning: it knows the header (to validate and to mark
-clean shutdown) but nothing of what entries mean; the store rebuilds its index from the tables.
-
-Files, all in one daemon-owned directory (mode 0770, or 0700 without a client group)::
-
-    <dir>/<name>.region   the shared region (mode 0660), mapped by the daemon and every client
-    <dir>/<name>.lock     flock(LOCK_EX) held for the daemon's whole life; holds its pid
-    <dir>/<name>.sock     the daemon's ZMQ ipc socket (created by the server)
+clean shutdown) but nothing of what entries mean; the index rebuilds itself from the tables.
+The files are those of ``contract.paths``: the region (mode 0660) and the lock, held with
+flock(LOCK_EX) for the daemon's whole life and holding its pid, in a daemon-owned directory
+(mode 0770, or 0700 without a client group).
 
 A second daemon on the same directory and name finds the lock held and refuses to start. A
 restarted daemon takes the lock, then adopts the existing region only if its header validates
@@ -26,12 +23,12 @@ import os
 import secrets
 import stat
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import HEADER_BYTES, FormatError, Geometry, RegionView, read_geometry
-from .mapping import Mapping
+from .contract.mapping import Mapping
+from .contract.paths import DaemonPaths
+from .contract.region_format import HEADER_BYTES, FormatError, Geometry, RegionView, read_geometry
 
 log = logging.getLogger(__name__)
 
@@ -42,24 +39,6 @@ class RegionError(Exception):
 
 class RegionLocked(RegionError):
     """Another live daemon holds the region's lock."""
-
-
-@dataclass(frozen=True)
-class RegionPaths:
-    directory: str
-    name: str
-
-    @property
-    def region(self) -> str:
-        return os.path.join(self.directory, f"{self.name}.region")
-
-    @property
-    def lock(self) -> str:
-        return os.path.join(self.directory, f"{self.name}.lock")
-
-    @property
-    def socket(self) -> str:
-        return os.path.join(self.directory, f"{self.name}.sock")
 
 
 def _resolve_gid(group: str | None) -> int | None:
@@ -96,7 +75,7 @@ def prepare_directory(directory: str, group: str | None) -> int | None:
 class Region:
     """An open, locked, mapped region. Construct with ``Region.open``."""
 
-    def __init__(self, paths: RegionPaths, lock_fd: int, mapping: Mapping, view: RegionView,
+    def __init__(self, paths: DaemonPaths, lock_fd: int, mapping: Mapping, view: RegionView,
                  adopted: bool, was_clean: bool, pinned: str, prefault: str, gid: int | None):
         self.paths = paths
         self.gid = gid                  # the client group (owns the socket too), or None
@@ -117,7 +96,7 @@ class Region:
     def open(cls, directory: str, name: str, size_bytes: int, page_size: int, pin: str = "auto",
              group: str | None = None, recreate: bool = False, prefault_threads: int = 4,
              progress=None) -> "Region":
-        paths = RegionPaths(directory, name)
+        paths = DaemonPaths(directory, name)
         gid = prepare_directory(directory, group)
         lock_fd = _take_lock(paths, gid)
         try:
@@ -169,7 +148,7 @@ class Region:
         os.close(self._lock_fd)
 
 
-def _take_lock(paths: RegionPaths, gid: int | None) -> int:
+def _take_lock(paths: DaemonPaths, gid: int | None) -> int:
     fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -45,10 +45,11 @@ from typing import Any, Callable
 
 import zmq
 
-from . import protocol as P
+from .contract import protocol as P
+from .contract.namespace import NamespaceId
+from .contract.paths import admin_socket_for
+from .contract.protocol import ErrorCode, JobState, RequestError
 from .histogram import Histogram
-from .layout import NamespaceLayout
-from .protocol import ErrorCode, JobState, RequestError
 from .region import Region
 from .store import Session, Store
 from .systemd import Notifier
@@ -75,7 +76,7 @@ class Server:
         self.store = store
         self.region = region
         self.socket_path = socket_path
-        self.admin_socket_path = admin_socket_path or socket_path.removesuffix(".sock") + ".admin.sock"
+        self.admin_socket_path = admin_socket_path or admin_socket_for(socket_path)
         self.notifier = notifier or Notifier({})
         self.drain_timeout = drain_timeout
         self.heartbeat_timeout = heartbeat_timeout
@@ -338,7 +339,7 @@ class Server:
         replaced = self.store.sessions.get(msg.get("replaces", -1))
         if replaced is not None and self.tokens.get(replaced.id) == msg.get("replaces_token"):
             self._end_session(replaced, "reattached")
-        layout = NamespaceLayout.from_wire(msg["layout"], msg["world_size"])
+        layout = NamespaceId.from_wire(msg["namespace"], msg["world_size"])
         pid = msg.get("pid")
         session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], layout, pid)
         self.sessions[identity] = session

@@ -48,10 +48,12 @@ from operator import attrgetter
 import numpy as np
 
 from .histogram import Histogram
-from .layout import ENTRY_DTYPE, EntryState, NamespaceLayout, RegionView, entry_checksum, scan
+from .contract.namespace import NamespaceId, Sharding
+from .contract.protocol import PAGES_DTYPE, ErrorCode, JobState, RequestError, StoreOutcome
+from .contract.region_format import ENTRY_DTYPE, EntryState, RegionView, entry_checksum, namespace_record
 from .lru import LRUPolicy
 from .pages import PageAllocator
-from .protocol import PAGES_DTYPE, ErrorCode, JobState, LayoutKind, RequestError, StoreOutcome
+from .recovery import scan
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ class Entry:
 class Namespace:
     __slots__ = ("slot", "layout", "index", "pages_per_shard", "entry_pages", "shard_bytes", "record")
 
-    def __init__(self, slot: int, layout: NamespaceLayout, page_size: int):
+    def __init__(self, slot: int, layout: NamespaceId, page_size: int):
         self.slot = slot
         self.layout = layout
         self.index: dict[bytes, Entry] = {}
@@ -142,7 +144,7 @@ class Engine:
 
     @property
     def writers(self) -> frozenset[int]:
-        if self.ns.layout.kind is LayoutKind.REPLICATED:
+        if self.ns.layout.sharding is Sharding.REPLICATED:
             return frozenset({0})
         return frozenset(range(self.world_size))
 
@@ -177,7 +179,7 @@ class Store:
         self.job_timeout = job_timeout
         self.clock = clock
         self.policy = LRUPolicy()
-        self.namespaces: dict[NamespaceLayout, Namespace] = {}
+        self.namespaces: dict[NamespaceId, Namespace] = {}
         self.ns_by_slot: dict[int, Namespace] = {}
         self.engines: dict[str, Engine] = {}
         self.sessions: dict[int, Session] = {}
@@ -252,7 +254,7 @@ class Store:
                 "corrupt_discarded": len(found.problems)}
 
     # ------------------------------------------------------------------ sessions
-    def attach(self, engine_id: str, rank: int | None, world_size: int, layout: NamespaceLayout,
+    def attach(self, engine_id: str, rank: int | None, world_size: int, layout: NamespaceId,
                pid: int | None = None) -> Session:
         if rank is not None and rank >= world_size:   # before anything is created for the engine
             raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
@@ -304,7 +306,7 @@ class Store:
                 self._free_quarantine(job)
             del self.engines[engine.id]
 
-    def _namespace(self, layout: NamespaceLayout) -> Namespace:
+    def _namespace(self, layout: NamespaceId) -> Namespace:
         ns = self.namespaces.get(layout)
         if ns is not None:
             return ns
@@ -322,7 +324,7 @@ class Store:
             del self.namespaces[empty[0].layout]
         else:
             slot = int(free[0])
-        table[slot] = layout.to_record()
+        table[slot] = namespace_record(layout)
         ns = Namespace(slot, layout, self.page_size)
         self.namespaces[layout] = ns
         self.ns_by_slot[slot] = ns
@@ -429,7 +431,7 @@ class Store:
         job.seen.add(rank)
         if rank in job.engine.writers:
             ns = job.engine.ns
-            if ns.layout.kind is LayoutKind.REPLICATED:
+            if ns.layout.sharding is Sharding.REPLICATED:
                 return job.outcomes, list(map(_PAGES, job.entries))
             lo, hi = rank * ns.shard_bytes, (rank + 1) * ns.shard_bytes
             return job.outcomes, [e.pages[lo:hi] for e in job.entries]
@@ -570,7 +572,7 @@ class Store:
         self.entry_count[EntryState.READY] += n
         layout = job.engine.ns.layout
         self.counters["bytes_written"] += n * layout.entry_bytes
-        if layout.kind is LayoutKind.REPLICATED:
+        if layout.sharding is Sharding.REPLICATED:
             self.counters["bytes_saved_dedup"] += n * layout.block_bytes * (job.engine.world_size - 1)
         self.counters["store_jobs_done"] += 1
         self.vote_wait.observe(self.clock() - job.opened)
@@ -602,7 +604,7 @@ class Store:
             return hits, []
         job.seen.add(session.rank)
         ns = job.engine.ns
-        if ns.layout.kind is LayoutKind.SHARDED:
+        if ns.layout.sharding is Sharding.SHARDED:
             lo, hi = session.rank * ns.shard_bytes, (session.rank + 1) * ns.shard_bytes
             return hits, [e.pages[lo:hi] for e in job.entries]
         return hits, list(map(_PAGES, job.entries))

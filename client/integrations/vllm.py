@@ -118,10 +118,12 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 
-from kvtierd import protocol as P  # noqa: E402
+from kvtierd.contract import protocol as P  # noqa: E402
+from kvtierd.contract.errors import KvtierError  # noqa: E402
+from kvtierd.contract.namespace import NamespaceId  # noqa: E402
+from kvtierd.contract.paths import default_socket  # noqa: E402
 
-from ..api import Client, Layout, default_socket  # noqa: E402
-from ..errors import KvtierError  # noqa: E402
+from ..api import Client  # noqa: E402
 
 # A child of vLLM's logger, so that these lines go where vLLM's own go.
 logger = logging.getLogger("vllm.kvtier")
@@ -191,7 +193,7 @@ def _short(text: str, limit: int = P.MAX_STR_BYTES) -> str:
     return text.encode()[: limit - 17].decode(errors="ignore") + "~" + digest
 
 
-def namespace_layout(config: OffloadingConfig, settings: KvtierSettings) -> Layout:
+def namespace_layout(config: OffloadingConfig, settings: KvtierSettings) -> NamespaceId:
     """The kvtier namespace of an engine, from vLLM's offloading config.
 
     Replicated exactly when vLLM's gate (``config.replicated_layout``) allows it and the settings
@@ -216,8 +218,8 @@ def namespace_layout(config: OffloadingConfig, settings: KvtierSettings) -> Layo
     model = settings.namespace or config.model.name
     if config.kv_cache_layout:
         model = f"{model}|{config.kv_cache_layout}"
-    return Layout(model=_short(model), dtype=_short(config.model.dtype, 32), block_tokens=tokens.pop(),
-                  block_bytes=config.worker_kv_bytes_per_block, kind=kind)
+    return NamespaceId(model=_short(model), dtype=_short(config.model.dtype, 32), block_tokens=tokens.pop(),
+                       block_bytes=config.worker_kv_bytes_per_block, sharding=kind)
 
 
 # ------------------------------------------------------------------------------ the spec passed to workers
@@ -281,7 +283,7 @@ class KvtierOffloadingManager(OffloadingManager):
     Single-threaded (the scheduler thread), so ``lock`` is the default no-op context.
     """
 
-    def __init__(self, settings: KvtierSettings, engine_id: str, world_size: int, layout: Layout,
+    def __init__(self, settings: KvtierSettings, engine_id: str, world_size: int, layout: NamespaceId,
                  connect: Callable[..., Client] = Client, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.engine_id = engine_id
@@ -300,11 +302,11 @@ class KvtierOffloadingManager(OffloadingManager):
         if self._client is None and self._clock() >= self._down_until:
             try:
                 self._client = self._connect(self.settings.socket, engine_id=self.engine_id, rank=None,
-                                             world_size=self.world_size, layout=self.layout,
+                                             world_size=self.world_size, namespace=self.layout,
                                              timeout=self.settings.timeout_s,
                                              reconnect_timeout=self.settings.timeout_s)
                 logger.info("kvtier: coordinator of engine %s attached to kvtierd at %s, namespace %s",
-                            self.engine_id, self.settings.socket, self._client.info.get("namespace"))
+                            self.engine_id, self.settings.socket, self._client.info.namespace)
             except KvtierError as exc:
                 self._down(exc, "cannot attach")
         return self._client
@@ -498,13 +500,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
     - ``wait(jobs)``: blocks until those transfers' copies completed and were voted/released.
     """
 
-    def __init__(self, settings: KvtierSettings, engine_id: str, rank: int, world_size: int, layout: Layout,
+    def __init__(self, settings: KvtierSettings, engine_id: str, rank: int, world_size: int, layout: NamespaceId,
                  kv_caches: CanonicalKVCaches, connect: Callable[..., Client] = Client):
         self.layout = layout
         self.rank = rank
         self._views = block_views(kv_caches, layout.block_bytes)
         self._client = connect(settings.socket, engine_id=engine_id, rank=rank, world_size=world_size,
-                               layout=layout, copy_engine=settings.copy_engine, timeout=settings.timeout_s,
+                               namespace=layout, copy_engine=settings.copy_engine, timeout=settings.timeout_s,
                                reconnect_timeout=settings.timeout_s)
         try:
             self._client.register_kv_caches(self._views)
@@ -515,7 +517,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._transfers: dict[int, _Transfer] = {}    # vLLM transfer job -> its state
         self._finished: list[TransferResult] = []
         logger.info("kvtier: rank %d of engine %s attached (%s, writer=%s, %d KV ranges, %d bytes/block)",
-                    rank, engine_id, self._client.info.get("namespace"), self._client.is_writer,
+                    rank, engine_id, self._client.info.namespace, self._client.is_writer,
                     len(self._views), layout.block_bytes)
 
     @property

@@ -1,8 +1,8 @@
 """Fixtures for the GPU tests (every test module here is marked ``cuda`` and skipped without CUDA).
 
 ``pinned_region(nbytes)`` maps a fresh file on tmpfs and registers the mapping with CUDA exactly as
-a client does (kvtierd.mapping.Mapping.pin_cuda: portable + mapped, chunked), so the tests copy
-through the same UVA path as production. tmpfs because since Linux 6.5 the kernel refuses
+a client does (kvtierd.contract.mapping.Mapping.pin_cuda: portable + mapped, chunked), so the tests
+copy through the same UVA path as production. tmpfs because since Linux 6.5 the kernel refuses
 long-term writable pins of file-backed pages other than shmem/hugetlbfs; /dev/shm (where kvtierd
 keeps its region) is tmpfs.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.mapping import Mapping
+from kvtierd.contract.mapping import Mapping
 from tests.integration.conftest import daemon, start_daemon  # noqa: F401  (fixtures, re-exported)
 
 

@@ -28,13 +28,13 @@ class GpuCacheSpec:
 
     def layout(self, model: str) -> dict:
         return {"model": model, "dtype": "bfloat16", "block_tokens": self.block_tokens,
-                "block_bytes": self.block_bytes, "kind": "replicated"}
+                "block_bytes": self.block_bytes, "sharding": "replicated"}
 
 
 def _worker(conn, socket: str, engine: str, rank: int, world_size: int, spec: GpuCacheSpec, seed: int) -> None:
     import torch
 
-    from kvtier import Client, Layout
+    from kvtier import Client, NamespaceId
 
     try:
         torch.cuda.set_device(0)
@@ -43,7 +43,7 @@ def _worker(conn, socket: str, engine: str, rank: int, world_size: int, spec: Gp
         kv = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to("cuda:0").view(torch.bfloat16)
               for _ in range(spec.layers)]
         client = Client(socket, engine_id=engine, rank=rank, world_size=world_size,
-                        layout=Layout(**spec.layout("gpu-tp2")), timeout=30)
+                        namespace=NamespaceId(**spec.layout("gpu-tp2")), timeout=30)
         client.register_kv_caches(kv)
     except Exception as exc:
         conn.send(("error", error_info(exc)))

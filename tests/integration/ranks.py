@@ -50,7 +50,7 @@ class CacheSpec:
 def _worker(conn) -> None:  # runs in the child
     import torch
 
-    from kvtier import Client, Layout
+    from kvtier import Client, NamespaceId
 
     state: dict[str, Any] = {}
 
@@ -75,7 +75,7 @@ def _worker(conn) -> None:  # runs in the child
         state["kv"] = [torch.zeros((spec.num_blocks, *spec.row_shape), dtype=dtype) for _ in range(spec.layers)]
         fill(range(spec.num_blocks), seed)
         state["client"] = Client(socket, engine_id=engine, rank=rank, world_size=world_size,
-                                 layout=Layout(**layout), timeout=timeout)
+                                 namespace=NamespaceId(**layout), timeout=timeout)
         state["client"].register_kv_caches(state["kv"])
         return {"writer": state["client"].is_writer, "pid": os.getpid()}
 
@@ -118,8 +118,8 @@ def _worker(conn) -> None:  # runs in the child
 
         import numpy as np
 
-        from kvtierd import protocol as P
-        from kvtierd.protocol import StoreOutcome
+        from kvtierd.contract import protocol as P
+        from kvtierd.contract.protocol import StoreOutcome
 
         client = state["client"]
         reply = client.channel.call("store", job=job, keys=list(keys))
@@ -147,7 +147,7 @@ def _worker(conn) -> None:  # runs in the child
         "fill": lambda block_ids, seed: fill(block_ids, seed),
         "hashes": block_hashes,
         "lookup": lambda keys: state["client"].lookup(keys),
-        "stats": lambda: state["client"].stats(),
+        "stats": lambda: state["client"].stats().to_wire(),
         "store_hold": store_hold, "load_hold": load_hold, "finish": finish,
         "store_partial_then_hang": store_partial_then_hang,
         "job_status": lambda jobs: state["client"].job_status(jobs),

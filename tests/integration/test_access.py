@@ -89,7 +89,7 @@ def unix_connect(path: str) -> None:
 
 
 def ping(path: str) -> None:
-    from kvtier.session import Channel
+    from kvtierd.contract.channel import Channel
     channel = Channel(path, timeout=1.0)
     try:
         channel.call("ping")
@@ -107,7 +107,7 @@ def test_another_uid_can_neither_connect_nor_map_the_region(daemon):
     p = paths(daemon)
 
     def probe() -> dict:
-        from kvtierd.mapping import Mapping
+        from kvtierd.contract.mapping import Mapping
         return {
             "list dir": attempt(lambda: os.listdir(p["dir"])),
             "enter dir": attempt(lambda: os.chdir(p["dir"])),
@@ -145,9 +145,9 @@ def test_client_group_member_reaches_socket_and_region_but_not_admin(start_daemo
     assert os.stat(p["region"]).st_gid == gid and os.stat(p["socket"]).st_gid == gid
 
     def probe() -> dict:
-        from kvtier import Client, Layout
+        from kvtier import Client, NamespaceId
 
-        from kvtierd.layout import RegionView
+        from kvtierd.contract.region_format import RegionView
         out = {
             "list dir": attempt(lambda: os.listdir(p["dir"])),
             "connect socket": attempt(lambda: unix_connect(p["socket"])),
@@ -155,8 +155,8 @@ def test_client_group_member_reaches_socket_and_region_but_not_admin(start_daemo
             "connect admin socket": attempt(lambda: unix_connect(p["admin"])),
             "ping admin socket": attempt(lambda: ping(p["admin"])),
         }
-        layout = Layout("group-model", "bfloat16", 16, 8192, "replicated")
-        client = Client(p["socket"], engine_id="group-member", rank=0, world_size=1, layout=layout, pin="off",
+        layout = NamespaceId("group-model", "bfloat16", 16, 8192, "replicated")
+        client = Client(p["socket"], engine_id="group-member", rank=0, world_size=1, namespace=layout, pin="off",
                         timeout=5)
         view = RegionView(client.mapping.buffer)
         out["mapped generation"] = int(view.header["generation"])

@@ -6,21 +6,21 @@ import msgpack
 import pytest
 import zmq
 
-from kvtierd import protocol as P
-from kvtierd.protocol import ErrorCode
-from kvtier.session import Channel
+from kvtierd.contract import protocol as P
+from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.channel import Channel
 
 from .ranks import CacheSpec, all_call
 from .test_tp_roundtrip import connect, keys_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-LAYOUT = {"model": "m", "dtype": "bfloat16", "block_tokens": 16, "block_bytes": 4096, "kind": "replicated"}
+NAMESPACE = {"model": "m", "dtype": "bfloat16", "block_tokens": 16, "block_bytes": 4096, "sharding": "replicated"}
 
 
 def hello(**override):
     msg = {"op": "hello", "rid": 1, "version": P.PROTOCOL_VERSION, "engine": "hostile", "rank": 0,
-           "world_size": 1, "layout": dict(LAYOUT)}
+           "world_size": 1, "namespace": dict(NAMESPACE)}
     msg.update(override)
     return msg
 
@@ -47,9 +47,9 @@ BEFORE_HELLO = [
     ("rank >= world_size", msgpack.packb(hello(rank=4, world_size=2, rid=8)), 8, ErrorCode.BAD_REQUEST),
     ("world_size wrong type", msgpack.packb(hello(world_size="2", rid=9)), 9, ErrorCode.BAD_REQUEST),
     ("rank is a bool", msgpack.packb(hello(rank=True, rid=10)), 10, ErrorCode.BAD_REQUEST),
-    ("layout kind unknown", msgpack.packb(hello(layout={**LAYOUT, "kind": "weird"}, rid=11)), 11,
+    ("namespace sharding unknown", msgpack.packb(hello(namespace={**NAMESPACE, "sharding": "weird"}, rid=11)), 11,
      ErrorCode.BAD_REQUEST),
-    ("negative block bytes", msgpack.packb(hello(layout={**LAYOUT, "block_bytes": -1}, rid=12)), 12,
+    ("negative block bytes", msgpack.packb(hello(namespace={**NAMESPACE, "block_bytes": -1}, rid=12)), 12,
      ErrorCode.BAD_REQUEST),
     ("frame over the limit", msgpack.packb({"op": "ping", "rid": 13, "pad": b"x" * P.MAX_FRAME_BYTES}), 13,
      ErrorCode.LIMIT),

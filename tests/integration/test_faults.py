@@ -34,7 +34,7 @@ import time
 
 import pytest
 
-from kvtierd.protocol import StoreOutcome
+from kvtierd.contract.protocol import StoreOutcome
 
 from .ranks import CacheSpec, RankError, RankProcess, all_call
 from .test_kvtierctl import ctl_json
@@ -61,7 +61,7 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
 
 def layout_of(spec: CacheSpec, kind: str, model: str = "tiny-mla") -> dict:
     return {"model": model, "dtype": spec.dtype, "block_tokens": spec.row_shape[0],
-            "block_bytes": spec.block_bytes(), "kind": kind}
+            "block_bytes": spec.block_bytes(), "sharding": kind}
 
 
 def attach(procs: list[RankProcess], daemon, engine: str, world_size: int, ranks: list[int], seeds: list[int],
@@ -270,11 +270,11 @@ def test_sigterm_drains_open_loads_then_stops_cleanly(start_daemon, ranks):
     wait_for(lambda: daemon.stats()["stopping"], what="the daemon to start draining")
     assert rank_error(procs[0], "load_hold", job=3, keys=keys, block_ids=[8, 9, 10, 11]).type == "ShuttingDown"
     assert rank_error(procs[1], "store_hold", job=4, keys=keys_for("late", 1), block_ids=[12]).type == "ShuttingDown"
-    from kvtier import Client, Layout
-    from kvtier.errors import ShuttingDown
+    from kvtier import Client, NamespaceId
+    from kvtier import ShuttingDown
     with pytest.raises(ShuttingDown):
         Client(daemon.socket, engine_id="latecomer", rank=None, world_size=1,
-               layout=Layout(**layout_of(SPEC, "replicated")), timeout=5)
+               namespace=NamespaceId(**layout_of(SPEC, "replicated")), timeout=5)
     assert daemon.proc.poll() is None                          # still draining
 
     results = [r for (r,) in all_call(procs, "finish", jobs=[2])]

@@ -23,8 +23,8 @@ import msgpack
 import pytest
 import zmq
 
-from kvtierd import protocol as P
-from kvtierd.protocol import ErrorCode
+from kvtierd.contract import protocol as P
+from kvtierd.contract.protocol import ErrorCode
 
 from .ranks import CacheSpec, all_call
 from .test_faults import assert_settled, attach, clobber, load_and_verify, store_all
@@ -58,7 +58,7 @@ def build_frames(n: int, seed: int) -> list[tuple[list[bytes], int, int]]:
                               {"op": "commit", "job": 1, "ok": 1}, {"op": "load", "job": -5, "keys": [b"a"]},
                               {"op": "release", "job": 2 ** 64 - 1}, {"op": "jobs", "jobs": [1, "2"]},
                               {"op": "hello", "version": P.PROTOCOL_VERSION, "engine": 5, "rank": 0,
-                               "world_size": 1, "layout": {}}])
+                               "world_size": 1, "namespace": {}}])
             out.append(([pack({"rid": rid, **bad})], rid, ErrorCode.BAD_REQUEST))
         elif kind in (5, 6):    # unknown ops
             out.append(([pack({"op": f"no_such_op_{rng.randrange(10 ** 6)}", "rid": rid})], rid, ErrorCode.BAD_REQUEST))
@@ -87,13 +87,13 @@ def build_frames(n: int, seed: int) -> list[tuple[list[bytes], int, int]]:
             out.append(([pack({"rid": rid, "job": 10 ** 12 + i, **op})], rid, ErrorCode.UNKNOWN_JOB))
         elif kind == 16:        # wrong protocol version
             hello = {"op": "hello", "rid": rid, "version": P.PROTOCOL_VERSION + 1000, "engine": "x", "rank": 0,
-                     "world_size": 1, "layout": {"model": "m", "dtype": "bf16", "block_tokens": 1,
-                                                 "block_bytes": 1, "kind": "replicated"}}
+                     "world_size": 1, "namespace": {"model": "m", "dtype": "bf16", "block_tokens": 1,
+                                                 "block_bytes": 1, "sharding": "replicated"}}
             out.append(([pack(hello)], rid, ErrorCode.VERSION))
         elif kind == 17:        # rank >= world_size
             hello = {"op": "hello", "rid": rid, "version": P.PROTOCOL_VERSION, "engine": "x", "rank": 3,
-                     "world_size": 2, "layout": {"model": "m", "dtype": "bf16", "block_tokens": 1,
-                                                 "block_bytes": 1, "kind": "replicated"}}
+                     "world_size": 2, "namespace": {"model": "m", "dtype": "bf16", "block_tokens": 1,
+                                                 "block_bytes": 1, "sharding": "replicated"}}
             out.append(([pack(hello)], rid, ErrorCode.BAD_REQUEST))
         elif kind == 18:        # out-of-range numbers
             out.append(([pack({"op": "abort", "rid": rid, "job": 2 ** 63})], rid, ErrorCode.BAD_REQUEST))
@@ -113,8 +113,8 @@ def flood(socket_path: str, n: int, conn) -> None:
             sock.setsockopt(opt, 0)
         sock.connect(f"ipc://{socket_path}")
         hello = {"op": "hello", "rid": 1, "version": P.PROTOCOL_VERSION, "engine": "flooder", "rank": 0,
-                 "world_size": 1, "layout": {"model": "flood", "dtype": "uint8", "block_tokens": 1,
-                                             "block_bytes": 4096, "kind": "replicated"},
+                 "world_size": 1, "namespace": {"model": "flood", "dtype": "uint8", "block_tokens": 1,
+                                             "block_bytes": 4096, "sharding": "replicated"},
                  "pid": os.getpid(), "pidns": os.stat("/proc/self/ns/pid").st_ino}
         sock.send(pack(hello))
         assert sock.poll(10_000)

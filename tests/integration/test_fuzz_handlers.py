@@ -3,7 +3,7 @@
 One daemon serves the whole test. Hypothesis sends frames over a raw DEALER socket: random bytes,
 random msgpack structures, crafted hostile frames (nesting bombs, huge declared lengths, frames
 just over ``MAX_FRAME_BYTES``, multi-part messages), and — most of all — valid requests of every
-op in ``kvtierd.protocol.REQUESTS`` (built from its field specs, so new ops are covered without
+op in ``kvtierd.contract.protocol.REQUESTS`` (built from its field specs, so new ops are covered without
 touching this file) with fields replaced by random types, huge ints, huge strings, long lists,
 removed, or joined by unknown ones. The socket holds a session (a valid ``hello``, renewed when a
 frame ended it), so the session handlers run too, not only the validator.
@@ -25,8 +25,8 @@ import zmq
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvtierd import protocol as P
-from kvtierd.protocol import ErrorCode
+from kvtierd.contract import protocol as P
+from kvtierd.contract.protocol import ErrorCode
 
 from .ranks import CacheSpec
 from .test_faults import assert_settled, attach, clobber, load_and_verify, store_all
@@ -35,7 +35,7 @@ from .test_tp_roundtrip import keys_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 EXAMPLES = 500
-LAYOUT = {"model": "fuzz-model", "dtype": "bfloat16", "block_tokens": 16, "block_bytes": 8192, "kind": "replicated"}
+NAMESPACE = {"model": "fuzz-model", "dtype": "bfloat16", "block_tokens": 16, "block_bytes": 8192, "sharding": "replicated"}
 KNOWN_CODES = {int(c) for c in ErrorCode}
 
 
@@ -49,7 +49,7 @@ def pidns() -> int | None:
 def canonical_hello() -> dict:
     # Watched through a pidfd (this process), so the daemon expects no heartbeats from it.
     return {"op": "hello", "version": P.PROTOCOL_VERSION, "engine": "fuzz", "rank": 0, "world_size": 1,
-            "layout": dict(LAYOUT), "pid": os.getpid(), "pidns": pidns()}
+            "namespace": dict(NAMESPACE), "pid": os.getpid(), "pidns": pidns()}
 
 
 def valid_value(op: str, name: str, spec: P.Field):
@@ -106,7 +106,7 @@ structures = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_s
                           max_leaves=25)
 nasty = st.one_of(scalars, structures, st.sampled_from(HUGE))
 field_names = st.sampled_from(sorted({name for fields in P.REQUESTS.values() for name in fields}
-                                     | set(P.LAYOUT_FIELDS) | {"op", "rid", "unknown_field"}))
+                                     | set(P.NAMESPACE_FIELDS) | {"op", "rid", "unknown_field"}))
 
 
 KEY_POOL = [b"fuzz-key-%d" % i for i in range(24)]     # shared, so jobs meet each other's keys
@@ -132,7 +132,7 @@ def spec_value(name: str, spec: P.Field):
     if spec.kind == "ints":
         return st.lists(st.integers(spec.lo or 0, spec.hi if spec.hi is not None else 2 ** 63), max_size=8)
     if spec.kind == "map":
-        return st.fixed_dictionaries({k: spec_value(k, f) for k, f in P.LAYOUT_FIELDS.items()})
+        return st.fixed_dictionaries({k: spec_value(k, f) for k, f in P.NAMESPACE_FIELDS.items()})
     return nasty
 
 
@@ -146,7 +146,7 @@ def mutated_request(draw) -> dict:
         if name in msg and name not in ("version", "pid", "pidns") and draw(st.booleans()):
             msg[name] = draw(spec_value(name, spec))
     for _ in range(draw(st.integers(0, 3))):
-        action = draw(st.sampled_from(["replace", "spec", "spec", "delete", "add", "layout", "op"]))
+        action = draw(st.sampled_from(["replace", "spec", "spec", "delete", "add", "namespace", "op"]))
         if action == "replace" and len(msg) > 1:
             msg[draw(st.sampled_from(sorted(msg)))] = draw(nasty)
         elif action == "spec" and fields:
@@ -156,16 +156,16 @@ def mutated_request(draw) -> dict:
             msg.pop(draw(st.sampled_from(sorted(msg))))
         elif action == "add":
             msg[draw(field_names)] = draw(nasty)
-        elif action == "layout" and isinstance(msg.get("layout"), dict):
-            layout = msg["layout"]
-            name = draw(st.sampled_from(sorted(P.LAYOUT_FIELDS)))
+        elif action == "namespace" and isinstance(msg.get("namespace"), dict):
+            namespace = msg["namespace"]
+            name = draw(st.sampled_from(sorted(P.NAMESPACE_FIELDS)))
             choice = draw(st.integers(0, 2))
             if choice == 0:
-                layout[name] = draw(nasty)
+                namespace[name] = draw(nasty)
             elif choice == 1:
-                layout[name] = draw(spec_value(name, P.LAYOUT_FIELDS[name]))
+                namespace[name] = draw(spec_value(name, P.NAMESPACE_FIELDS[name]))
             else:
-                layout.pop(name, None)
+                namespace.pop(name, None)
         elif action == "op":
             msg["op"] = draw(st.one_of(st.sampled_from(sorted(P.REQUESTS) + sorted(P.ADMIN_REQUESTS)), nasty))
     if draw(st.integers(0, 9)) == 0:          # the same request with its fields in another order

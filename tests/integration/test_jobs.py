@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from kvtier import Client, Layout
-from kvtierd.protocol import StoreOutcome
+from kvtier import Client, NamespaceId
+from kvtierd.contract.protocol import StoreOutcome
 
 from .ranks import CacheSpec, RankError, all_call
 from .test_tp_roundtrip import connect, keys_for
@@ -28,8 +28,8 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
 
 
 def coordinator(daemon, engine: str, spec: CacheSpec, world_size: int, kind: str = "replicated") -> Client:
-    layout = Layout("tiny-mla", spec.dtype, spec.row_shape[0], spec.block_bytes(), kind)
-    return Client(daemon.socket, engine_id=engine, rank=None, world_size=world_size, layout=layout)
+    layout = NamespaceId("tiny-mla", spec.dtype, spec.row_shape[0], spec.block_bytes(), kind)
+    return Client(daemon.socket, engine_id=engine, rank=None, world_size=world_size, namespace=layout)
 
 
 def test_rank_with_different_keys_gets_conflict_and_job_aborts(daemon, ranks):

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvtierd.layout import RegionView
-from kvtierd.mapping import Mapping
+from kvtierd.contract.region_format import RegionView
+from kvtierd.contract.mapping import Mapping
 
 from .ranks import CacheSpec
 from .test_tp_roundtrip import connect, keys_for

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.session import Channel
+from kvtierd.contract.channel import Channel
 
 from .ranks import CacheSpec, RankError, all_call
 from .test_tp_roundtrip import connect, keys_for

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import kvtier.api
-from kvtier import Client, DaemonUnavailable, Layout, LayoutMismatch
-from kvtier.session import Channel
-from kvtierd import protocol as P
-from kvtierd.layout import RegionView
-from kvtierd.mapping import Mapping
+from kvtier import Client, DaemonUnavailable, NamespaceId, LayoutMismatch
+from kvtierd.contract.channel import Channel
+from kvtierd.contract import protocol as P
+from kvtierd.contract.region_format import RegionView
+from kvtierd.contract.mapping import Mapping
 
 from .test_jobs import wait_for
 from .test_tp_roundtrip import keys_for
@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def make_client(daemon, rank: int = 0, world_size: int = 1, engine: str = "restart", seed: int = 0) -> tuple:
     gen = torch.Generator().manual_seed(seed)
     kv = [torch.randint(0, 255, (8, 16, 512), dtype=torch.uint8, generator=gen) for _ in range(2)]
-    layout = Layout.for_kv_caches(kv, "restart-model", 16)
-    client = Client(daemon.socket, engine_id=engine, rank=rank, world_size=world_size, layout=layout,
+    layout = NamespaceId.for_kv_caches(kv, "restart-model", 16)
+    client = Client(daemon.socket, engine_id=engine, rank=rank, world_size=world_size, namespace=layout,
                     timeout=3, reconnect_timeout=30)
     client.register_kv_caches(kv)
     return client, kv
@@ -39,7 +39,7 @@ def test_client_reattaches_after_a_daemon_crash_and_in_flight_jobs_fail_typed(da
         keys = keys_for("before", 3)
         client.store(1, keys, [0, 1, 2])
         assert client.wait([1])[0].ok
-        pid_before, generation_before = client.info["daemon_pid"], client.info["generation"]
+        pid_before, generation_before = client.info.daemon_pid, client.info.generation
 
         client.store(2, keys_for("in-flight", 2), [3, 4])    # copied, but not yet committed...
         os.kill(daemon.proc.pid, signal.SIGKILL)              # ...when the daemon dies
@@ -48,9 +48,9 @@ def test_client_reattaches_after_a_daemon_crash_and_in_flight_jobs_fail_typed(da
         # The job that was in flight fails with a typed error (a miss for the engine)...
         (lost,) = client.wait([2])
         assert not lost.ok and isinstance(lost.error, DaemonUnavailable)
-        assert client.info["daemon_pid"] == daemon.proc.pid != pid_before   # ...and it re-attached on its own
+        assert client.info.daemon_pid == daemon.proc.pid != pid_before   # ...and it re-attached on its own
         # The unfinished entries were discarded, so the region was rebuilt: a new generation.
-        assert client.info["generation"] != generation_before
+        assert client.info.generation != generation_before
         assert "2 unfinished and 0 damaged discarded" in daemon.log()
         # What was READY before the crash is still there and loads back byte for byte.
         assert client.lookup(keys) == 3
@@ -68,11 +68,11 @@ def test_client_reattaches_after_a_daemon_crash_and_in_flight_jobs_fail_typed(da
 def test_clean_restart_keeps_the_generation(daemon):
     client, _ = make_client(daemon)
     try:
-        generation = client.info["generation"]
+        generation = client.info.generation
         assert daemon.stop() == 0
         daemon.start()
         assert client.lookup(keys_for("x", 1)) == 0          # re-attached transparently
-        assert client.info["generation"] == generation       # nothing was rebuilt: no remap needed
+        assert client.info.generation == generation       # nothing was rebuilt: no remap needed
     finally:
         client.close()
 
@@ -90,13 +90,13 @@ def test_daemon_gone_for_good_raises_daemon_unavailable(daemon):
 
 def test_hello_may_replace_its_own_lost_session_but_not_anothers(daemon):
     first, _ = make_client(daemon)
-    layout = first.layout.to_wire()
-    hello = dict(version=P.PROTOCOL_VERSION, engine="restart", rank=0, world_size=1, layout=layout)
+    namespace = first.namespace.to_wire()
+    hello = dict(version=P.PROTOCOL_VERSION, engine="restart", rank=0, world_size=1, namespace=namespace)
     other = Channel(daemon.socket, timeout=5)
     try:
         with pytest.raises(LayoutMismatch):                   # rank 0 is taken...
-            other.call("hello", **hello, replaces=first.session, replaces_token=first.info["token"] ^ 1)
-        reply = other.call("hello", **hello, replaces=first.session, replaces_token=first.info["token"])
+            other.call("hello", **hello, replaces=first.session, replaces_token=first.info.token ^ 1)
+        reply = other.call("hello", **hello, replaces=first.session, replaces_token=first.info.token)
         assert reply["session"] != first.session              # ...unless the caller proves it was its own
         assert daemon.stats()["sessions"] == 1
     finally:
@@ -116,7 +116,7 @@ def test_unwatched_session_lives_by_heartbeats_and_dies_without_them(start_daemo
     monkeypatch.setattr(kvtier.api.os, "stat", no_pid_namespace)
     client, _ = make_client(daemon)
     try:
-        assert client.info["watched"] is False and client.info["heartbeat_interval"] == pytest.approx(1 / 3)
+        assert client.info.watched is False and client.info.heartbeat_interval == pytest.approx(1 / 3)
         session = client.session
         # Idle for three heartbeat timeouts: the heartbeat thread keeps the session alive.
         deadline = time.monotonic() + 3.0
@@ -130,7 +130,7 @@ def test_unwatched_session_lives_by_heartbeats_and_dies_without_them(start_daemo
     silent = Channel(daemon.socket, timeout=5)
     try:
         silent.call("hello", version=P.PROTOCOL_VERSION, engine="silent", rank=None, world_size=1,
-                    layout=client.layout.to_wire(), pid=os.getpid(), pidns=1)
+                    namespace=client.namespace.to_wire(), pid=os.getpid(), pidns=1)
         assert daemon.stats()["sessions"] == 1
         wait_for(lambda: daemon.stats()["sessions"] == 0, what="heartbeat timeout")
         assert "sent nothing for" in daemon.log()
@@ -156,7 +156,7 @@ def test_checksums_catch_a_corrupted_block_offline_and_on_restart(start_daemon):
     client, kv = make_client(daemon)
     keys = keys_for("sums", 3)
     try:
-        assert client.info["checksums"] is True
+        assert client.info.checksums is True
         client.store(1, keys, [0, 1, 2])
         assert client.wait([1])[0].ok
     finally:

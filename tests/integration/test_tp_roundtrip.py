@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from kvtierd.protocol import StoreOutcome
+from kvtierd.contract.protocol import StoreOutcome
 
 from .ranks import CacheSpec, all_call
 
@@ -20,7 +20,7 @@ def keys_for(prefix: str, n: int) -> list[bytes]:
 
 def connect(ranks, daemon, engine: str, spec: CacheSpec, kind: str, seeds: list[int], model: str = "tiny-mla"):
     layout = {"model": model, "dtype": spec.dtype, "block_tokens": spec.row_shape[0],
-              "block_bytes": spec.block_bytes(), "kind": kind}
+              "block_bytes": spec.block_bytes(), "sharding": kind}
     return all_call(ranks, "connect", socket=daemon.socket, engine=engine, world_size=len(ranks),
                     spec=spec, layout=layout,
                     per_rank=[{"rank": r, "seed": seeds[r]} for r in range(len(ranks))])

@@ -94,7 +94,7 @@ def worker(cfg: dict, engine: int, rank: int, shared: dict, results) -> None:
     try:
         import numpy as np
         import torch
-        from kvtier import Client, Layout
+        from kvtier import Client, NamespaceId
 
         tp, layers, nb = cfg["tp"], cfg["layers"], cfg["num_blocks"]
         sharded = engine >= cfg["engines"] // 2
@@ -103,8 +103,8 @@ def worker(cfg: dict, engine: int, rank: int, shared: dict, results) -> None:
         row = block_bytes // layers
         arrays = [np.zeros((nb, row), dtype=np.uint8) for _ in range(layers)]
         kv = [torch.from_numpy(a) for a in arrays]
-        layout = Layout(ns, "uint8", 16, block_bytes, "sharded" if sharded else "replicated")
-        client = Client(cfg["socket"], engine_id=f"engine-{engine}", rank=rank, world_size=tp, layout=layout,
+        layout = NamespaceId(ns, "uint8", 16, block_bytes, "sharded" if sharded else "replicated")
+        client = Client(cfg["socket"], engine_id=f"engine-{engine}", rank=rank, world_size=tp, namespace=layout,
                         pin="off", timeout=60)
         client.register_kv_caches(kv)
         shard = rank if sharded else 0

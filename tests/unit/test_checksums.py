@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtierd.layout import entry_checksum, scan, shard_checksum
-from kvtierd.protocol import ErrorCode, RequestError
+from kvtierd.contract.protocol import ErrorCode, RequestError
+from kvtierd.contract.region_format import entry_checksum, shard_checksum
+from kvtierd.recovery import scan
 from kvtierd.store import Store
 
 from .test_store import PAGE, TIMEOUT, FakeClock, keys, lay, make_view, pages

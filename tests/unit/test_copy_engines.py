@@ -34,8 +34,8 @@ from kvtier import cuda as cuda_mod
 from kvtier.cuda import CHUNK_BYTES, KERNEL_NAME, kernel_source, split_descriptors
 from kvtier.kvcache import Descriptors, KVCacheLayout
 from kvtier.torch_engine import SpanTable, host_view, storage_view
-from kvtierd import mapping as mapping_mod
-from kvtierd.mapping import Mapping
+from kvtierd.contract import mapping as mapping_mod
+from kvtierd.contract.mapping import Mapping
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -604,7 +604,7 @@ def small_mapping(tmp_path, monkeypatch):
     size = 4 * mapping_mod.OS_PAGE + 100        # a partial last chunk
     path.write_bytes(b"\0" * size)
     # Shrink the 64 GiB chunk to one OS page so that a small file exercises the chunking.
-    monkeypatch.setattr(mapping_mod, "CUDA_CHUNK_BYTES", mapping_mod.OS_PAGE)
+    monkeypatch.setattr(mapping_mod, "CUDA_REGISTER_CHUNK_BYTES", mapping_mod.OS_PAGE)
     m = Mapping.of_file(str(path))
     yield m
     m.close()
@@ -627,7 +627,7 @@ def test_pin_cuda_registers_page_aligned_chunks_and_unregisters_on_close(small_m
 def test_pin_cuda_failure_rolls_back_and_warns_once(small_mapping, monkeypatch, caplog):
     fake = FakeCudart(fail_at=3)
     monkeypatch.setattr(mapping_mod.CudaRuntime, "load", classmethod(lambda cls: fake.runtime()))
-    with caplog.at_level(logging.WARNING, logger="kvtierd.mapping"):
+    with caplog.at_level(logging.WARNING, logger="kvtierd.contract.mapping"):
         assert small_mapping.pin_cuda(required=False) is False
     assert fake.unregistered == [p for p, _, _ in fake.registered] and len(fake.registered) == 3
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -642,7 +642,7 @@ def test_pin_cuda_failure_rolls_back_and_warns_once(small_mapping, monkeypatch, 
 
 def test_pin_cuda_without_cuda_is_quiet_unless_required(small_mapping, monkeypatch, caplog):
     monkeypatch.setattr(mapping_mod.CudaRuntime, "load", classmethod(lambda cls: None))
-    with caplog.at_level(logging.WARNING, logger="kvtierd.mapping"):
+    with caplog.at_level(logging.WARNING, logger="kvtierd.contract.mapping"):
         assert small_mapping.pin_cuda(required=False) is False
     assert not caplog.records
     with pytest.raises(RuntimeError, match="no usable CUDA"):

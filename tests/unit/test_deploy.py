@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvtierd import config
-from kvtierd import protocol as P
+from kvtierd.contract import protocol as P
 from kvtierd.histogram import Histogram
 from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
 

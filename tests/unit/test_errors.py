@@ -1,13 +1,14 @@
-"""kvtier.errors: one exception class per wire ErrorCode; 'daemon gone' is a different kind of error."""
+"""kvtierd.contract.errors (re-exported by kvtier): one exception class per wire ErrorCode; 'daemon
+gone' is a different kind of error."""
 
 from __future__ import annotations
 
 import pytest
 
 import kvtier
-from kvtier import errors as E
-from kvtierd import protocol as P
-from kvtierd.protocol import ErrorCode
+from kvtierd.contract import errors as E
+from kvtierd.contract import protocol as P
+from kvtierd.contract.protocol import ErrorCode
 
 EXPECTED = {
     ErrorCode.BAD_REQUEST: E.BadRequest, ErrorCode.VERSION: E.VersionMismatch, ErrorCode.NOT_ATTACHED: E.NotAttached,

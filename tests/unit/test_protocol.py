@@ -1,4 +1,4 @@
-"""kvtierd.protocol: encode/decode round trips, every validation failure, and a fuzz property:
+"""kvtierd.contract.protocol: encode/decode round trips, every validation failure, and a fuzz property:
 decode_request returns a dict or raises RequestError, never anything else."""
 
 from __future__ import annotations
@@ -10,16 +10,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtierd import protocol as P
-from kvtierd.protocol import ErrorCode, RequestError
+from kvtierd.contract import protocol as P
+from kvtierd.contract.namespace import MAX_BLOCK_BYTES
+from kvtierd.contract.protocol import ErrorCode, RequestError
 
-LAYOUT = {"model": "deepseek-ai/DeepSeek-V3", "dtype": "bfloat16", "block_tokens": 16, "block_bytes": 1152 * 61,
-          "kind": "replicated"}
+NAMESPACE = {"model": "deepseek-ai/DeepSeek-V3", "dtype": "bfloat16", "block_tokens": 16, "block_bytes": 1152 * 61,
+             "sharding": "replicated"}
 KEYS = [bytes([i]) * 32 + b"\x00\x00\x00\x01" for i in range(5)]
 
 VALID: dict[str, dict] = {
     "hello": {"op": "hello", "rid": 1, "version": P.PROTOCOL_VERSION, "engine": "engine-a", "rank": 0,
-              "world_size": 4, "layout": LAYOUT, "pid": 1234, "pidns": 4026531836},
+              "world_size": 4, "namespace": NAMESPACE, "pid": 1234, "pidns": 4026531836},
     "ping": {"op": "ping", "rid": 2},
     "bye": {"op": "bye", "rid": 3},
     "lookup": {"op": "lookup", "rid": 4, "keys": KEYS},
@@ -71,8 +72,8 @@ def test_round_trip_optional_and_nullable_fields():
     del coord["pidns"]
     coord["rank"] = None   # a coordinator session
     assert P.decode_request(P.encode(coord)) == coord
-    sharded = req("hello", layout=dict(LAYOUT, kind="sharded"))
-    assert P.decode_request(P.encode(sharded))["layout"]["kind"] == "sharded"
+    sharded = req("hello", namespace=dict(NAMESPACE, sharding="sharded"))
+    assert P.decode_request(P.encode(sharded))["namespace"]["sharding"] == "sharded"
 
 
 def test_round_trip_limits_inclusive():
@@ -84,7 +85,7 @@ def test_round_trip_limits_inclusive():
     assert P.decode_request(P.encode(req("store", job=0, keys=[])))["keys"] == []
     assert P.decode_request(P.encode(req("jobs", jobs=list(range(P.MAX_JOBS_PER_QUERY)))))
     top = req("hello", rank=P.MAX_WORLD_SIZE - 1, world_size=P.MAX_WORLD_SIZE, engine="e" * P.MAX_STR_BYTES,
-              layout=dict(LAYOUT, block_bytes=P.MAX_BLOCK_BYTES, dtype="d" * 32))
+              namespace=dict(NAMESPACE, block_bytes=MAX_BLOCK_BYTES, dtype="d" * 32))
     assert P.decode_request(P.encode(top)) == top
 
 
@@ -131,11 +132,11 @@ def test_missing_required_field(op, field):
     fails(without(op, field), ErrorCode.BAD_REQUEST, "missing", repr(field))
 
 
-@pytest.mark.parametrize("field", sorted(P.LAYOUT_FIELDS))
-def test_missing_layout_field(field):
-    layout = dict(LAYOUT)
-    del layout[field]
-    fails(req("hello", layout=layout), ErrorCode.BAD_REQUEST, "hello.layout", repr(field))
+@pytest.mark.parametrize("field", sorted(P.NAMESPACE_FIELDS))
+def test_missing_namespace_field(field):
+    namespace = dict(NAMESPACE)
+    del namespace[field]
+    fails(req("hello", namespace=namespace), ErrorCode.BAD_REQUEST, "hello.namespace", repr(field))
 
 
 INT_FIELDS = sorted((op, name) for op, spec in P.REQUESTS.items() for name, f in spec.items() if f.kind == "int")
@@ -155,8 +156,8 @@ def test_none_for_non_nullable_int(op, field):
 
 @pytest.mark.parametrize("field", ["block_tokens", "block_bytes"])
 @pytest.mark.parametrize("value", [True, 1.5, "16", None])
-def test_wrong_type_for_layout_ints(field, value):
-    fails(req("hello", layout=dict(LAYOUT, **{field: value})), ErrorCode.BAD_REQUEST, field)
+def test_wrong_type_for_namespace_ints(field, value):
+    fails(req("hello", namespace=dict(NAMESPACE, **{field: value})), ErrorCode.BAD_REQUEST, field)
 
 
 @pytest.mark.parametrize("op,field,value", [
@@ -173,10 +174,10 @@ def test_out_of_range_ints(op, field, value):
 
 @pytest.mark.parametrize("field,value", [
     ("block_tokens", 0), ("block_tokens", (1 << 20) + 1), ("block_bytes", 0), ("block_bytes", -4096),
-    ("block_bytes", P.MAX_BLOCK_BYTES + 1),
+    ("block_bytes", MAX_BLOCK_BYTES + 1),
 ])
-def test_out_of_range_layout_ints(field, value):
-    fails(req("hello", layout=dict(LAYOUT, **{field: value})), ErrorCode.BAD_REQUEST, field)
+def test_out_of_range_namespace_ints(field, value):
+    fails(req("hello", namespace=dict(NAMESPACE, **{field: value})), ErrorCode.BAD_REQUEST, field)
 
 
 @pytest.mark.parametrize("rank,world_size", [(1, 1), (4, 4), (5, 4), (63, 2)])
@@ -194,18 +195,18 @@ def test_rank_fields_accepted(rank, world_size):
     ("engine", ""), ("engine", 5), ("engine", b"engine"), ("engine", None), ("engine", ["e"]),
     ("engine", "e" * (P.MAX_STR_BYTES + 1)),                 # refused by the bounded decoder
     ("engine", "é" * (P.MAX_STR_BYTES // 2 + 1)),             # bytes, not characters, count
-    ("layout", "replicated"), ("layout", [LAYOUT]), ("layout", None),
+    ("namespace", "replicated"), ("namespace", [NAMESPACE]), ("namespace", None),
 ])
 def test_wrong_hello_fields(field, value):
     fails(req("hello", **{field: value}), ErrorCode.BAD_REQUEST)
 
 
 @pytest.mark.parametrize("field,value", [
-    ("model", ""), ("model", 3), ("dtype", "x" * 33), ("dtype", b"bf16"), ("kind", "mixed"), ("kind", "REPLICATED"),
-    ("kind", 0), ("kind", None),
+    ("model", ""), ("model", 3), ("dtype", "x" * 33), ("dtype", b"bf16"), ("sharding", "mixed"),
+    ("sharding", "REPLICATED"), ("sharding", 0), ("sharding", None),
 ])
-def test_wrong_layout_fields(field, value):
-    fails(req("hello", layout=dict(LAYOUT, **{field: value})), ErrorCode.BAD_REQUEST, field)
+def test_wrong_namespace_fields(field, value):
+    fails(req("hello", namespace=dict(NAMESPACE, **{field: value})), ErrorCode.BAD_REQUEST, field)
 
 
 @pytest.mark.parametrize("value", [1, 0, None, "true", 1.0, b"\x01"])
@@ -424,8 +425,8 @@ def test_fuzz_arbitrary_msgpack_structures(obj):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(["op", "rid", "job", "keys", "ok", "jobs", "rank", "world_size", "layout",
-                                        "engine", "version", "pid", "namespace", "count"]), scalars | st.lists(scalars, max_size=4),
+@given(st.dictionaries(st.sampled_from(["op", "rid", "job", "keys", "ok", "jobs", "rank", "world_size", "namespace",
+                                        "engine", "version", "pid", "count"]), scalars | st.lists(scalars, max_size=4),
                        max_size=6),
        st.sampled_from(sorted(set(P.REQUESTS) | set(P.ADMIN_REQUESTS))))
 def test_fuzz_maps_with_known_field_names(fields, op):
@@ -435,7 +436,7 @@ def test_fuzz_maps_with_known_field_names(fields, op):
 
 
 FIELD_NAMES = sorted({(op, name) for op, spec in P.REQUESTS.items() for name in list(spec) + ["op", "rid"]}
-                     | {("hello", f"layout.{name}") for name in P.LAYOUT_FIELDS})
+                     | {("hello", f"namespace.{name}") for name in P.NAMESPACE_FIELDS})
 msgpack_ints = st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
 wild = structures | st.lists(st.binary(max_size=70), max_size=20) | st.lists(msgpack_ints, max_size=20)
 
@@ -445,7 +446,7 @@ wild = structures | st.lists(st.binary(max_size=70), max_size=20) | st.lists(msg
 def test_fuzz_mutated_valid_requests(op_field, value, delete):
     op, name = op_field
     msg = copy.deepcopy(VALID[op])
-    target, key = (msg["layout"], name.split(".", 1)[1]) if name.startswith("layout.") else (msg, name)
+    target, key = (msg["namespace"], name.split(".", 1)[1]) if name.startswith("namespace.") else (msg, name)
     if delete:
         target.pop(key, None)
     else:

@@ -1,4 +1,5 @@
-"""kvtierd.region (create, lock, adopt, refuse, recreate) and kvtierd.mapping (address, prefault, pin).
+"""kvtierd.region (create, lock, adopt, refuse, recreate) and kvtierd.contract.mapping (address, prefault,
+pin).
 
 Everything happens in a tmp directory with small regions and pin="off"; no sockets, no processes.
 """
@@ -14,10 +15,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvtierd import mapping as mapping_mod
-from kvtierd.layout import MAGIC, FormatError, Geometry, RegionView
-from kvtierd.mapping import Mapping
-from kvtierd.region import Region, RegionError, RegionLocked, RegionPaths
+from kvtierd.contract import mapping as mapping_mod
+from kvtierd.contract.mapping import Mapping
+from kvtierd.contract.paths import DaemonPaths
+from kvtierd.contract.region_format import MAGIC, FormatError, Geometry, RegionView
+from kvtierd.region import Region, RegionError, RegionLocked
 
 MiB = 1 << 20
 SIZE = 16 * MiB
@@ -50,7 +52,7 @@ def file_bytes(path: str, offset: int, n: int) -> bytes:
 
 # --- create ----------------------------------------------------------------------------------
 def test_create_files_modes_and_geometry(region, rdir):
-    paths = RegionPaths(rdir, "test")
+    paths = DaemonPaths(rdir, "test")
     assert region.paths == paths
     assert paths.region == os.path.join(rdir, "test.region")
     assert paths.lock == os.path.join(rdir, "test.lock")

@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtierd.layout import CHAIN_END, EntryState, Geometry, NamespaceLayout, RegionView
-from kvtierd.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
+from kvtierd.contract.namespace import NamespaceId
+from kvtierd.contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
+from kvtierd.contract.region_format import CHAIN_END, EntryState, Geometry, RegionView
 from kvtierd.store import Store
 
 PAGE = 4096
@@ -49,9 +50,9 @@ def reopen(view: RegionView, clock=None) -> Store:
 
 
 def lay(kind: str = "replicated", world_size: int = 1, block_bytes: int = PAGE, model: str = "m",
-        dtype: str = "bf16", block_tokens: int = 16) -> NamespaceLayout:
-    return NamespaceLayout.from_wire({"model": model, "dtype": dtype, "block_tokens": block_tokens,
-                                      "block_bytes": block_bytes, "kind": kind}, world_size)
+        dtype: str = "bf16", block_tokens: int = 16) -> NamespaceId:
+    return NamespaceId.from_wire({"model": model, "dtype": dtype, "block_tokens": block_tokens,
+                                  "block_bytes": block_bytes, "sharding": kind}, world_size)
 
 
 def keys(prefix: str, n: int, start: int = 0) -> list[bytes]:
@@ -68,7 +69,7 @@ class Env:
         self.view = make_view(num_pages)
         self.store = Store(self.view, job_timeout=TIMEOUT, clock=self.clock)
 
-    def ranks(self, engine: str, world_size: int, layout: NamespaceLayout) -> list:
+    def ranks(self, engine: str, world_size: int, layout: NamespaceId) -> list:
         return [self.store.attach(engine, r, world_size, layout) for r in range(world_size)]
 
     def engine(self, engine: str, world_size: int = 1, kind: str = "replicated", **kw) -> list:
@@ -1083,7 +1084,7 @@ def test_recovery_discards_corrupt_entries(damage):
     elif damage == "bad_state":
         ents[sa]["state"] = 77
     elif damage == "ns_record_garbage":
-        view.namespaces[ents[sa]["ns"]]["kind"] = 9
+        view.namespaces[ents[sa]["ns"]]["sharding"] = 9
         lost = set(keys("a", 4))
     st2 = reopen(view)
     st2.verify()

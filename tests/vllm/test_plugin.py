@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingParallelConfig,
 )
 
-from kvtier import Layout  # noqa: E402
+from kvtier import NamespaceId  # noqa: E402
 from kvtier.integrations import vllm as plugin  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -100,7 +100,7 @@ def test_keys_fit_kvtierd_and_keep_groups_apart():
 def test_namespace_follows_vllms_replicated_gate():
     settings = plugin.KvtierSettings(socket="/s")
     replicated = plugin.namespace_layout(offload_config(), settings)
-    assert replicated == Layout("deepseek-ai/DeepSeek-V3|LBHNC", "bfloat16", 16, 3072, "replicated")
+    assert replicated == NamespaceId("deepseek-ai/DeepSeek-V3|LBHNC", "bfloat16", 16, 3072, "replicated")
     assert plugin.namespace_layout(offload_config(replicated_layout=False), settings).kind == "sharded"
     forced = plugin.namespace_layout(offload_config(), replace(settings, layout="sharded", namespace="dsv3"))
     assert (forced.kind, forced.model) == ("sharded", "dsv3|LBHNC")
@@ -162,7 +162,7 @@ def drain(worker, job_ids: set[int]) -> dict:
 def tier(start_daemon):
     daemon = start_daemon(page_size="4KiB")
     settings = plugin.KvtierSettings(socket=daemon.socket, timeout_s=5)
-    layout = Layout("unit", "bfloat16", 16, BLOCK, "sharded")
+    layout = NamespaceId("unit", "bfloat16", 16, BLOCK, "sharded")
     made = []
 
     def manager(timeout_s: float = 5.0, **kw):

@@ -13,6 +13,11 @@ Reply::
     {"rid": <int>, "ok": True, ...result fields...}
     {"rid": <int>, "ok": False, "code": <ErrorCode int>, "error": <name>, "message": <str>}
 
+Every op's result fields are declared here too, as a ``Reply`` dataclass per op (``REPLIES``,
+``ADMIN_REPLIES``): the daemon builds its replies from them and the clients (``kvtier``,
+``kvtierctl``, the metrics endpoint) read them through them, so a field renamed on one side
+fails at once on the other instead of reading ``None``.
+
 Replies carry page indices, never block bytes: the bytes move through the shared region.
 A key's pages travel as ``bytes`` holding little-endian uint32 page indices (``PAGES_DTYPE``),
 so that the client turns them into a NumPy array without a Python loop.
@@ -25,13 +30,17 @@ fails any check gets a ``BAD_REQUEST``/``LIMIT`` error naming the field; the dae
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, TypeVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
+
+# 2: hello's "layout" map became "namespace", its "kind" field "sharding".
+PROTOCOL_VERSION = 2
 
 # --- limits (enforced before any allocation) ------------------------------------------------
 MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
@@ -39,7 +48,6 @@ MAX_KEYS_PER_REQUEST = 8192            # keys in one lookup/store/load
 MAX_KEY_BYTES = 64                     # vLLM keys are 32-byte hashes + a 4-byte group index
 MAX_STR_BYTES = 256                    # engine ids, model names, dtype names
 MAX_WORLD_SIZE = 64
-MAX_BLOCK_BYTES = 1 << 34              # 16 GiB per rank and block: far above any real model
 MAX_JOB_ID = (1 << 63) - 1
 MAX_JOBS_PER_QUERY = 4096
 
@@ -52,7 +60,7 @@ class ErrorCode(enum.IntEnum):
     BAD_REQUEST = 1       # malformed frame, unknown op, wrong field type or range
     VERSION = 2           # protocol version not supported
     NOT_ATTACHED = 3      # request before hello (or after the session ended)
-    LAYOUT_MISMATCH = 4   # engine's sessions disagree on layout/world size, or rank taken
+    LAYOUT_MISMATCH = 4   # engine's sessions disagree on namespace/world size, or rank taken
     CONFLICT = 5          # a job asked with different keys/kind than its first request
     UNKNOWN_JOB = 6       # commit/release/status of a job the daemon does not know
     NO_SPACE = 7          # the region (or its namespace table) cannot take the request at all
@@ -78,11 +86,6 @@ class StoreOutcome(enum.IntEnum):
     WRITE = 0      # the job writes this key (the writer ranks get pages for it)
     PRESENT = 1    # already READY, or being written by another job: nothing to do
     NO_SPACE = 2   # did not fit; nor did any later key that needed writing
-
-
-class LayoutKind(str, enum.Enum):
-    REPLICATED = "replicated"  # every rank holds identical bytes (MLA): one copy, rank 0 writes
-    SHARDED = "sharded"        # each rank holds its own shard (GQA heads split): each rank writes
 
 
 class JobState(str, enum.Enum):
@@ -113,13 +116,9 @@ def _str(lo: int = 1, hi: int = MAX_STR_BYTES, **kw: Any) -> Field:
     return Field("str", lo=lo, hi=hi, **kw)
 
 
-LAYOUT_FIELDS: dict[str, Field] = {
-    "model": _str(),
-    "dtype": _str(hi=32),
-    "block_tokens": _int(1, 1 << 20),
-    "block_bytes": _int(1, MAX_BLOCK_BYTES),
-    "kind": Field("str", choices=tuple(k.value for k in LayoutKind)),
-}
+# hello's namespace map: NamespaceId's fields, with the checks it declares for them.
+NAMESPACE_FIELDS: dict[str, Field] = {name: Field(**check) for name, check in WIRE_FIELDS.items()}
+assert MAX_MODEL_BYTES <= MAX_STR_BYTES, "the bounded decoder must accept a model name of the longest kind"
 
 JOB = _int(0, MAX_JOB_ID)
 KEYS = Field("keys")
@@ -131,7 +130,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "engine": _str(),
         "rank": _int(0, MAX_WORLD_SIZE - 1, nullable=True),
         "world_size": _int(1, MAX_WORLD_SIZE),
-        "layout": Field("map"),
+        "namespace": Field("map"),
         "pid": _int(0, 1 << 31, required=False),
         "pidns": _int(0, 1 << 63, required=False),
         # Re-attaching after a lost reply: end this earlier session (proved by its token) first.
@@ -145,7 +144,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "lookup": {"keys": KEYS},
     "store": {"job": JOB, "keys": KEYS},
     # checksums: with the daemon's checksums setting on, a writer sends the xxh64 of its shard of
-    # each WRITE key (in key order) after its copy (layout.shard_checksum).
+    # each WRITE key (in key order) after its copy (region_format.shard_checksum).
     "commit": {"job": JOB, "ok": Field("bool"), "checksums": Field("ints", lo=0, hi=(1 << 64) - 1, required=False,
                                                                       max_items=MAX_KEYS_PER_REQUEST)},
     "load": {"job": JOB, "keys": KEYS},
@@ -159,7 +158,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
 SESSIONLESS_OPS = frozenset({"hello", "stats", "ping"})
 
 # Operator operations, served only on the admin socket (<dir>/<name>.admin.sock, mode 0600: the
-# daemon's user alone). A namespace is named as in stats (NamespaceLayout.name()); None = all.
+# daemon's user alone). A namespace is named as in stats (NamespaceId.name()); None = all.
 ADMIN_REQUESTS: dict[str, dict[str, Field]] = {
     "stats": {},
     "ping": {},
@@ -216,7 +215,7 @@ def decode_request(frame: bytes, ops: dict[str, dict[str, Field]] = REQUESTS) ->
         raise RequestError(ErrorCode.BAD_REQUEST, "field 'rid' must be a non-negative int")
     validate_fields(op, msg, ops[op])
     if op == "hello":
-        validate_fields("hello.layout", msg["layout"], LAYOUT_FIELDS)
+        validate_fields("hello.namespace", msg["namespace"], NAMESPACE_FIELDS)
         if msg["rank"] is not None and msg["rank"] >= msg["world_size"]:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"field 'hello.rank'={msg['rank']} must be < world_size {msg['world_size']}")
@@ -348,6 +347,176 @@ def validate_fields(op: str, msg: dict[str, Any], spec: dict[str, Field]) -> Non
 
 
 # --- replies --------------------------------------------------------------------------------
+R = TypeVar("R", bound="Reply")
+
+
+class Reply:
+    """A declared reply shape: its dataclass fields are exactly the op's result fields.
+
+    ``to_wire`` gives the map the daemon sends (``ok_reply`` adds rid and ok); ``from_wire``
+    reads one on the client side, refusing a reply that lacks a declared field.
+    """
+
+    __slots__ = ()
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    @classmethod
+    def from_wire(cls: type[R], reply: dict[str, Any]) -> R:
+        try:
+            return cls(**{name: reply[name] for name in cls.FIELDS})
+        except KeyError as exc:
+            raise ValueError(f"malformed reply from kvtierd: {cls.__name__} lacks field {exc.args[0]!r} "
+                             "(client and daemon speak different protocols)") from None
+
+
+def _shape(cls: type[R]) -> type[R]:
+    cls = dataclass(slots=True)(cls)
+    cls.FIELDS = tuple(f.name for f in dataclasses.fields(cls))
+    return cls
+
+
+@_shape
+class EmptyReply(Reply):
+    """bye, commit, release, abort: success carries nothing."""
+
+
+@_shape
+class HelloReply(Reply):
+    session: int                      # the session id (heartbeats and a later hello's ``replaces`` name it)
+    version: int                      # PROTOCOL_VERSION
+    daemon_pid: int
+    region: str                       # the region file to map
+    generation: int                   # changes whenever the region is rebuilt: remap when it does
+    file_bytes: int
+    page_size: int
+    num_pages: int
+    data_offset: int
+    namespace: str                    # NamespaceId.name() of the engine's namespace
+    pages_per_shard: int              # pages of one rank's shard of one block
+    writers: list                     # the ranks that copy into the region (rank 0, or all when sharded)
+    job_timeout: float
+    watched: bool                     # True: the daemon watches the pid; False: send heartbeats
+    token: int                        # proves the session in heartbeats and in ``replaces_token``
+    heartbeat_interval: float | None  # seconds between heartbeats (None when watched)
+    checksums: bool                   # writers send the checksum of their shards with commit
+
+
+@_shape
+class PingReply(Reply):
+    generation: int
+    attached: bool                    # the request came from (or named) an attached session
+
+
+@_shape
+class LookupReply(Reply):
+    hits: int                         # how many leading keys are READY
+
+
+@_shape
+class StoreReply(Reply):
+    outcomes: bytes                   # one StoreOutcome byte per key
+    pages: bytes                      # PAGES_DTYPE: this rank's pages of every WRITE key, in key order
+
+
+@_shape
+class LoadReply(Reply):
+    hits: int                         # the leading READY keys, pinned for the job
+    pages: bytes                      # PAGES_DTYPE: this rank's pages of every hit, in key order
+
+
+@_shape
+class JobsReply(Reply):
+    jobs: list                        # per job: {job, state[, kind, waiting | cause]}
+
+
+@_shape
+class StatsReply(Reply):
+    """Everything ``kvtierctl stats`` and the metrics endpoint show (docs/operations.md)."""
+
+    # occupancy
+    capacity_bytes: int
+    page_size: int
+    pages_total: int
+    pages_free: int
+    pages_used: int                   # held by entries or quarantined
+    pages_quarantined: int
+    used_bytes: int
+    entries_ready: int
+    entries_writing: int
+    entries_pinned: int
+    evictable: int
+    namespaces: int
+    engines: int
+    sessions: int
+    open_jobs: int
+    aborted_jobs: dict                # AbortCause value → jobs
+    vote_wait: dict                   # histogram snapshot: first request of a store job → its last vote
+    # monotonic counters
+    lookup_hit_keys: int
+    lookup_miss_keys: int
+    store_written_keys: int
+    store_present_keys: int
+    store_no_space_keys: int
+    store_aborted_keys: int           # keys a store job was writing when it aborted
+    store_jobs_done: int
+    load_hit_keys: int
+    load_miss_keys: int
+    load_jobs_done: int
+    evictions: int                    # entries evicted to make room for a store
+    operator_evictions: int           # entries evicted by kvtierctl evict/clear
+    bytes_written: int                # bytes copied into the region (D2H), all shards
+    bytes_saved_dedup: int            # bytes replicated ranks did not have to copy
+    # the server and the region
+    namespace_list: list              # per namespace: {slot, name, entries, entry_pages}
+    session_roles: dict               # {"rank": n, "coordinator": n}
+    requests: dict                    # op → requests
+    errors: dict                      # ErrorCode name → error replies
+    latency: dict                     # op → histogram snapshot of the time to handle one request
+    clients_watched: int
+    uptime_seconds: float
+    region: str
+    socket: str
+    admin_socket: str
+    metrics_address: str | None
+    generation: int
+    pinned: str                       # cuda | mlock | off
+    file_bytes: int
+    daemon_pid: int
+    stopping: bool
+    region_problem: str | None        # removed | replaced by another file | truncated
+    sessions_heartbeat: int
+    checksums: bool
+
+
+@_shape
+class AdminPingReply(Reply):
+    generation: int
+
+
+@_shape
+class ClientsReply(Reply):
+    clients: list                     # per session: {session, engine, role, rank, pid, world_size, namespace, ...}
+
+
+@_shape
+class EvictReply(Reply):
+    evicted: int
+
+
+REPLIES: dict[str, type[Reply]] = {
+    "hello": HelloReply, "ping": PingReply, "bye": EmptyReply, "lookup": LookupReply, "store": StoreReply,
+    "commit": EmptyReply, "load": LoadReply, "release": EmptyReply, "abort": EmptyReply, "jobs": JobsReply,
+    "stats": StatsReply,
+}
+ADMIN_REPLIES: dict[str, type[Reply]] = {
+    "stats": StatsReply, "ping": AdminPingReply, "clients": ClientsReply, "evict": EvictReply, "clear": EvictReply,
+}
+assert REPLIES.keys() == REQUESTS.keys() and ADMIN_REPLIES.keys() == ADMIN_REQUESTS.keys()
+
+
 def ok_reply(rid: int, **fields: Any) -> dict[str, Any]:
     fields["rid"] = rid
     fields["ok"] = True

@@ -1,7 +1,7 @@
 """Shared file mappings with a known address, and the host-memory pinning of a mapping.
 
 Python's ``mmap`` hides the mapping's address, but both sides need it: the client hands page
-addresses to its copy engine (memmove on the CPU, UVA pointers for the CUDA kernel), and pinning
+addresses to its copier (memmove on the CPU, UVA pointers for the CUDA kernel), and pinning
 (``cudaHostRegister``, ``mlock``) takes an address. So regions are mapped here through libc.
 
 Pinning modes (``pin`` setting): ``cuda`` registers the mapping with cudaHostRegister in chunks of
@@ -37,7 +37,8 @@ PROT_READ, PROT_WRITE = 1, 2
 MAP_SHARED = 1
 MAP_FAILED = ctypes.c_void_p(-1).value
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-CUDA_CHUNK_BYTES = 64 << 30
+CUDA_REGISTER_CHUNK_BYTES = 64 << 30   # at most this much per cudaHostRegister call (on page boundaries)
+PREFAULT_CHUNK_BYTES = 64 << 20        # the smallest span one prefault worker takes at a time
 OS_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -99,7 +100,7 @@ class Mapping:
         length = self.size - start if length is None else length
         if length <= 0:
             return "none"
-        chunk = max(64 << 20, _round_up(length // (threads * 8) + 1, OS_PAGE))
+        chunk = max(PREFAULT_CHUNK_BYTES, _round_up(length // (threads * 8) + 1, OS_PAGE))
         spans = [(s, min(chunk, start + length - s)) for s in range(start, start + length, chunk)]
         supported = _libc.madvise(self.address + start, OS_PAGE, MADV_POPULATE_WRITE) == 0
         if not supported and ctypes.get_errno() != errno.EINVAL:
@@ -161,7 +162,7 @@ class Mapping:
         unregisters it). Without a usable CUDA runtime: raise if ``required``, else return False
         quietly (a CPU-only client needs no pinning). When registration fails: raise if
         ``required``, else log one warning line and return False; the mapping stays usable
-        unpinned (copies then go through the torch engine, staged by the driver).
+        unpinned (copies then go through the torch copier, staged by the driver).
         """
         failure = self._register_cuda()
         if failure is None:
@@ -239,8 +240,8 @@ class CudaRuntime:
         done: list[int] = []
         flags = self.HOST_REGISTER_PORTABLE | self.HOST_REGISTER_MAPPED
         try:
-            for off in range(0, size, CUDA_CHUNK_BYTES):
-                self._register(address + off, min(CUDA_CHUNK_BYTES, size - off), flags)
+            for off in range(0, size, CUDA_REGISTER_CHUNK_BYTES):
+                self._register(address + off, min(CUDA_REGISTER_CHUNK_BYTES, size - off), flags)
                 done.append(address + off)
         except Exception:
             for ptr in done:

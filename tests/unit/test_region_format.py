@@ -1,4 +1,5 @@
-"""kvtierd.layout: geometry arithmetic, header format/validation, page chains, namespace records."""
+"""kvtierd.contract.region_format: geometry arithmetic, header format/validation, page chains,
+namespace records."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtierd import layout as L
-from kvtierd.layout import (CHAIN_END, DATA_ALIGN, ENTRY_DTYPE, HEADER_BYTES, NS_DTYPE, NS_SLOTS, EntryState,
-                            FormatError, Geometry, NamespaceLayout, RegionView, read_geometry)
-from kvtierd.protocol import MAX_KEY_BYTES, LayoutKind
+from kvtierd.contract import region_format as L
+from kvtierd.contract.namespace import NamespaceId, Sharding
+from kvtierd.contract.protocol import MAX_KEY_BYTES
+from kvtierd.contract.region_format import (CHAIN_END, DATA_ALIGN, ENTRY_DTYPE, HEADER_BYTES, NS_DTYPE, NS_SLOTS,
+                                            EntryState, FormatError, Geometry, RegionView, namespace_from_record,
+                                            namespace_record, read_geometry)
 
 MiB = 1 << 20
 
@@ -285,52 +288,38 @@ def test_chain_cycle_is_broken():
         view.chain_of(0)
 
 
-# --- namespaces --------------------------------------------------------------------------------
-REPL = NamespaceLayout("deepseek-ai/DeepSeek-V3", "bfloat16", 16, 1_124_352, LayoutKind.REPLICATED, 0)
-SHARD = NamespaceLayout("meta-llama/Llama-3.1-70B", "float16", 16, 81920, LayoutKind.SHARDED, 4)
+# --- namespace records -------------------------------------------------------------------------
+REPL = NamespaceId("deepseek-ai/DeepSeek-V3", "bfloat16", 16, 1_124_352, Sharding.REPLICATED, 0)
+SHARD = NamespaceId("meta-llama/Llama-3.1-70B", "float16", 16, 81920, Sharding.SHARDED, 4)
 
 
-@pytest.mark.parametrize("ns", [REPL, SHARD, NamespaceLayout("m" * 256, "d" * 32, 1 << 20, 1 << 34,
-                                                             LayoutKind.SHARDED, 64)])
+@pytest.mark.parametrize("ns", [REPL, SHARD, NamespaceId("m" * 256, "d" * 32, 1 << 20, 1 << 34,
+                                                         Sharding.SHARDED, 64)])
 def test_namespace_record_round_trip(ns):
-    rec = ns.to_record()
+    rec = namespace_record(ns)
     assert rec.dtype == NS_DTYPE
     assert int(rec["in_use"]) == 1
-    assert NamespaceLayout.from_record(rec) == ns
+    assert namespace_from_record(rec) == ns
     _, buf, view = formatted()
     view.namespaces[7] = rec
-    assert NamespaceLayout.from_record(RegionView(buf).namespaces[7]) == ns
+    assert namespace_from_record(RegionView(buf).namespaces[7]) == ns
 
 
-def test_namespace_names_differ():
-    assert REPL.name() == "deepseek-ai/DeepSeek-V3:bfloat16:16t:1124352B:replicated"
-    assert SHARD.name() == "meta-llama/Llama-3.1-70B:float16:16t:81920B:sharded/tp4"
-    other_tp = NamespaceLayout(SHARD.model, SHARD.dtype, 16, 81920, LayoutKind.SHARDED, 8)
-    assert other_tp.name() != SHARD.name()
-    assert other_tp != SHARD
+def test_namespace_record_bytes_at_documented_offsets():
+    """FORMAT_VERSION 1's namespace record, byte for byte: the identity's columns never move."""
+    raw = namespace_record(SHARD).tobytes()
+    assert len(raw) == 512
+    assert raw[0] == 1 and raw[1] == 1                                  # in use, sharded
+    assert int.from_bytes(raw[4:8], "little") == 4                      # world size
+    assert int.from_bytes(raw[8:12], "little") == 16                    # tokens per block
+    assert int.from_bytes(raw[16:24], "little") == 81920                # bytes per block and rank
+    assert raw[24:24 + 256].rstrip(b"\0") == b"meta-llama/Llama-3.1-70B"
+    assert raw[280:280 + 32].rstrip(b"\0") == b"float16"
+    assert namespace_record(REPL).tobytes()[1] == 0                     # replicated
 
 
-def test_from_wire():
-    wire = {"model": "m", "dtype": "bf16", "block_tokens": 16, "block_bytes": 1000, "kind": "replicated"}
-    repl = NamespaceLayout.from_wire(wire, world_size=8)
-    assert repl.kind is LayoutKind.REPLICATED
-    assert repl.world_size == 0        # replicated namespaces are shared across TP sizes
-    assert repl == NamespaceLayout.from_wire(wire, world_size=2)
-    sharded = NamespaceLayout.from_wire(dict(wire, kind="sharded"), world_size=8)
-    assert sharded.kind is LayoutKind.SHARDED and sharded.world_size == 8
-    assert sharded != NamespaceLayout.from_wire(dict(wire, kind="sharded"), world_size=4)
-
-
-@pytest.mark.parametrize("block_bytes,page,per_shard", [(1, 4096, 1), (4096, 4096, 1), (4097, 4096, 2),
-                                                        (1_124_352, 65536, 18), (65536 * 3, 65536, 3)])
-def test_shards_and_entry_pages(block_bytes, page, per_shard):
-    repl = NamespaceLayout("m", "d", 16, block_bytes, LayoutKind.REPLICATED, 0)
-    assert repl.shards == 1
-    assert repl.pages_per_shard(page) == per_shard
-    assert repl.entry_pages(page) == per_shard
-    assert repl.entry_bytes == block_bytes
-    sharded = NamespaceLayout("m", "d", 16, block_bytes, LayoutKind.SHARDED, 4)
-    assert sharded.shards == 4
-    assert sharded.pages_per_shard(page) == per_shard
-    assert sharded.entry_pages(page) == 4 * per_shard
-    assert sharded.entry_bytes == 4 * block_bytes
+def test_damaged_namespace_record_raises():
+    rec = namespace_record(REPL)
+    rec["sharding"] = 7
+    with pytest.raises(KeyError):
+        namespace_from_record(rec)

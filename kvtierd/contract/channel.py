@@ -1,8 +1,9 @@
-"""One request/reply channel to kvtierd: a ZMQ DEALER socket speaking ``kvtierd.protocol``.
+"""One request/reply channel to kvtierd: a ZMQ DEALER socket speaking ``protocol``.
 
 Synchronous by design: each call sends one frame and waits (bounded by ``timeout``) for the
 reply with the same request id; a stale reply from an earlier timed-out call is discarded. A
-session object belongs to one thread (ZMQ sockets are not thread-safe).
+channel belongs to one thread (ZMQ sockets are not thread-safe). The client library, kvtierctl
+and the daemon launcher all talk through it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from typing import Any
 
 import zmq
 
-from kvtierd import protocol as P
-
+from . import protocol as P
 from .errors import DaemonUnavailable, LimitExceeded, from_reply
 
 

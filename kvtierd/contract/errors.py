@@ -1,13 +1,14 @@
 """Typed exceptions: one per protocol error code, and a distinct one when the daemon is gone.
 
-``KvtierError`` is the base of everything the client raises on purpose. Errors the daemon sent
+``KvtierError`` is the base of everything the client raises on purpose (``kvtier`` re-exports
+them all). Errors the daemon sent
 are ``DaemonError`` subclasses carrying the wire ``code``; ``DaemonUnavailable`` means no answer
 came at all (daemon stopped, crashed or unreachable), which an engine treats as a cache miss.
 """
 
 from __future__ import annotations
 
-from kvtierd.protocol import ErrorCode
+from .protocol import ErrorCode
 
 
 class KvtierError(Exception):

@@ -1,0 +1,227 @@
+"""What a region's tables hold, judged record by record: the one judge of what a restart keeps.
+
+``scan`` decides, for every namespace and entry record, whether it is sound. A restarting
+daemon (``kvtierd.index``) keeps the sound READY entries and frees the rest; ``kvtierctl check``
+(``kvtierd.offline``) reports the rest. So ``check`` says exactly what a restart would discard.
+Nothing here changes the region, and nothing in its bytes can make it raise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .contract.namespace import NamespaceId
+from .contract.protocol import MAX_KEY_BYTES, PAGES_DTYPE
+from .contract.region_format import (CHAIN_END, ENTRY_DTYPE, EntryState, RegionView, entry_checksum,
+                                     namespace_from_record, shard_checksum)
+
+
+@dataclass
+class RegionScan:
+    """What the tables of a region hold, judged record by record (see ``scan``).
+
+    The sound READY entries, least recently used first, are four parallel sequences:
+    ``ready_slots``, ``ready_ns`` (namespace slots), ``ready_keys`` and ``ready_pages`` (each
+    entry's chain as little-endian uint32 bytes, PAGES_DTYPE); ``ready`` zips them into
+    (slot, namespace slot, key, pages array) tuples. ``problems`` holds the records a
+    restarted daemon would discard, as (slot, reason); ``writing`` the WRITING slots
+    (unfinished: discarded on restart).
+    """
+
+    namespaces: dict[int, NamespaceId]
+    damaged_namespaces: dict[int, str]
+    ready_slots: np.ndarray
+    ready_ns: np.ndarray
+    ready_keys: list[bytes]
+    ready_pages: list[bytes]
+    writing: np.ndarray
+    problems: list[tuple[int, str]]
+    owner: np.ndarray           # page → slot of the sound entry holding it, or -1
+
+    @property
+    def ready(self) -> list[tuple[int, int, bytes, np.ndarray]]:
+        return [(slot, ns, key, np.frombuffer(pages, PAGES_DTYPE)) for slot, ns, key, pages in
+                zip(self.ready_slots.tolist(), self.ready_ns.tolist(), self.ready_keys, self.ready_pages)]
+
+    @property
+    def pages_held(self) -> int:
+        return int((self.owner >= 0).sum())
+
+
+# Why scan() judges a READY record unsound, by code (0: sound so far).
+_REASONS = ("", "bad key length", "unknown or damaged namespace", "page count differs from its namespace's",
+            "chain leaves the data area", "chain longer than its page count")
+_BAD_KEY, _BAD_NS, _BAD_COUNT, _CHAIN_OUT, _CHAIN_LONG = range(1, len(_REASONS))
+
+
+def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
+    """Judge every namespace and entry record without changing anything.
+
+    One piece of logic serves the daemon's recovery (which keeps ``ready`` and frees the rest)
+    and ``kvtierctl check`` (which reports ``problems``). A READY record is sound when its
+    namespace record is sound, its key length is 1..MAX_KEY_BYTES, its page count is its
+    namespace's, its chain stays in the data area and ends exactly after page_count links, it
+    shares no page with an older sound entry and no older sound entry of its namespace has its
+    key. With ``verify_checksums``, an entry that carries a checksum must also match it (this
+    reads every such entry's bytes). Nothing in the bytes can make this raise.
+
+    Every check is vectorised over all records (a region holds millions): only records that
+    share a page or a key fingerprint with another candidate are judged one by one, oldest
+    first, since whether they are kept depends on which older ones were.
+    """
+    geo = view.geometry
+    namespaces: dict[int, NamespaceId] = {}
+    damaged: dict[int, str] = {}
+    ns_pages = np.full(1 << 16, -1, dtype=np.int64)   # entry pages by namespace slot (u2)
+    seen: set[NamespaceId] = set()
+    for slot in np.flatnonzero(view.namespaces["in_use"]).tolist():
+        try:
+            ns_id = namespace_from_record(view.namespaces[slot])
+            if not 1 <= ns_id.entry_pages(geo.page_size) <= geo.num_pages:
+                raise ValueError(f"{ns_id.entry_pages(geo.page_size)} pages per entry")
+            if ns_id in seen:
+                raise ValueError("same namespace as an earlier slot")
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            damaged[slot] = str(exc) or type(exc).__name__
+            continue
+        seen.add(ns_id)
+        namespaces[slot] = ns_id
+        ns_pages[slot] = ns_id.entry_pages(geo.page_size)
+
+    ents = view.entries
+    states = ents["state"]
+    writing = np.flatnonzero(states == EntryState.WRITING)
+    garbage = np.flatnonzero((states != EntryState.FREE) & (states != EntryState.READY)
+                             & (states != EntryState.WRITING))
+    problems = [(int(s), f"unknown state {int(states[s])}") for s in garbage]
+    ready = np.flatnonzero(states == EntryState.READY)
+    ready = ready[np.argsort(ents["tick"][ready], kind="stable")]
+    counts = ents["page_count"][ready].astype(np.int64)
+    key_len = ents["key_len"][ready].astype(np.int64)
+    ns_of = ents["ns"][ready].astype(np.int64)
+    why = np.zeros(len(ready), dtype=np.int8)
+    # Records whose count, namespace or key is not sound are judged before any chain walk: a
+    # damaged count must not size the walk.
+    why[(key_len == 0) | (key_len > MAX_KEY_BYTES)] = _BAD_KEY
+    wrong_count = (counts != ns_pages[ns_of]) & (why == 0)
+    why[wrong_count & (ns_pages[ns_of] < 0)] = _BAD_NS
+    why[wrong_count & (ns_pages[ns_of] >= 0)] = _BAD_COUNT
+    walk = np.where(why == 0, counts, 0)
+    # Walk every chain at once, one link per step (steps = the longest chain).
+    max_count = int(walk.max()) if len(ready) else 0
+    chains = np.full((len(ready), max_count), CHAIN_END, dtype=PAGES_DTYPE)
+    cur = ents["first_page"][ready].astype(np.int64)
+    for step in range(max_count):
+        active = (walk > step) & (why == 0)
+        out = active & (cur >= geo.num_pages)
+        why[out] = _CHAIN_OUT
+        active &= ~out
+        chains[active, step] = cur[active]
+        nxt = cur.copy()        # a finished chain keeps its last link, checked below
+        nxt[active] = view.chain[cur[active]]
+        cur = nxt
+    why[(why == 0) & (cur != CHAIN_END)] = _CHAIN_LONG
+
+    # The candidates (sound so far), oldest first: their keys, and which of them meet another
+    # candidate on a page or on a key of the same namespace (equal fingerprints).
+    cand = np.flatnonzero(why == 0)
+    slots, counts, ns_of = ready[cand], counts[cand], ns_of[cand]
+    key_at = ENTRY_DTYPE.fields["key"][1]        # gathering byte rows is ~10x faster than the field
+    records = ents.view(np.uint8).reshape(len(ents), ENTRY_DTYPE.itemsize)
+    keys, fingerprint = _keys(records[slots, key_at:key_at + MAX_KEY_BYTES], key_len[cand], ns_of)
+    in_chain = np.arange(max_count)[None, :] < counts[:, None]
+    pages = chains[cand][in_chain]                       # every candidate's pages, in order
+    holder = np.repeat(np.arange(len(cand)), counts)     # the candidate each page belongs to
+    involved = np.zeros(len(cand), dtype=bool)
+    involved[holder[np.bincount(pages, minlength=geo.num_pages)[pages] > 1]] = True
+    ordered = np.sort(fingerprint)
+    if (ordered[1:] == ordered[:-1]).any():              # rare: find which candidates they are
+        order = np.argsort(fingerprint, kind="stable")
+        twins = np.flatnonzero(fingerprint[order][1:] == fingerprint[order][:-1])
+        involved[order[twins]] = involved[order[twins + 1]] = True
+
+    keep = np.ones(len(cand), dtype=bool)
+    judged: list[tuple[int, int, str]] = [(int(i), int(ready[i]), _REASONS[why[i]])
+                                          for i in np.flatnonzero(why).tolist()]
+    checksum = ents["checksum"][slots]
+    owner = np.full(geo.num_pages, -1, dtype=np.int64)
+    keys_seen: set[tuple[int, bytes]] = set()
+    for i in np.flatnonzero(involved).tolist():          # the original judgement, oldest first
+        slot, entry_pages = int(slots[i]), chains[cand[i], : counts[i]]
+        problem = None
+        if (owner[entry_pages] >= 0).any():
+            problem = f"shares a page with entry {int(owner[entry_pages][owner[entry_pages] >= 0][0])}"
+        elif (int(ns_of[i]), keys[i]) in keys_seen:
+            problem = "duplicate key in its namespace"
+        elif verify_checksums and checksum[i] and not _checksum_matches(
+                view, namespaces[int(ns_of[i])], entry_pages, int(checksum[i])):
+            problem = "checksum mismatch"
+        if problem:
+            keep[i] = False
+            judged.append((int(cand[i]), slot, problem))
+        else:
+            keys_seen.add((int(ns_of[i]), keys[i]))
+            owner[entry_pages] = slot
+    if verify_checksums:
+        for i in np.flatnonzero(~involved & (checksum != 0)).tolist():
+            if not _checksum_matches(view, namespaces[int(ns_of[i])], chains[cand[i], : counts[i]], int(checksum[i])):
+                keep[i] = False
+                judged.append((int(cand[i]), int(slots[i]), "checksum mismatch"))
+    alone = ~involved & keep
+    owner[pages[alone[holder]]] = np.repeat(slots[alone], counts[alone])
+    problems += [(slot, reason) for _, slot, reason in sorted(judged)]
+    kept = np.flatnonzero(keep)
+    return RegionScan(namespaces, damaged, slots[kept], ns_of[kept],
+                      keys if len(kept) == len(keys) else [keys[i] for i in kept.tolist()],
+                      _rows_as_bytes(chains[cand[kept]].view(np.uint8), 4 * counts[kept]),
+                      writing, problems, owner)
+
+
+def _rows_as_bytes(rows: np.ndarray, lengths: np.ndarray) -> list[bytes]:
+    """``bytes(rows[i, :lengths[i]])`` for every row, one NumPy pass per distinct length."""
+    out: list[bytes] = [b""] * len(rows)
+    for n, at in _by_length(lengths):
+        values = np.ascontiguousarray(rows[at, :n]).view(f"V{n}").ravel().tolist() if n else [b""] * len(at)
+        if len(at) == len(rows):
+            return values
+        for i, value in zip(at.tolist(), values):
+            out[i] = value
+    return out
+
+
+def _by_length(lengths: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(length, rows of that length) per distinct length; a single length is the usual case."""
+    distinct = np.unique(lengths)
+    if len(distinct) == 1:
+        return [(int(distinct[0]), np.arange(len(lengths)))]
+    return [(int(n), np.flatnonzero(lengths == n)) for n in distinct]
+
+
+def _keys(key_rows: np.ndarray, key_len: np.ndarray, ns: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+    """The keys (``key_rows[i, :key_len[i]]``) and a 64-bit fingerprint of (namespace, key) each.
+
+    Equal keys have equal fingerprints; unequal ones almost never do, and those that do are
+    only judged one by one (the bytes past a key's length are not part of it, so are left out).
+    """
+    keys = _rows_as_bytes(key_rows, key_len)
+    fingerprint = np.empty(len(key_rows), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for n, at in _by_length(key_len):
+            words = np.zeros((len(at), -(-n // 8) * 8), dtype=np.uint8)
+            words[:, :n] = key_rows[at, :n]
+            h = ns[at].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(n)
+            for word in words.view("<u8").T:
+                h = (h ^ word) * np.uint64(0x100000001B3)
+                h ^= h >> np.uint64(29)
+            fingerprint[at] = h
+    return keys, fingerprint
+
+
+def _checksum_matches(view: RegionView, ns_id: NamespaceId, pages: np.ndarray, expected: int) -> bool:
+    page_size = view.geometry.page_size
+    per_shard = ns_id.pages_per_shard(page_size)
+    sums = [shard_checksum(view.data, pages[r * per_shard:(r + 1) * per_shard], page_size, ns_id.block_bytes)
+            for r in range(ns_id.shards)]
+    return entry_checksum(sums) == expected
