@@ -51,8 +51,8 @@ from .histogram import Histogram
 from .contract.namespace import NamespaceId, Sharding
 from .contract.protocol import PAGES_DTYPE, ErrorCode, JobState, RequestError, StoreOutcome
 from .contract.region_format import ENTRY_DTYPE, EntryState, RegionView, entry_checksum, namespace_record
-from .lru import LRUPolicy
 from .pages import PageAllocator
+from .policy import create as create_policy
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class Store:
         self.page_size = view.geometry.page_size
         self.job_timeout = job_timeout
         self.clock = clock
-        self.policy = LRUPolicy()
+        self.policy = create_policy("lru")
         self.namespaces: dict[NamespaceId, Namespace] = {}
         self.ns_by_slot: dict[int, Namespace] = {}
         self.engines: dict[str, Engine] = {}
@@ -244,7 +244,7 @@ class Store:
             for key, entry in zip(found.ready_keys, kept):
                 entry.ns.index[key] = entry
         deque(map(self.by_slot.__setitem__, slots, kept), 0)
-        self.policy.add_oldest_first(slots)
+        self.policy.recovered(slots)
         self.entry_count[EntryState.READY] = len(kept)
         self.allocator = PageAllocator(geo.num_pages, np.flatnonzero(found.owner >= 0))
         self._free_slots: list[int] = np.flatnonzero(states == EntryState.FREE)[::-1].tolist()
@@ -355,7 +355,7 @@ class Store:
         """The entries were just used: young end of the policy (if evictable), new tick."""
         if entries:
             slots = list(map(_SLOT, entries))
-            self.policy.touch_many(slots)
+            self.policy.accessed(slots)
             self._stamp(slots)
 
     def _stamp(self, slots: list[int]) -> None:
@@ -459,7 +459,7 @@ class Store:
         need = count * entry_pages - self.allocator.free_pages
         if need > 0:
             victims = []
-            for slot in self.policy.candidates(exclude):
+            for slot in self.policy.victims(exclude):
                 victims.append(self.by_slot[slot])
                 need -= victims[-1].ns.entry_pages
                 if need <= 0:
@@ -518,7 +518,7 @@ class Store:
             by_slot[entry.slot] = None
             count[entry.state] -= 1
             entry.state = EntryState.FREE
-        self.policy.remove_many(slots)
+        self.policy.removed(slots)
         self._free_slots.extend(slots)
 
     def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
@@ -566,7 +566,7 @@ class Store:
         self.view.entries["checksum"][slots] = [entry_checksum([sums[r][i] for r in writers])
                                                 for i in range(len(entries))] if sums else 0
         self._states[slots] = EntryState.READY    # last: the records are complete before they say READY
-        self.policy.add_many(slots)
+        self.policy.inserted(slots, chain=True)
         n = len(entries)
         self.entry_count[EntryState.WRITING] -= n
         self.entry_count[EntryState.READY] += n
@@ -593,7 +593,7 @@ class Store:
                 entry.pins += 1
                 if entry.pins == 1:
                     pinned.append(entry.slot)
-            self.policy.remove_many(pinned)
+            self.policy.pinned(pinned)
             self.pinned_entries += len(pinned)
             if job.entries:          # pinned: out of the policy until released; only the tick moves
                 self._stamp(list(map(_SLOT, job.entries)))
@@ -628,7 +628,7 @@ class Store:
             if entry.pins == 0:
                 unpinned.append(entry.slot)
         self.pinned_entries -= len(unpinned)
-        self.policy.add_many(unpinned)
+        self.policy.unpinned(unpinned)
         job.entries = []
 
     # ------------------------------------------------------------------ abort and finish
@@ -746,7 +746,7 @@ class Store:
         the namespace named ``namespace`` (None: any). Pinned and WRITING entries stay."""
         if namespace is not None and not any(ns.layout.name() == namespace for ns in self.namespaces.values()):
             raise RequestError(ErrorCode.BAD_REQUEST, f"no namespace {namespace!r}; kvtierctl namespaces lists them")
-        victims = [self.by_slot[slot] for slot in self.policy.oldest_first()
+        victims = [self.by_slot[slot] for slot in self.policy.victims()
                    if namespace is None or self.by_slot[slot].ns.layout.name() == namespace]
         victims = victims if count is None else victims[:count]
         self._evict(victims, "operator_evictions")
