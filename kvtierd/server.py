@@ -195,8 +195,8 @@ class Server:
                 evictions = store.counters["evictions"]
                 if evictions > evictions_seen:
                     log.warning("eviction pressure: %d evictions in the last %.0fs (%d pages free of %d)",
-                                evictions - evictions_seen, PRESSURE_LOG_SECONDS, store.allocator.free_pages,
-                                store.allocator.num_pages)
+                                evictions - evictions_seen, PRESSURE_LOG_SECONDS, store.pages.free_count,
+                                store.pages.total)
                 next_pressure, evictions_seen = now + PRESSURE_LOG_SECONDS, evictions
             if now >= next_sweep:
                 self._sweep_heartbeats(now)

@@ -51,7 +51,7 @@ from .histogram import Histogram
 from .contract.namespace import NamespaceId, Sharding
 from .contract.protocol import PAGES_DTYPE, ErrorCode, JobState, RequestError, StoreOutcome
 from .contract.region_format import ENTRY_DTYPE, EntryState, RegionView, entry_checksum, namespace_record
-from .pages import PageAllocator
+from .pages import FreeStack
 from .policy import create as create_policy
 from .recovery import scan
 
@@ -246,8 +246,8 @@ class Store:
         deque(map(self.by_slot.__setitem__, slots, kept), 0)
         self.policy.recovered(slots)
         self.entry_count[EntryState.READY] = len(kept)
-        self.allocator = PageAllocator(geo.num_pages, np.flatnonzero(found.owner >= 0))
-        self._free_slots: list[int] = np.flatnonzero(states == EntryState.FREE)[::-1].tolist()
+        self.pages = FreeStack(geo.num_pages, np.flatnonzero(found.owner >= 0))
+        self.slots = FreeStack(geo.entry_slots, np.flatnonzero(states != EntryState.FREE))
         if len(view.entries):
             self.tick = max(self.tick, int(view.entries["tick"].max()))
         return {"ready": len(kept), "writing_discarded": len(found.writing),
@@ -456,7 +456,7 @@ class Store:
         """Evict least recently used entries (never those in ``exclude``: the job's present keys)
         until ``count`` entries of ``entry_pages`` fit, or nothing evictable is left. Returns how
         many fit: the job writes that prefix of its new keys and the rest get NO_SPACE."""
-        need = count * entry_pages - self.allocator.free_pages
+        need = count * entry_pages - self.pages.free_count
         if need > 0:
             victims = []
             for slot in self.policy.victims(exclude):
@@ -465,11 +465,11 @@ class Store:
                 if need <= 0:
                     break
             self._evict(victims)
-        return min(count, self.allocator.free_pages // entry_pages)
+        return min(count, self.pages.free_count // entry_pages)
 
     def _evict(self, entries: list[Entry], counter: str = "evictions") -> None:
         self._free_entries(entries)
-        self.allocator.free(self._pages_of(entries))
+        self.pages.free(self._pages_of(entries))
         self.counters[counter] += len(entries)
 
     @staticmethod
@@ -481,10 +481,8 @@ class Store:
         n = len(keys)
         if n == 0:
             return []
-        pages = np.asarray(self.allocator.alloc(n * ns.entry_pages), dtype=PAGES_DTYPE).reshape(n, -1)
-        slots = self._free_slots[-n:]
-        del self._free_slots[-n:]
-        slots.reverse()                         # the order n pop()s would have given
+        pages = np.asarray(self.pages.alloc(n * ns.entry_pages), dtype=PAGES_DTYPE).reshape(n, -1)
+        slots = self.slots.alloc(n)
         # The records are built in a fresh array and written with one scatter. A torn write is
         # harmless: recovery discards WRITING records.
         rec = np.repeat(ns.record, n)
@@ -519,7 +517,7 @@ class Store:
             count[entry.state] -= 1
             entry.state = EntryState.FREE
         self.policy.removed(slots)
-        self._free_slots.extend(slots)
+        self.slots.free(slots)
 
     def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
         """A rank's vote on a store job; writers send it after their copy completed, with the
@@ -669,7 +667,7 @@ class Store:
 
     def _free_quarantine(self, job: Job) -> None:
         if job.quarantine and (not job.copying or self.clock() >= job.quarantine_deadline):
-            self.allocator.free(job.quarantine)
+            self.pages.free(job.quarantine)
             job.quarantine = []
         if not job.quarantine and job.state is not JobState.OPEN:
             job.engine.jobs.pop(job.id, None)
@@ -717,16 +715,16 @@ class Store:
 
     # ------------------------------------------------------------------ stats and shutdown
     def stats(self) -> dict:
-        alloc = self.allocator
+        pages = self.pages
         quarantined = sum(len(j.quarantine) for e in self.engines.values() for j in e.jobs.values())
         return {
             "capacity_bytes": self.geometry.capacity_bytes,
             "page_size": self.page_size,
-            "pages_total": alloc.num_pages,
-            "pages_free": alloc.free_pages,
-            "pages_used": alloc.used_pages,
+            "pages_total": pages.total,
+            "pages_free": pages.free_count,
+            "pages_used": pages.used_count,
             "pages_quarantined": quarantined,
-            "used_bytes": alloc.used_pages * self.page_size,
+            "used_bytes": pages.used_count * self.page_size,
             "entries_ready": self.entry_count[EntryState.READY],
             "entries_writing": self.entry_count[EntryState.WRITING],
             "entries_pinned": self.pinned_entries,
@@ -761,16 +759,22 @@ class Store:
     def verify(self) -> None:
         """Check the in-memory state against itself and the entry table (tests, kvtierctl check).
 
-        Every page is exactly one of: free, owned by one live entry, quarantined; the policy
-        holds exactly the READY unpinned entries; the table's records match the index.
+        Every page is exactly one of: free, owned by one live entry, quarantined; every slot is
+        free or holds one entry; the policy holds exactly the READY unpinned entries; the table's
+        records match the index. Only public accessors of the free stacks and the policy.
         """
         owner = np.full(self.geometry.num_pages, -1, dtype=np.int64)
-        free = np.asarray(self.allocator._free, dtype=np.int64)
+        free = self.pages.free_ids()
         assert len(np.unique(free)) == len(free), "a page is free twice"
         owner[free] = -2
         quarantined = [p for e in self.engines.values() for j in e.jobs.values() for p in j.quarantine]
         assert (owner[quarantined] == -1).all(), "a quarantined page is also free"
         owner[quarantined] = -3
+        free_slots = self.slots.free_ids()
+        assert len(np.unique(free_slots)) == len(free_slots), "an entry slot is free twice"
+        assert all(self.by_slot[s] is None for s in free_slots.tolist()), "a free slot holds an entry"
+        assert len(free_slots) + sum(map(len, (ns.index for ns in self.namespaces.values()))) == \
+            self.geometry.entry_slots, "entry slots leaked"
         table = self.view.entries
         for ns in self.namespaces.values():
             for key, entry in ns.index.items():

@@ -1,4 +1,5 @@
-"""kvtierd.pages.PageAllocator: fixed pages, O(1) alloc/free, never the same page twice."""
+"""kvtierd.pages.FreeStack (the pages of the data area, the slots of the entry table): O(1) alloc/free,
+never the same id twice."""
 
 from __future__ import annotations
 
@@ -6,77 +7,77 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtierd.pages import PageAllocator
+from kvtierd.pages import FreeStack
 
 
 def test_fresh_region_hands_out_pages_in_order():
-    a = PageAllocator(10)
-    assert (a.free_pages, a.used_pages, a.num_pages) == (10, 0, 10)
+    a = FreeStack(10)
+    assert (a.free_count, a.used_count, a.total) == (10, 0, 10)
     assert a.alloc(3) == [0, 1, 2]
     assert a.alloc(1) == [3]
     assert a.alloc(2) == [4, 5]
-    assert (a.free_pages, a.used_pages) == (4, 6)
+    assert (a.free_count, a.used_count) == (4, 6)
     assert all(type(p) is int for p in a.alloc(4))
-    assert a.free_pages == 0
+    assert a.free_count == 0
 
 
 def test_alloc_all_then_none_when_short_and_nothing_taken():
-    a = PageAllocator(5)
+    a = FreeStack(5)
     assert a.alloc(6) is None
-    assert a.free_pages == 5
+    assert a.free_count == 5
     got = a.alloc(4)
     assert a.alloc(2) is None
-    assert a.free_pages == 1          # the failed alloc took nothing
+    assert a.free_count == 1          # the failed alloc took nothing
     assert a.alloc(1) == [4]
     assert a.alloc(1) is None
     assert sorted(got) == [0, 1, 2, 3]
 
 
 def test_free_returns_pages_and_lifo_reuse():
-    a = PageAllocator(8)
+    a = FreeStack(8)
     first = a.alloc(3)
     a.alloc(2)
     a.free(first)
-    assert a.free_pages == 6
+    assert a.free_count == 6
     again = a.alloc(3)
     assert sorted(again) == sorted(first)      # recently freed pages come back first
-    assert a.used_pages == 5
+    assert a.used_count == 5
 
 
 def test_free_accepts_any_iterable():
-    a = PageAllocator(4)
+    a = FreeStack(4)
     pages = a.alloc(4)
     a.free(iter(pages[:2]))
     a.free(tuple(pages[2:]))
-    assert a.free_pages == 4
+    assert a.free_count == 4
     assert sorted(a.alloc(4)) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("n", [0, -1])
 def test_alloc_non_positive_raises(n):
-    a = PageAllocator(4)
+    a = FreeStack(4)
     with pytest.raises(ValueError):
         a.alloc(n)
-    assert a.free_pages == 4
+    assert a.free_count == 4
 
 
 def test_used_pages_at_construction_are_excluded():
-    a = PageAllocator(10, used=[0, 2, 3, 9])
-    assert (a.free_pages, a.used_pages) == (6, 4)
+    a = FreeStack(10, used=[0, 2, 3, 9])
+    assert (a.free_count, a.used_count) == (6, 4)
     got = a.alloc(6)
     assert got == [1, 4, 5, 6, 7, 8]
     assert a.alloc(1) is None
 
 
 def test_used_accepts_generators_and_duplicates():
-    a = PageAllocator(6, used=(p for p in [1, 1, 4]))
-    assert a.free_pages == 4
+    a = FreeStack(6, used=(p for p in [1, 1, 4]))
+    assert a.free_count == 4
     assert sorted(a.alloc(4)) == [0, 2, 3, 5]
 
 
 def test_empty_allocator():
-    a = PageAllocator(0)
-    assert (a.free_pages, a.used_pages) == (0, 0)
+    a = FreeStack(0)
+    assert (a.free_count, a.used_count) == (0, 0)
     assert a.alloc(1) is None
 
 
@@ -85,16 +86,16 @@ def test_empty_allocator():
        ops=st.lists(st.tuples(st.booleans(), st.integers(1, 20), st.integers(0, 1000)), max_size=60))
 def test_no_page_handed_out_twice(num_pages, used, ops):
     used = {p for p in used if p < num_pages}
-    a = PageAllocator(num_pages, used=used)
+    a = FreeStack(num_pages, used=used)
     held: list[list[int]] = []
     out: set[int] = set()
     for is_alloc, n, pick in ops:
         if is_alloc or not held:
-            free_before = a.free_pages
+            free_before = a.free_count
             got = a.alloc(n)
             if got is None:
                 assert n > free_before
-                assert a.free_pages == free_before
+                assert a.free_count == free_before
                 continue
             assert len(got) == n == len(set(got))
             assert not set(got) & out, "a page was handed out twice"
@@ -106,8 +107,17 @@ def test_no_page_handed_out_twice(num_pages, used, ops):
             got = held.pop(pick % len(held))
             a.free(got)
             out -= set(got)
-        assert a.used_pages == len(out) + len(used)
-        assert a.free_pages == num_pages - len(out) - len(used)
+        assert a.used_count == len(out) + len(used)
+        assert a.free_count == num_pages - len(out) - len(used)
     # Everything not held is allocatable, exactly once.
-    rest = a.alloc(a.free_pages) if a.free_pages else []
+    rest = a.alloc(a.free_count) if a.free_count else []
     assert set(rest) == set(range(num_pages)) - out - used
+
+
+def test_free_ids_is_a_snapshot():
+    a = FreeStack(6, used=[2])
+    taken = a.alloc(2)
+    free = a.free_ids()
+    assert sorted(free.tolist()) == sorted(set(range(6)) - {2} - set(taken))
+    a.free(taken)
+    assert len(free) == 3 and a.free_count == 5
