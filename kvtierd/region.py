@@ -1,4 +1,4 @@
-"""The region file's life: directory, lock, create or adopt, prefault, pin, clean close.
+"""The region file's life: directory, lock, create or adopt, prefault, pin, watch, clean close.
 
 This module owns files and memory, not meaning: it knows the header (to validate and to mark
 clean shutdown) but nothing of what entries mean; the index rebuilds itself from the tables.
@@ -11,6 +11,10 @@ restarted daemon takes the lock, then adopts the existing region only if its hea
 and its geometry matches the configuration; otherwise it refuses (naming the setting to change),
 unless told to recreate it. Nothing is ever deleted by pattern: only the exact region path, and
 only on an explicit recreate.
+
+While the daemon runs, ``check_file`` tells whether the path still holds the file it mapped: a
+removed or replaced file is harmless to attached clients but new ones could not map it; a
+truncated one means any access past its new end is a SIGBUS, for the daemon and its clients.
 """
 
 from __future__ import annotations
@@ -87,10 +91,47 @@ class Region:
         self.pinned = pinned            # cuda | mlock | off
         self.prefault = prefault        # madvise | touch
         self._lock_fd = lock_fd
+        st = os.stat(paths.region)
+        self._identity = (st.st_dev, st.st_ino)     # the file mapped, for check_file
+        self.problem: str | None = None              # what check_file found last
 
     @property
     def generation(self) -> int:
         return int(self.view.header["generation"])
+
+    def check_file(self) -> bool:
+        """Whether the region path still holds the file mapped, whole; a change is logged once.
+
+        Sets ``problem`` (None, "removed", "replaced by another file" or "truncated"). Returns
+        False when the daemon must stop: the file was truncated, so any access past its new end
+        would kill the daemon or its clients with SIGBUS.
+        """
+        path = self.paths.region
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            problem = "removed"
+        else:
+            if (st.st_dev, st.st_ino) != self._identity:
+                problem = "replaced by another file"
+            elif st.st_size < self.geometry.file_bytes:
+                problem = "truncated"
+            else:
+                problem = None
+        if problem == self.problem:
+            return problem != "truncated"
+        self.problem = problem
+        if problem is None:
+            log.info("region file %s is back", path)
+        elif problem == "truncated":
+            log.critical("region file %s was truncated under the daemon (%d < %d bytes); stopping before any "
+                         "access past its end kills this daemon or its clients. Restart with --recreate.",
+                         path, st.st_size, self.geometry.file_bytes)
+            return False
+        else:
+            log.error("region file %s was %s while the daemon runs: attached clients keep working, new ones "
+                      "cannot map it. Restart kvtierd to recreate it (cached blocks are lost).", path, problem)
+        return True
 
     @classmethod
     def open(cls, directory: str, name: str, size_bytes: int, page_size: int, pin: str = "auto",

@@ -27,9 +27,9 @@ the token from its hello reply, sent from any socket), at least every ``heartbea
 seconds; otherwise it ends as dead.
 
 The loop also checks every ``region_check_interval`` that the region file is still the file it
-mapped: a removed or replaced file is reported (new clients could not map it); a truncated one
-stops the daemon, because any access past the new end would kill the daemon and its clients
-with SIGBUS.
+mapped (``Region.check_file``): a removed or replaced file is reported (new clients could not map
+it); a truncated one stops the daemon, because any access past the new end would kill the daemon
+and its clients with SIGBUS.
 """
 
 from __future__ import annotations
@@ -83,10 +83,7 @@ class Server:
         self.region_check_interval = region_check_interval
         self.heartbeats: dict[int, float] = {}   # unwatched session id → when it last proved alive
         self.tokens: dict[int, int] = {}         # session id → heartbeat token
-        self.region_problem: str | None = None
         self.exit_code = 0
-        st = os.stat(region.paths.region)
-        self._region_identity = (st.st_dev, st.st_ino)
         self.ctx = zmq.Context.instance()
         self.sock = self._bind(socket_path, 0o117, gid)                 # 0660, client group
         self.admin = self._bind(self.admin_socket_path, 0o177, None)    # 0600, daemon's user only
@@ -238,33 +235,10 @@ class Server:
                     self.heartbeats.pop(session_id, None)
 
     def _check_region_file(self) -> None:
-        path = self.region.paths.region
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            problem = "removed"
-        else:
-            if (st.st_dev, st.st_ino) != self._region_identity:
-                problem = "replaced by another file"
-            elif st.st_size < self.region.geometry.file_bytes:
-                problem = "truncated"
-            else:
-                problem = None
-        if problem == self.region_problem:
-            return
-        self.region_problem = problem
-        if problem is None:
-            log.info("region file %s is back", path)
-        elif problem == "truncated":
-            log.critical("region file %s was truncated under the daemon (%d < %d bytes); stopping before any "
-                         "access past its end kills this daemon or its clients. Restart with --recreate.",
-                         path, st.st_size, self.region.geometry.file_bytes)
+        if not self.region.check_file():     # truncated: any access past its end is a SIGBUS
             self.exit_code = 1
             self.drain_timeout = 0.0
             self.request_stop()
-        else:
-            log.error("region file %s was %s while the daemon runs: attached clients keep working, new ones "
-                      "cannot map it. Restart kvtierd to recreate it (cached blocks are lost).", path, problem)
 
     def _open_loads(self) -> int:
         return sum(1 for e in self.store.engines.values() for j in e.jobs.values()
@@ -459,7 +433,7 @@ class Server:
             "file_bytes": self.region.geometry.file_bytes,
             "daemon_pid": os.getpid(),
             "stopping": self.stopping,
-            "region_problem": self.region_problem,
+            "region_problem": self.region.problem,
             "sessions_heartbeat": len(self.heartbeats),
             "checksums": self.store.checksums,
         }

@@ -1,5 +1,5 @@
-"""kvtierd.region (create, lock, adopt, refuse, recreate) and kvtierd.contract.mapping (address, prefault,
-pin).
+"""kvtierd.region (create, lock, adopt, refuse, recreate, watch) and kvtierd.contract.mapping (address,
+prefault, pin).
 
 Everything happens in a tmp directory with small regions and pin="off"; no sockets, no processes.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import stat
 from types import SimpleNamespace
@@ -325,6 +326,30 @@ def test_failure_while_adopting_keeps_the_file(rdir, monkeypatch):
     r2 = open_region(rdir)
     assert r2.adopted and r2.generation == gen
     r2.close()
+
+
+# --- watch ---------------------------------------------------------------------------------------
+def test_check_file_reports_removed_replaced_and_back(region, caplog):
+    caplog.set_level(logging.INFO, logger="kvtierd.region")
+    path = region.paths.region
+    assert region.check_file() and region.problem is None
+    os.rename(path, path + ".moved")
+    assert region.check_file() and region.problem == "removed"
+    with open(path, "wb") as f:                 # another file at the path
+        f.truncate(region.geometry.file_bytes)
+    assert region.check_file() and region.problem == "replaced by another file"
+    os.unlink(path)
+    os.rename(path + ".moved", path)
+    assert region.check_file() and region.problem is None
+    assert [r.levelname for r in caplog.records if "region file" in r.getMessage()] == ["ERROR", "ERROR", "INFO"]
+
+
+def test_check_file_says_stop_when_truncated(region, caplog):
+    os.truncate(region.paths.region, region.geometry.file_bytes - PAGE)
+    assert not region.check_file() and region.problem == "truncated"
+    assert not region.check_file()                                  # still: the daemon must stop
+    assert sum("truncated" in r.getMessage() for r in caplog.records) == 1   # said once
+    os.truncate(region.paths.region, region.geometry.file_bytes)   # so that close() touches nothing past the end
 
 
 # --- mapping -------------------------------------------------------------------------------------
