@@ -1,8 +1,9 @@
 """Wires the daemon together: config → region → store → server → metrics; logs; signals; stop.
 
 Start-up order matters: the region is locked before anything else touches it, the store rebuilds
-its index from the region's tables, and only then is the socket bound, so a client that can
-connect always meets a daemon that is ready to serve; READY=1 goes to systemd after that.
+its index from the region's tables, and only then are the sockets bound (``Server.listen``), so a
+client that can connect always meets a daemon that is ready to serve; READY=1 goes to systemd
+after that.
 """
 
 from __future__ import annotations
@@ -74,10 +75,14 @@ class Daemon:
                     # The tables were rebuilt: page numbers a client held may mean other entries now.
                     log.info("region rebuilt: new generation %x (clients remap on re-attach)",
                              self.region.new_generation())
-            self.server = Server(self.store, self.region, self.region.paths.socket, self.region.gid,
-                                 notifier=self.notifier, drain_timeout=c.drain_timeout,
-                                 heartbeat_timeout=c.heartbeat_timeout,
+            self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
+                                 drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
                                  region_check_interval=c.region_check_interval)
+            try:
+                self.server.listen()
+            except BaseException:
+                self.server.close()
+                raise
         except BaseException:
             self.region.close(clean=False)
             raise

@@ -19,8 +19,11 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
+from .contract.protocol import JobKind, StatsReply
+
 log = logging.getLogger(__name__)
 
+# kvtierd_store_keys_total's outcome label → the StatsReply field it reads.
 STORE_KEY_OUTCOMES = {"written": "store_written_keys", "present": "store_present_keys",
                       "no_space": "store_no_space_keys", "aborted": "store_aborted_keys"}
 
@@ -36,7 +39,7 @@ def _histogram(name: str, doc: str, label: str | None, series: dict[str, dict]) 
 class DaemonCollector:
     """Turns one snapshot of the daemon's stats into metric families."""
 
-    def __init__(self, snapshot: Callable[[], dict]):
+    def __init__(self, snapshot: Callable[[], StatsReply]):
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
@@ -55,40 +58,39 @@ class DaemonCollector:
             return family
 
         yield InfoMetricFamily("kvtierd_region", "The region this daemon serves.",
-                               value={"path": s["region"], "pinned": s["pinned"],
-                                      "generation": f"{s['generation']:x}", "page_size": str(s["page_size"])})
-        yield gauge("capacity_bytes", "Bytes of the data area (pages × page size).", s["capacity_bytes"])
-        yield gauge("used_bytes", "Bytes of pages held by entries or quarantined.", s["used_bytes"])
+                               value={"path": s.region, "pinned": s.pinned,
+                                      "generation": f"{s.generation:x}", "page_size": str(s.page_size)})
+        yield gauge("capacity_bytes", "Bytes of the data area (pages × page size).", s.capacity_bytes)
+        yield gauge("used_bytes", "Bytes of pages held by entries or quarantined.", s.used_bytes)
         yield labelled(GaugeMetricFamily, "pages", "Pages by state.", "state",
-                       {"free": s["pages_free"], "used": s["pages_used"] - s["pages_quarantined"],
-                        "quarantined": s["pages_quarantined"]})
+                       {"free": s.pages_free, "used": s.pages_used - s.pages_quarantined,
+                        "quarantined": s.pages_quarantined})
         yield labelled(GaugeMetricFamily, "entries", "Entries by state (pinned: READY and held by a load).",
-                       "state", {"ready": s["entries_ready"], "writing": s["entries_writing"],
-                                 "pinned": s["entries_pinned"]})
+                       "state", {"ready": s.entries_ready, "writing": s.entries_writing, "pinned": s.entries_pinned})
         yield labelled(CounterMetricFamily, "lookup_keys", "Keys asked by lookup, by result.", "result",
-                       {"hit": s["lookup_hit_keys"], "miss": s["lookup_miss_keys"]})
+                       {"hit": s.lookup_hit_keys, "miss": s.lookup_miss_keys})
         yield labelled(CounterMetricFamily, "store_keys", "Keys of store jobs by outcome.", "outcome",
-                       {label: s[key] for label, key in STORE_KEY_OUTCOMES.items()})
+                       {label: getattr(s, field) for label, field in STORE_KEY_OUTCOMES.items()})
         yield labelled(CounterMetricFamily, "load_keys", "Keys of load jobs by result.", "result",
-                       {"hit": s["load_hit_keys"], "miss": s["load_miss_keys"]})
+                       {"hit": s.load_hit_keys, "miss": s.load_miss_keys})
         yield labelled(CounterMetricFamily, "jobs_completed", "Jobs every rank finished, by kind.", "kind",
-                       {"store": s["store_jobs_done"], "load": s["load_jobs_done"]})
-        yield labelled(CounterMetricFamily, "aborted_jobs", "Aborted jobs by cause.", "cause", s["aborted_jobs"])
-        yield counter("evictions", "Entries evicted to make room.", s["evictions"])
-        yield counter("written_bytes", "Bytes copied into the region by writer ranks (D2H).", s["bytes_written"])
+                       {JobKind.STORE.value: s.store_jobs_done, JobKind.LOAD.value: s.load_jobs_done})
+        yield labelled(CounterMetricFamily, "aborted_jobs", "Aborted jobs by cause.", "cause", s.aborted_jobs)
+        yield counter("evictions", "Entries evicted to make room.", s.evictions)
+        yield counter("written_bytes", "Bytes copied into the region by writer ranks (D2H).", s.bytes_written)
         yield counter("dedup_saved_bytes", "Bytes replicated-layout ranks did not copy thanks to one-copy dedup.",
-                      s["bytes_saved_dedup"])
-        yield labelled(GaugeMetricFamily, "sessions", "Attached client sessions by role.", "role", s["session_roles"])
-        yield gauge("engines", "Engines with at least one attached session.", s["engines"])
-        yield gauge("open_jobs", "Jobs waiting for copies, votes or releases.", s["open_jobs"])
-        yield labelled(CounterMetricFamily, "errors", "Error replies by code.", "code", s["errors"])
+                      s.bytes_saved_dedup)
+        yield labelled(GaugeMetricFamily, "sessions", "Attached client sessions by role.", "role", s.session_roles)
+        yield gauge("engines", "Engines with at least one attached session.", s.engines)
+        yield gauge("open_jobs", "Jobs waiting for copies, votes or releases.", s.open_jobs)
+        yield labelled(CounterMetricFamily, "errors", "Error replies by code.", "code", s.errors)
         yield _histogram("kvtierd_request_duration_seconds", "Time to handle one request, by operation.", "op",
-                         s["latency"])
+                         s.latency)
         yield _histogram("kvtierd_vote_wait_seconds", "Time from a store job's first request to its last vote.",
-                         None, {"": s["vote_wait"]})
+                         None, {"": s.vote_wait})
 
 
-def start_endpoint(address: str, snapshot: Callable[[], dict]) -> tuple[object, str]:
+def start_endpoint(address: str, snapshot: Callable[[], StatsReply]) -> tuple[object, str]:
     """Serve /metrics on ``host:port`` (port 0 picks one). Returns (server, bound host:port)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():

@@ -88,10 +88,33 @@ class StoreOutcome(enum.IntEnum):
     NO_SPACE = 2   # did not fit; nor did any later key that needed writing
 
 
+class JobKind(str, enum.Enum):
+    STORE = "store"
+    LOAD = "load"
+
+
 class JobState(str, enum.Enum):
     OPEN = "open"
     DONE = "done"
     ABORTED = "aborted"
+
+
+class AbortCause(str, enum.Enum):
+    """Why a job was aborted: the ``cause`` of the jobs reply and of kvtierd_aborted_jobs_total."""
+
+    ABORTED_BY_CLIENT = "aborted_by_client"   # a session of the engine sent abort
+    TIMEOUT = "timeout"                       # open past job_timeout
+    CONFLICT = "conflict"                     # a request named another kind or other keys
+    VOTE_FAILED = "vote_failed"               # a rank committed with ok=False
+    ENGINE_LEFT = "engine_left"               # the engine's last session ended
+    # A rank's session ended before it voted or released, by how it ended:
+    RANK_LEFT = "rank_left"                   # bye
+    RANK_DIED = "rank_died"                   # its process died (pidfd)
+    RANK_HEARTBEAT_LOST = "rank_heartbeat_lost"
+    RANK_REHELLO = "rank_rehello"             # the same socket said hello again
+    RANK_REATTACHED = "rank_reattached"       # a new hello replaced the session (with its token)
+    RANK_DEAD_AT_HELLO = "rank_dead_at_hello"
+    RANK_DAEMON_STOPPED = "rank_daemon_stopped"
 
 
 # --- field specs ----------------------------------------------------------------------------

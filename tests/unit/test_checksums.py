@@ -10,7 +10,7 @@ from kvtierd.contract.region_format import entry_checksum, shard_checksum
 from kvtierd.recovery import scan
 from kvtierd.store import Store
 
-from .test_store import PAGE, TIMEOUT, FakeClock, keys, lay, make_view, pages
+from .store_env import PAGE, TIMEOUT, FakeClock, keys, lay, make_view, pages
 
 
 def fill_and_commit(store, view, sessions, job, ks):
@@ -23,7 +23,7 @@ def fill_and_commit(store, view, sessions, job, ks):
             for row in rows:
                 for page in row:
                     view.data[page * PAGE:(page + 1) * PAGE] = rng.integers(0, 256, PAGE, dtype=np.uint8)
-            block = s.engine.ns.layout.block_bytes
+            block = s.engine.ns.id.block_bytes
             store.commit(s, job, True, [shard_checksum(view.data, np.asarray(r), PAGE, block) for r in rows])
 
 

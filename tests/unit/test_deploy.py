@@ -1,9 +1,9 @@
 """deploy/ stays in step with the code: every metric, label value, setting and path it names exists.
 
 The exported metric names and label values come from running the real collector
-(kvtierd.metrics.DaemonCollector) on a synthetic snapshot that has every key collect() reads, with
-the label-bearing dicts filled from the code that fills them in the daemon (error codes, request
-ops, abort causes, pin modes). The Prometheus expressions in alerts.yml and in the Grafana
+(kvtierd.metrics.DaemonCollector) on a synthetic stats reply (every field of protocol.StatsReply),
+with the label-bearing dicts filled from the code that fills them in the daemon (error codes,
+request ops, abort causes, session roles, pin modes). The Prometheus expressions in alerts.yml and in the Grafana
 dashboard are then read with regexes, so those checks run without PyYAML; the structural checks of
 the YAML files need it and skip without it.
 """
@@ -23,6 +23,7 @@ from kvtierd import config
 from kvtierd.contract import protocol as P
 from kvtierd.histogram import Histogram
 from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
+from kvtierd.sessions import SessionEnd
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,22 +44,16 @@ TARGET_LABELS = {"instance", "job"}
 
 # --- what the code can emit --------------------------------------------------------------------
 def abort_causes() -> set[str]:
-    """Every `cause` label value of kvtierd_aborted_jobs_total, read from the code that sets it:
-    Store._abort(job, "<cause>") literals, and rank_<cause> for every cause a session can end with."""
-    store = (ROOT / "kvtierd" / "store.py").read_text()
-    server = (ROOT / "kvtierd" / "server.py").read_text()
-    causes = set(re.findall(r'_abort\(job, "(\w+)"\)', store))
-    assert re.search(r'_abort\(job, f"rank_\{cause\}"\)', store), "store.py no longer aborts with rank_<cause>"
-    session_ends = set(re.findall(r'_end_session\(session, "(\w+)"\)', server))
-    session_ends |= set(re.findall(r'detach\(session, "(\w+)"\)', store))
-    session_ends |= set(re.findall(r'def detach\(self, session: Session, cause: str = "(\w+)"\)', store))
-    assert causes and session_ends, "the abort-cause regexes found nothing: update abort_causes()"
-    return causes | {f"rank_{end}" for end in session_ends}
+    """Every `cause` label value of kvtierd_aborted_jobs_total: the values of protocol.AbortCause,
+    the only causes the job machine aborts with, among them rank_<end> for every way a session ends."""
+    causes = {cause.value for cause in P.AbortCause}
+    assert {f"rank_{end.value}" for end in SessionEnd} <= causes, "a way a session ends has no abort cause"
+    return causes
 
 
 def session_roles() -> set[str]:
     server = (ROOT / "kvtierd" / "server.py").read_text()
-    m = re.search(r'"session_roles": \{(.*?)\}', server)
+    m = re.search(r'session_roles=\{(.*?)\}', server)
     assert m, "server.py no longer builds session_roles: update session_roles()"
     return set(re.findall(r'"(\w+)":', m.group(1)))
 
@@ -68,25 +63,28 @@ def pin_results() -> set[str]:
     return set(config.BY_NAME["pin"].choices) - {"auto"}
 
 
-def snapshot(pinned: str) -> dict:
-    """Every key DaemonCollector.collect() reads, label-bearing dicts filled with every value."""
+def snapshot(pinned: str) -> P.StatsReply:
+    """A whole stats reply, label-bearing dicts filled with every value the code can emit."""
     hist = Histogram()
     hist.observe(1e-4)
-    return {
-        "region": "/dev/shm/kvtierd/kvtierd.region", "pinned": pinned, "generation": 0xABC,
-        "page_size": 65536, "capacity_bytes": 1 << 30, "used_bytes": 1 << 29,
-        "pages_free": 8192, "pages_used": 8192, "pages_quarantined": 16,
-        "entries_ready": 100, "entries_writing": 3, "entries_pinned": 7,
-        "lookup_hit_keys": 5, "lookup_miss_keys": 6, "load_hit_keys": 7, "load_miss_keys": 8,
-        **{key: 1 for key in STORE_KEY_OUTCOMES.values()},
-        "store_jobs_done": 9, "load_jobs_done": 10, "evictions": 11,
-        "bytes_written": 12, "bytes_saved_dedup": 13, "engines": 2, "open_jobs": 1,
-        "aborted_jobs": {cause: 1 for cause in abort_causes()},
-        "session_roles": {role: 1 for role in session_roles()},
-        "errors": {code.name: 1 for code in P.ErrorCode},
-        "latency": {op: hist.snapshot() for op in P.REQUESTS},
-        "vote_wait": hist.snapshot(),
-    }
+    return P.StatsReply(
+        region="/dev/shm/kvtierd/kvtierd.region", pinned=pinned, generation=0xABC,
+        page_size=65536, capacity_bytes=1 << 30, used_bytes=1 << 29,
+        pages_total=16384, pages_free=8192, pages_used=8192, pages_quarantined=16,
+        entries_ready=100, entries_writing=3, entries_pinned=7, evictable=93, namespaces=1,
+        lookup_hit_keys=5, lookup_miss_keys=6, load_hit_keys=7, load_miss_keys=8,
+        **{field: 1 for field in STORE_KEY_OUTCOMES.values()},
+        store_jobs_done=9, load_jobs_done=10, evictions=11, operator_evictions=0,
+        bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1,
+        aborted_jobs={cause: 1 for cause in abort_causes()},
+        session_roles={role: 1 for role in session_roles()},
+        errors={code.name: 1 for code in P.ErrorCode},
+        latency={op: hist.snapshot() for op in P.REQUESTS},
+        vote_wait=hist.snapshot(),
+        namespace_list=[], requests={}, clients_watched=0, uptime_seconds=1.0, socket="s", admin_socket="a",
+        metrics_address=None, file_bytes=1 << 30, daemon_pid=1, stopping=False, region_problem=None,
+        sessions_heartbeat=0, checksums=False,
+    )
 
 
 class Exported:

@@ -1,0 +1,431 @@
+"""The entry index: namespaces, the (namespace, key) → entry map, pages and entry slots, eviction,
+the access clock, and recovery from the region's tables. No sockets, no threads, no jobs.
+
+An entry is one cached block of one namespace. It is WRITING from the moment a store job is
+given its pages until every rank of the job has voted (``make_ready``), then READY: visible to
+lookup and load, and evictable unless a load pins it. Its record in the region's entry table
+mirrors it; READY is the last byte written there, FREE the first (invariant 1: a restarted
+daemon never takes a half-written record for a ready one).
+
+Eviction: the policy (``kvtierd.policy``) holds exactly the READY, unpinned entries and chooses
+among them, across all namespaces; the index frees what it chooses (invariant 2: WRITING and
+pinned entries are never in the policy, so they are never chosen).
+
+Per-key work is done in C-level passes (map over attribute getters, NumPy fancy indexing of the
+entry table) rather than Python loops: a job carries up to thousands of keys, and the daemon's
+cost per key is what bounds lookup latency and keys/s (docs/benchmarks.md has the figures).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections import Counter, deque
+from itertools import repeat
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+
+from .contract.namespace import NamespaceId
+from .contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
+from .contract.region_format import ENTRY_DTYPE, EntryState, RegionView, entry_checksum, namespace_record
+from .pages import FreeStack
+from .policy import Policy
+from .recovery import scan
+
+log = logging.getLogger(__name__)
+
+_SLOT = attrgetter("slot")
+_STATE = attrgetter("state")
+_PAGES = attrgetter("pages")
+
+
+class _Absent:
+    """Stands in for a key the index does not hold, so that a state can be read for every key."""
+    state = EntryState.FREE
+
+
+_ABSENT = _Absent()
+_READY = bytes([EntryState.READY])
+
+# Monotonic counters the index keeps (Store.stats reports them with the job machine's).
+COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "store_written_keys", "store_present_keys",
+            "store_no_space_keys", "evictions", "operator_evictions")
+
+
+class Entry:
+    __slots__ = ("slot", "ns", "key", "state", "pages", "pins", "job")
+
+    def __init__(self, slot: int, ns: "Namespace", key: bytes, state: EntryState, pages: bytes, job=None):
+        self.slot = slot
+        self.ns = ns
+        self.key = key
+        self.state = state
+        self.pages = pages      # the whole chain, PAGES_DTYPE bytes (sent to clients as slices)
+        self.pins = 0           # load jobs holding this entry
+        self.job = job          # the store job writing it (WRITING only)
+
+
+class Namespace:
+    """One namespace's entries, and what every entry of it has in common."""
+
+    __slots__ = ("slot", "id", "index", "shards", "pages_per_shard", "entry_pages", "shard_bytes", "record",
+                 "users")
+
+    def __init__(self, slot: int, ns_id: NamespaceId, page_size: int):
+        self.slot = slot                  # in the region's namespace table
+        self.id = ns_id
+        self.index: dict[bytes, Entry] = {}
+        self.shards = ns_id.shards
+        self.pages_per_shard = ns_id.pages_per_shard(page_size)
+        self.entry_pages = ns_id.entry_pages(page_size)
+        self.shard_bytes = self.pages_per_shard * 4   # bytes of one shard's page list
+        self.users = 0                    # attached engines of this namespace
+        # What every new entry record of this namespace starts from.
+        self.record = np.zeros(1, ENTRY_DTYPE)
+        self.record[["state", "ns", "page_count", "length"]] = (EntryState.WRITING, slot, self.entry_pages,
+                                                                 ns_id.entry_bytes)
+
+    def pages_for(self, entries: list[Entry], rank: int) -> list[bytes]:
+        """The pages ``rank`` copies of each entry, in order: the whole chain of a replicated
+        entry (its one copy: rank 0 writes it, every rank loads it), run ``rank`` of a sharded one.
+
+        One call for a job's entries: per entry it would be a Python frame per key."""
+        if self.shards == 1:
+            return list(map(_PAGES, entries))
+        lo, hi = rank * self.shard_bytes, (rank + 1) * self.shard_bytes
+        return [e.pages[lo:hi] for e in entries]
+
+
+class Index:
+    def __init__(self, view: RegionView, policy: Policy, verify_checksums: bool = False):
+        self.view = view
+        self.geometry = view.geometry
+        self.page_size = view.geometry.page_size
+        self.policy = policy
+        self.namespaces: dict[NamespaceId, Namespace] = {}
+        self.ns_by_slot: dict[int, Namespace] = {}
+        self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
+        self.entry_count = {EntryState.WRITING: 0, EntryState.READY: 0}
+        self.pinned_entries = 0
+        self.tick = int(view.header["tick"])      # the access clock (recovery orders by it)
+        self.counters: Counter = Counter()
+        self._states = view.entries["state"]      # columns of the entry table, for vectorised writes
+        self._ticks = view.entries["tick"]
+        # The entry table as rows of bytes: NumPy scatters whole structured records ~100x slower
+        # than the same bytes as uint8 rows.
+        self._records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
+        # Recovery allocates an object or two per entry, millions of them: the cyclic collector's
+        # passes over the growing heap cost 40% of it (and find nothing to collect) if left on.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.recovered = self._recover(verify_checksums)
+        finally:
+            if collecting:
+                gc.enable()
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, verify_checksums: bool) -> dict[str, int]:
+        """Rebuild the index, the policy's order and the free pages and slots from the tables.
+
+        READY entries whose namespace record and page chain are sound (``recovery.scan``) are
+        kept, oldest tick first in the policy; WRITING entries (a copy or vote that never
+        finished) are discarded, as are entries whose chain is broken or shares a page with an
+        earlier entry, and damaged records. Nothing in the tables can make recovery raise.
+        """
+        view = self.view
+        found = scan(view, verify_checksums=verify_checksums)
+        for slot, why in found.damaged_namespaces.items():
+            log.warning("namespace slot %d is damaged (%s); discarding it and its entries", slot, why)
+            view.namespaces[slot]["in_use"] = 0
+        for slot, ns_id in found.namespaces.items():
+            ns = Namespace(slot, ns_id, self.page_size)
+            self.namespaces[ns_id] = ns
+            self.ns_by_slot[slot] = ns
+        states = self._states
+        for slot, why in found.problems:
+            log.warning("entry %d discarded: %s", slot, why)
+            states[slot] = EntryState.FREE
+        states[found.writing] = EntryState.FREE
+        # A region holds millions of entries: the objects are built with C-level loops (map, zip).
+        slots = found.ready_slots.tolist()
+        kept = list(map(Entry, slots, map(self.ns_by_slot.__getitem__, found.ready_ns.tolist()), found.ready_keys,
+                        repeat(EntryState.READY), found.ready_pages))
+        if len(self.namespaces) == 1:
+            next(iter(self.namespaces.values())).index.update(zip(found.ready_keys, kept))
+        else:
+            for key, entry in zip(found.ready_keys, kept):
+                entry.ns.index[key] = entry
+        deque(map(self.by_slot.__setitem__, slots, kept), 0)
+        self.policy.recovered(slots)
+        self.entry_count[EntryState.READY] = len(kept)
+        self.pages = FreeStack(self.geometry.num_pages, np.flatnonzero(found.owner >= 0))
+        self.slots = FreeStack(self.geometry.entry_slots, np.flatnonzero(states != EntryState.FREE))
+        if len(view.entries):
+            self.tick = max(self.tick, int(view.entries["tick"].max()))
+        return {"ready": len(kept), "writing_discarded": len(found.writing),
+                "corrupt_discarded": len(found.problems)}
+
+    # ------------------------------------------------------------------ namespaces
+    def namespace(self, ns_id: NamespaceId) -> Namespace:
+        """The namespace of ``ns_id``, recorded in the namespace table when it is new (a table slot
+        of an empty namespace that no engine uses is taken over when the table is full)."""
+        ns = self.namespaces.get(ns_id)
+        if ns is not None:
+            return ns
+        if ns_id.entry_pages(self.page_size) > self.geometry.num_pages:
+            raise RequestError(ErrorCode.NO_SPACE,
+                               f"one block of {ns_id.name()} needs {ns_id.entry_pages(self.page_size)} pages; "
+                               f"the region has {self.geometry.num_pages}")
+        table = self.view.namespaces
+        free = np.flatnonzero(table["in_use"] == 0)
+        if len(free) == 0:
+            empty = [n for n in self.namespaces.values() if not n.index and not n.users]
+            if not empty:
+                raise RequestError(ErrorCode.NO_SPACE, f"all {len(table)} namespace slots are in use")
+            slot = empty[0].slot
+            del self.namespaces[empty[0].id]
+        else:
+            slot = int(free[0])
+        table[slot] = namespace_record(ns_id)
+        ns = Namespace(slot, ns_id, self.page_size)
+        self.namespaces[ns_id] = ns
+        self.ns_by_slot[slot] = ns
+        log.info("namespace %d: %s", slot, ns_id.name())
+        return ns
+
+    def namespace_stats(self) -> list[dict]:
+        return [{"slot": ns.slot, "name": ns.id.name(), "entries": len(ns.index),
+                 "entry_pages": ns.entry_pages} for ns in self.namespaces.values()]
+
+    # ------------------------------------------------------------------ lookup and access
+    def lookup(self, ns: Namespace, keys: list[bytes]) -> int:
+        """How many leading keys are READY; accesses them (they are about to be used)."""
+        hits = self.ready_prefix(ns, keys)
+        self.access(hits)
+        self.counters["lookup_hit_keys"] += len(hits)
+        self.counters["lookup_miss_keys"] += len(keys) - len(hits)
+        return len(hits)
+
+    @staticmethod
+    def ready_prefix(ns: Namespace, keys: list[bytes]) -> list[Entry]:
+        """The entries of the leading keys that are in the namespace and READY."""
+        entries = list(map(ns.index.get, keys, repeat(_ABSENT)))
+        states = bytes(map(_STATE, entries))               # one byte per key
+        hits = len(states) - len(states.lstrip(_READY))
+        return entries if hits == len(entries) else entries[:hits]
+
+    def access(self, entries: list[Entry]) -> None:
+        """The entries were just used: the policy hears it, and they get a new tick."""
+        if entries:
+            slots = list(map(_SLOT, entries))
+            self.policy.accessed(slots)
+            self.stamp(slots)
+
+    def stamp(self, slots: list[int]) -> None:
+        """A new access tick for these entries in the table (recovery rebuilds the policy's order from it)."""
+        self.tick += 1
+        self._ticks[np.fromiter(slots, np.intp, len(slots))] = self.tick
+
+    def pin(self, entries: list[Entry]) -> None:
+        """A load holds the entries: the newly pinned leave the policy; all get a new tick."""
+        pinned = []
+        for entry in entries:
+            entry.pins += 1
+            if entry.pins == 1:
+                pinned.append(entry.slot)
+        self.policy.pinned(pinned)
+        self.pinned_entries += len(pinned)
+        if entries:            # pinned: out of the policy until released; only the tick moves
+            self.stamp(list(map(_SLOT, entries)))
+
+    def unpin(self, entries: list[Entry]) -> None:
+        unpinned = []
+        for entry in entries:
+            entry.pins -= 1
+            if entry.pins == 0:
+                unpinned.append(entry.slot)
+        self.pinned_entries -= len(unpinned)
+        self.policy.unpinned(unpinned)
+
+    # ------------------------------------------------------------------ store decisions
+    def decide_store(self, ns: Namespace, keys: list[bytes], job: Any) -> tuple[list[StoreOutcome], list[Entry]]:
+        """Per key: PRESENT (READY, or WRITING by another job: accessed and never evicted for this
+        job), WRITE (a new WRITING entry with pages, written by ``job``), or NO_SPACE — after the
+        first key that does not fit, every later new key. Returns (outcomes, new entries)."""
+        found = list(map(ns.index.get, keys))    # keys of a job are distinct (protocol)
+        present = [e for e in found if e is not None]
+        self.access([e for e in present if e.state is EntryState.READY])
+        new_keys = [k for k, e in zip(keys, found) if e is None]
+        fit = self._make_room(len(new_keys), ns.entry_pages, set(map(_SLOT, present)))
+        entries = self._new_entries(ns, new_keys[:fit], job)
+        decided = iter([StoreOutcome.WRITE] * fit + [StoreOutcome.NO_SPACE] * (len(new_keys) - fit))
+        outcomes = [StoreOutcome.PRESENT if e is not None else next(decided) for e in found]
+        self.counters["store_written_keys"] += fit
+        self.counters["store_present_keys"] += len(present)
+        self.counters["store_no_space_keys"] += len(new_keys) - fit
+        return outcomes, entries
+
+    def _make_room(self, count: int, entry_pages: int, exclude: set[int]) -> int:
+        """Evict the policy's victims (never those in ``exclude``: the job's present keys) until
+        ``count`` entries of ``entry_pages`` fit, or nothing evictable is left. Returns how many
+        fit: the job writes that prefix of its new keys and the rest get NO_SPACE."""
+        need = count * entry_pages - self.pages.free_count
+        if need > 0:
+            victims = []
+            for slot in self.policy.victims(exclude):
+                victims.append(self.by_slot[slot])
+                need -= victims[-1].ns.entry_pages
+                if need <= 0:
+                    break
+            self._evict(victims)
+        return min(count, self.pages.free_count // entry_pages)
+
+    def _new_entries(self, ns: Namespace, keys: list[bytes], job: Any) -> list[Entry]:
+        """WRITING entries for ``keys``, with pages (there is room: ``_make_room``) and records."""
+        n = len(keys)
+        if n == 0:
+            return []
+        pages = np.asarray(self.pages.alloc(n * ns.entry_pages), dtype=PAGES_DTYPE).reshape(n, -1)
+        slots = self.slots.alloc(n)
+        # The records are built in a fresh array and written with one scatter. A torn write is
+        # harmless: recovery discards WRITING records.
+        rec = np.repeat(ns.record, n)
+        rec["first_page"] = pages[:, 0]
+        rec["tick"] = self.tick
+        lengths = list(map(len, keys))
+        rec["key_len"] = lengths
+        if len(set(lengths)) == 1:
+            rec["key"][:, :lengths[0]] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, -1)
+        else:
+            for i, key in enumerate(keys):      # keys of mixed lengths (unusual): row by row
+                rec["key"][i, :len(key)] = np.frombuffer(key, np.uint8)
+        self._records[np.asarray(slots)] = rec.view(np.uint8).reshape(n, -1)
+        self.view.write_chain(pages)
+        entries = list(map(Entry, slots, repeat(ns), keys, repeat(EntryState.WRITING),
+                           pages.view(f"V{pages.shape[1] * 4}").ravel().tolist(), repeat(job)))
+        ns.index.update(zip(keys, entries))
+        deque(map(self.by_slot.__setitem__, slots, entries), 0)
+        self.entry_count[EntryState.WRITING] += n
+        return entries
+
+    def make_ready(self, entries: list[Entry], shard_sums: list[list[int]] | None = None) -> None:
+        """Every rank voted: the WRITING entries become READY (and evictable), in order.
+        ``shard_sums`` holds each writer's checksums of its shard of every entry, in rank order."""
+        self.tick += 1
+        slots = list(map(_SLOT, entries))
+        for entry in entries:
+            entry.state = EntryState.READY
+            entry.job = None
+        self._ticks[slots] = self.tick
+        self.view.entries["checksum"][slots] = [entry_checksum([sums[i] for sums in shard_sums])
+                                                for i in range(len(entries))] if shard_sums else 0
+        self._states[slots] = EntryState.READY    # last: the records are complete before they say READY
+        self.policy.inserted(slots, chain=True)
+        self.entry_count[EntryState.WRITING] -= len(entries)
+        self.entry_count[EntryState.READY] += len(entries)
+
+    def abandon(self, entries: list[Entry]) -> list[int]:
+        """Forget the WRITING entries of an aborted job. Returns their pages, which stay taken:
+        a writer may still be copying into them (``release_pages`` once none can)."""
+        pages = self._pages_of(entries)
+        self._free_entries(entries)
+        return pages
+
+    def release_pages(self, pages: list[int]) -> None:
+        self.pages.free(pages)
+
+    # ------------------------------------------------------------------ eviction and freeing
+    def evict(self, namespace: str | None, count: int | None) -> int:
+        """Operator eviction: up to ``count`` (None: all) of the policy's victims in the namespace
+        named ``namespace`` (None: any). Pinned and WRITING entries stay."""
+        if namespace is not None and not any(ns.id.name() == namespace for ns in self.namespaces.values()):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"no namespace {namespace!r}; kvtierctl namespaces lists them")
+        victims = [self.by_slot[slot] for slot in self.policy.victims()
+                   if namespace is None or self.by_slot[slot].ns.id.name() == namespace]
+        victims = victims if count is None else victims[:count]
+        self._evict(victims, "operator_evictions")
+        if victims:
+            log.info("operator evicted %d entries (namespace %s)", len(victims), namespace or "any")
+        return len(victims)
+
+    def _evict(self, entries: list[Entry], counter: str = "evictions") -> None:
+        pages = self._pages_of(entries)
+        self._free_entries(entries)
+        self.pages.free(pages)
+        self.counters[counter] += len(entries)
+
+    @staticmethod
+    def _pages_of(entries: list[Entry]) -> list[int]:
+        return np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).tolist()
+
+    def _free_entries(self, entries: list[Entry]) -> None:
+        """Forget entries: out of the table first (state FREE), the index and the policy."""
+        if not entries:
+            return
+        slots = list(map(_SLOT, entries))
+        self._states[slots] = EntryState.FREE
+        by_slot, count = self.by_slot, self.entry_count
+        for entry in entries:
+            del entry.ns.index[entry.key]
+            by_slot[entry.slot] = None
+            count[entry.state] -= 1
+            entry.state = EntryState.FREE
+        self.policy.removed(slots)
+        self.slots.free(slots)
+
+    # ------------------------------------------------------------------ stats and checks
+    def stats(self) -> dict:
+        pages, page_size = self.pages, self.page_size
+        return {
+            "capacity_bytes": self.geometry.capacity_bytes,
+            "page_size": page_size,
+            "pages_total": pages.total,
+            "pages_free": pages.free_count,
+            "pages_used": pages.used_count,
+            "used_bytes": pages.used_count * page_size,
+            "entries_ready": self.entry_count[EntryState.READY],
+            "entries_writing": self.entry_count[EntryState.WRITING],
+            "entries_pinned": self.pinned_entries,
+            "evictable": len(self.policy),
+            "namespaces": len(self.namespaces),
+        }
+
+    def verify(self, quarantined: list[int]) -> None:
+        """Check the index against itself and the entry table (tests, ``Store.verify``): every
+        page is exactly one of free, held by one live entry, or ``quarantined``; every slot is
+        free or holds one entry; the policy holds exactly the READY unpinned entries; the table's
+        records match the index."""
+        owner = np.full(self.geometry.num_pages, -1, dtype=np.int64)
+        free = self.pages.free_ids()
+        assert len(np.unique(free)) == len(free), "a page is free twice"
+        owner[free] = -2
+        assert (owner[quarantined] == -1).all(), "a quarantined page is also free"
+        owner[quarantined] = -3
+        free_slots = self.slots.free_ids()
+        assert len(np.unique(free_slots)) == len(free_slots), "an entry slot is free twice"
+        assert all(self.by_slot[s] is None for s in free_slots.tolist()), "a free slot holds an entry"
+        assert len(free_slots) + sum(map(len, (ns.index for ns in self.namespaces.values()))) == \
+            self.geometry.entry_slots, "entry slots leaked"
+        table = self.view.entries
+        for ns in self.namespaces.values():
+            for key, entry in ns.index.items():
+                pages = np.frombuffer(entry.pages, PAGES_DTYPE).astype(np.int64)
+                assert len(pages) == ns.entry_pages, f"entry {entry.slot} has {len(pages)} pages"
+                assert (owner[pages] == -1).all(), f"entry {entry.slot} shares a page"
+                owner[pages] = entry.slot
+                assert self.by_slot[entry.slot] is entry
+                rec = table[entry.slot]
+                assert int(rec["state"]) == entry.state and bytes(rec["key"][: rec["key_len"]]) == key
+                assert np.array_equal(self.view.chain_of(entry.slot), pages)
+                evictable = entry.state is EntryState.READY and entry.pins == 0
+                assert (entry.slot in self.policy) == evictable, f"entry {entry.slot} policy membership"
+        assert (owner != -1).all(), f"{int((owner == -1).sum())} pages leaked"
+        assert len(self.policy) == sum(1 for e in self.by_slot if e is not None
+                                       and e.state is EntryState.READY and e.pins == 0)
+
+    def persist_tick(self) -> None:
+        """Write the access clock to the header (a clean stop)."""
+        self.view.header["tick"] = self.tick

@@ -1,0 +1,386 @@
+"""The job machine: store and load jobs, their votes and pins, aborts, deadlines, tombstones and
+the page fence. No sockets, no threads; the index holds the entries and pages a job works on.
+
+Jobs are identified by (engine id, job id). The first request of a job, from any session of the
+engine, fixes its decision; every later request of the job must name the same kind and keys and
+gets the same decision, or the job aborts with CONFLICT (invariant 4).
+
+Store job: the index decides per key (PRESENT, WRITE with pages, or NO_SPACE for the rest once one
+key does not fit). Writers are rank 0 for a replicated namespace and every rank for a sharded one.
+A non-writer's store request is its vote; a writer votes with ``commit`` after its copy completed.
+When all world_size ranks voted, the job's entries become READY (invariant 5).
+
+Load job: the leading READY keys are the hits; they are pinned (not evictable) until every rank
+released the job, then unpinned (invariant 2).
+
+Abort (failed vote, conflict, timeout, a rank leaving or dying, the engine leaving): WRITING
+entries leave the index at once, so nobody can see them; their pages are *fenced* — kept out of
+the free pages (``quarantine``) until no writer that was handed them may still be copying into
+them (every such writer committed, left or died), or at the latest one ``job_timeout`` later — so
+an aborted job's late copy can never land in another entry's pages. A load job's pins are
+dropped; a rank that releases it afterwards learns that it was aborted and must treat the blocks
+it copied as a miss.
+
+Finished and aborted jobs are remembered (a bounded tombstone list per engine), so a late request
+for them gets a precise error instead of silently opening a new job with a reused id.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from .contract.namespace import Sharding
+from .contract.protocol import AbortCause, ErrorCode, JobKind, JobState, RequestError
+from .histogram import Histogram
+from .index import Index, Namespace
+from .sessions import Session, SessionEnd
+
+log = logging.getLogger(__name__)
+
+TOMBSTONES = 65536
+
+# Monotonic counters the job machine keeps (Store.stats reports them with the index's).
+COUNTERS = ("store_aborted_keys", "store_jobs_done", "load_hit_keys", "load_miss_keys", "load_jobs_done",
+            "bytes_written", "bytes_saved_dedup")
+
+
+@dataclass(eq=False)
+class Engine:
+    """An attached engine: its sessions by role, its jobs, and the tombstones of its past jobs."""
+
+    id: str
+    world_size: int
+    ns: Namespace
+    ranks: dict[int, Session] = field(default_factory=dict)
+    coordinators: set = field(default_factory=set)
+    jobs: dict[int, "Job"] = field(default_factory=dict)
+    # Finished and aborted jobs, newest last: a late request for one gets a precise error. They
+    # go with the engine: a restarted engine (new sessions, same id) may count job ids from 0.
+    tombstones: OrderedDict = field(default_factory=OrderedDict)
+
+    @property
+    def writers(self) -> frozenset[int]:
+        if self.ns.id.sharding is Sharding.REPLICATED:
+            return frozenset({0})
+        return frozenset(range(self.world_size))
+
+
+@dataclass(eq=False)
+class Job:
+    engine: Engine
+    id: int
+    kind: JobKind
+    keys: list
+    deadline: float
+    outcomes: list = field(default_factory=list)   # store: StoreOutcome per key
+    entries: list = field(default_factory=list)    # store: entries being written; load: pinned hits
+    seen: set = field(default_factory=set)         # ranks that got the decision
+    done_ranks: set = field(default_factory=set)   # store: voted; load: released
+    state: JobState = JobState.OPEN
+    cause: AbortCause | None = None
+    quarantine: list = field(default_factory=list)  # pages of an aborted store job not yet freed
+    copying: set = field(default_factory=set)       # writers that may still copy into them
+    quarantine_deadline: float = 0.0
+    opened: float = 0.0                             # clock() at the first request (vote-wait metric)
+    shard_sums: dict = field(default_factory=dict)  # writer rank → checksum of its shard per entry
+
+
+class Jobs:
+    def __init__(self, index: Index, job_timeout: float = 30.0, clock=time.monotonic, checksums: bool = False):
+        self.index = index
+        self.job_timeout = job_timeout
+        self.clock = clock
+        self.checksums = checksums        # keep writers' checksums of their shards
+        self.engines: dict[str, Engine] = {}
+        # (deadline, seq, engine id, job id): ids, not the Job, so that a finished job is freed at
+        # once instead of living on in the heap until its deadline comes up.
+        self._deadlines: list[tuple[float, int, str, int]] = []
+        self._seq = itertools.count()
+        self.counters: Counter = Counter()
+        self.aborted: Counter = Counter()   # AbortCause value → jobs
+        self.vote_wait = Histogram()        # first request of a store job → its last vote
+
+    # ------------------------------------------------------------------ open, join, find
+    def _job(self, session: Session, job_id: int, kind: JobKind, keys: list[bytes]) -> tuple[Job, bool]:
+        """The open job (engine, job_id), checked against ``kind`` and ``keys``; or a new one."""
+        engine = session.engine
+        job = engine.jobs.get(job_id)
+        if job is None or job.state is not JobState.OPEN:
+            if job is not None:     # aborted, pages still quarantined: the id stays taken (its
+                self._refuse_aborted(job.kind, job_id, job.cause)   # tombstone may be gone)
+            self._refuse_finished(engine, job_id)
+            now = self.clock()
+            job = Job(engine, job_id, kind, keys, now + self.job_timeout, opened=now)
+            engine.jobs[job_id] = job
+            heapq.heappush(self._deadlines, (job.deadline, next(self._seq), engine.id, job_id))
+            return job, True
+        if job.kind is not kind or job.keys != keys:
+            self._abort(job, AbortCause.CONFLICT)
+            what = f"a {job.kind.value} job" if job.kind is not kind else "a job with different keys"
+            raise RequestError(ErrorCode.CONFLICT,
+                               f"job {job_id} of engine {engine.id!r} was opened as {what}; "
+                               f"{session.role} asked for a {kind.value} of {len(keys)} keys. The job is aborted")
+        return job, False
+
+    def _refuse_finished(self, engine: Engine, job_id: int) -> None:
+        tomb = engine.tombstones.get(job_id)
+        if tomb is None:
+            return
+        kind, state, cause = tomb
+        if state is JobState.ABORTED:
+            self._refuse_aborted(kind, job_id, cause)
+        raise RequestError(ErrorCode.CONFLICT, f"{kind.value} job {job_id} already finished; job ids are not reused")
+
+    @staticmethod
+    def _refuse_aborted(kind: JobKind, job_id: int, cause: AbortCause) -> None:
+        code = ErrorCode.TIMEOUT if cause is AbortCause.TIMEOUT else ErrorCode.ABORTED
+        raise RequestError(code, f"{kind.value} job {job_id} was aborted ({cause.value})")
+
+    def _open_job(self, session: Session, job_id: int, kind: JobKind) -> Job:
+        job = session.engine.jobs.get(job_id)
+        if job is None or job.state is not JobState.OPEN:
+            if job is not None:
+                self._refuse_aborted(job.kind, job_id, job.cause)
+            self._refuse_finished(session.engine, job_id)
+            raise RequestError(ErrorCode.UNKNOWN_JOB, f"no job {job_id} for engine {session.engine.id!r}")
+        if job.kind is not kind:
+            raise RequestError(ErrorCode.CONFLICT, f"job {job_id} is a {job.kind.value} job")
+        return job
+
+    @staticmethod
+    def _rank_of(session: Session, what: str) -> int:
+        if session.rank is None:
+            raise RequestError(ErrorCode.FORBIDDEN, f"a coordinator session cannot {what}; ranks do")
+        return session.rank
+
+    # ------------------------------------------------------------------ store
+    def store(self, session: Session, job_id: int, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
+        """Open or join a store job. Returns (outcome per key, this rank's pages per WRITE key).
+
+        A writer rank gets its shard's pages for each WRITE key (in key order) and must commit
+        after copying; a non-writer rank's request is its vote; a coordinator gets no pages.
+        """
+        job, new = self._job(session, job_id, JobKind.STORE, keys)
+        if new:
+            job.outcomes, job.entries = self.index.decide_store(job.engine.ns, keys, job)
+        rank = session.rank
+        if rank is None:
+            return job.outcomes, []
+        job.seen.add(rank)
+        if rank in job.engine.writers:
+            return job.outcomes, job.engine.ns.pages_for(job.entries, rank)
+        self._vote(job, rank)
+        return job.outcomes, []
+
+    def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
+        """A rank's vote on a store job; writers send it after their copy completed, with the
+        checksums of their shard of each entry when the daemon keeps checksums."""
+        rank = self._rank_of(session, "vote")
+        job = self._find_for_vote(session, job_id)
+        if job.state is JobState.ABORTED:       # a writer acknowledging an aborted job's copy
+            self._writer_gone(job, rank)
+            self._refuse_aborted(job.kind, job_id, job.cause)
+        if rank not in job.seen:
+            raise RequestError(ErrorCode.CONFLICT, f"rank {rank} commits store job {job_id} before storing it")
+        if not ok:
+            self._abort(job, AbortCause.VOTE_FAILED)
+            self._writer_gone(job, rank)        # a writer voting no is not copying any more
+            return
+        if checksums is not None:
+            writes = len(job.entries) if rank in job.engine.writers else 0
+            if rank not in job.engine.writers or len(checksums) != len(job.entries):
+                raise RequestError(ErrorCode.BAD_REQUEST, f"commit of job {job_id} carries {len(checksums)} "
+                                   f"checksums; rank {rank} writes {writes} entries")
+            job.shard_sums[rank] = checksums
+        self._vote(job, rank)
+
+    def _find_for_vote(self, session: Session, job_id: int) -> Job:
+        job = session.engine.jobs.get(job_id)
+        if job is not None and job.kind is JobKind.STORE and job.quarantine:
+            return job                        # aborted, its pages wait for this writer
+        return self._open_job(session, job_id, JobKind.STORE)
+
+    def _vote(self, job: Job, rank: int) -> None:
+        job.done_ranks.add(rank)
+        engine = job.engine
+        if len(job.done_ranks) < engine.world_size:
+            return
+        # Every rank voted, the writers after their copies: the entries become READY.
+        writers = sorted(engine.writers)
+        sums = [job.shard_sums[r] for r in writers] if self.checksums and all(
+            r in job.shard_sums for r in writers) else None
+        self.index.make_ready(job.entries, sums)
+        n = len(job.entries)
+        ns_id = engine.ns.id
+        self.counters["bytes_written"] += n * ns_id.entry_bytes
+        if ns_id.sharding is Sharding.REPLICATED:
+            self.counters["bytes_saved_dedup"] += n * ns_id.block_bytes * (engine.world_size - 1)
+        self.counters["store_jobs_done"] += 1
+        self.vote_wait.observe(self.clock() - job.opened)
+        self._finish(job, JobState.DONE)
+
+    # ------------------------------------------------------------------ load
+    def load(self, session: Session, job_id: int, keys: list[bytes]) -> tuple[int, list[bytes]]:
+        """Open or join a load job. Returns (hits, this rank's pages per hit key).
+
+        The first request pins the READY prefix of ``keys``; they stay pinned until every rank
+        released the job (or it is aborted).
+        """
+        job, new = self._job(session, job_id, JobKind.LOAD, keys)
+        if new:
+            job.entries = self.index.ready_prefix(job.engine.ns, keys)
+            self.index.pin(job.entries)
+            self.counters["load_hit_keys"] += len(job.entries)
+            self.counters["load_miss_keys"] += len(keys) - len(job.entries)
+        hits = len(job.entries)
+        if session.rank is None:
+            return hits, []
+        job.seen.add(session.rank)
+        return hits, job.engine.ns.pages_for(job.entries, session.rank)
+
+    def release(self, session: Session, job_id: int) -> None:
+        """A rank finished copying a load job's blocks out of the region."""
+        rank = self._rank_of(session, "release a load")
+        job = self._open_job(session, job_id, JobKind.LOAD)
+        if rank not in job.seen:
+            raise RequestError(ErrorCode.CONFLICT, f"rank {rank} releases load job {job_id} before loading it")
+        job.done_ranks.add(rank)
+        if len(job.done_ranks) == job.engine.world_size:
+            self._unpin(job)
+            self.counters["load_jobs_done"] += 1
+            self._finish(job, JobState.DONE)
+
+    def _unpin(self, job: Job) -> None:
+        self.index.unpin(job.entries)
+        job.entries = []
+
+    # ------------------------------------------------------------------ abort and finish
+    def abort(self, session: Session, job_id: int) -> None:
+        """Any session of the engine gives up an open job; aborting an aborted job is a no-op."""
+        job = session.engine.jobs.get(job_id)
+        if job is not None and job.state is JobState.OPEN:
+            self._abort(job, AbortCause.ABORTED_BY_CLIENT)
+            return
+        tomb = session.engine.tombstones.get(job_id)
+        if tomb is not None and tomb[1] is JobState.ABORTED:
+            return
+        self._open_job(session, job_id, JobKind.STORE)   # raises the precise error
+
+    def _abort(self, job: Job, cause: AbortCause) -> None:
+        if job.state is not JobState.OPEN:
+            return
+        job.cause = cause
+        if job.kind is JobKind.STORE:
+            # Writers that were handed pages and may still be copying into them.
+            live_writers = {r for r in job.seen & job.engine.writers if r in job.engine.ranks}
+            job.copying = live_writers - job.done_ranks
+            self.counters["store_aborted_keys"] += len(job.entries)
+            job.quarantine.extend(self.index.abandon(job.entries))
+            job.entries = []
+            job.quarantine_deadline = self.clock() + self.job_timeout
+            self._free_quarantine(job)
+        else:
+            self._unpin(job)
+        self.aborted[cause.value] += 1
+        log.info("%s job %d of engine %r aborted: %s", job.kind.value, job.id, job.engine.id, cause.value)
+        self._finish(job, JobState.ABORTED)
+
+    def _writer_gone(self, job: Job, rank: int) -> None:
+        job.copying.discard(rank)
+        self._free_quarantine(job)
+
+    def _free_quarantine(self, job: Job) -> None:
+        if job.quarantine and (not job.copying or self.clock() >= job.quarantine_deadline):
+            self.index.release_pages(job.quarantine)
+            job.quarantine = []
+        if not job.quarantine and job.state is not JobState.OPEN:
+            job.engine.jobs.pop(job.id, None)
+        elif job.quarantine:
+            heapq.heappush(self._deadlines, (job.quarantine_deadline, next(self._seq), job.engine.id, job.id))
+
+    def _finish(self, job: Job, state: JobState) -> None:
+        job.state = state
+        tombstones = job.engine.tombstones
+        tombstones[job.id] = (job.kind, state, job.cause)
+        if len(tombstones) > TOMBSTONES:
+            tombstones.popitem(last=False)
+        if not job.quarantine:
+            job.engine.jobs.pop(job.id, None)
+
+    # ------------------------------------------------------------------ sessions leaving
+    def rank_gone(self, engine: Engine, rank: int, end: SessionEnd) -> None:
+        """A rank's session ended: the open jobs still waiting for it abort (``rank_<end>``), and
+        the quarantines stop waiting for it to commit."""
+        cause = AbortCause(f"rank_{end.value}")
+        for job in list(engine.jobs.values()):
+            if job.state is JobState.OPEN and rank not in job.done_ranks:
+                self._abort(job, cause)
+        for job in list(engine.jobs.values()):
+            if job.quarantine:
+                self._writer_gone(job, rank)
+
+    def engine_gone(self, engine: Engine) -> None:
+        """The engine's last session ended: its open jobs abort, its quarantines are freed at once
+        (no writer of it is left to copy), and it is forgotten with its tombstones."""
+        for job in list(engine.jobs.values()):
+            if job.state is JobState.OPEN:
+                self._abort(job, AbortCause.ENGINE_LEFT)
+            job.quarantine_deadline = 0.0
+            self._free_quarantine(job)
+        del self.engines[engine.id]
+
+    # ------------------------------------------------------------------ deadlines
+    def expire(self) -> float | None:
+        """Abort jobs past their deadline, free quarantines past theirs. Returns the next deadline."""
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, engine_id, job_id = heapq.heappop(self._deadlines)
+            engine = self.engines.get(engine_id)
+            job = engine.jobs.get(job_id) if engine is not None else None
+            if job is None:
+                continue                      # finished, or its engine left: nothing to expire
+            if job.state is JobState.OPEN and job.deadline <= now:
+                self._abort(job, AbortCause.TIMEOUT)
+            elif job.quarantine and job.quarantine_deadline <= now:
+                self._free_quarantine(job)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    # ------------------------------------------------------------------ what is going on
+    def job_states(self, session: Session, job_ids: list[int]) -> list[dict]:
+        out = []
+        for job_id in job_ids:
+            job = session.engine.jobs.get(job_id)
+            if job is not None and job.state is JobState.OPEN:
+                out.append({"job": job_id, "kind": job.kind.value, "state": JobState.OPEN.value,
+                            "waiting": job.engine.world_size - len(job.done_ranks)})
+                continue
+            tomb = session.engine.tombstones.get(job_id)
+            if tomb is None:
+                out.append({"job": job_id, "state": "unknown"})
+            else:
+                kind, state, cause = tomb
+                out.append({"job": job_id, "kind": kind.value, "state": state.value,
+                            "cause": cause.value if cause else ""})
+        return out
+
+    def open_jobs(self, kind: JobKind | None = None) -> int:
+        return sum(1 for e in self.engines.values() for j in e.jobs.values()
+                   if j.state is JobState.OPEN and (kind is None or j.kind is kind))
+
+    def quarantined(self) -> list[int]:
+        """Every fenced page (aborted store jobs' pages that a writer may still copy into)."""
+        return [p for e in self.engines.values() for j in e.jobs.values() for p in j.quarantine]
+
+    def stats(self) -> dict:
+        return {
+            "pages_quarantined": sum(len(j.quarantine) for e in self.engines.values() for j in e.jobs.values()),
+            "engines": len(self.engines),
+            "open_jobs": self.open_jobs(),
+            "aborted_jobs": dict(self.aborted),
+            "vote_wait": self.vote_wait.snapshot(),
+        }

@@ -1,0 +1,112 @@
+"""What the store's unit tests share: a region in memory, a fake clock, engines and the whole
+store and load protocols (``Env``), and ``err`` for expected error codes.
+
+No sockets, no files: the region is a RegionView over an in-memory buffer (4 KiB pages), and
+time is a fake clock the tests advance. Every scenario ends with ``store.verify()`` (the store's
+own consistency checker); the ``env`` fixture (conftest.py) also runs it at teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from kvtierd.contract.namespace import NamespaceId
+from kvtierd.contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
+from kvtierd.contract.region_format import EntryState, Geometry, RegionView
+from kvtierd.store import Store
+
+PAGE = 4096
+W, P, N = StoreOutcome.WRITE, StoreOutcome.PRESENT, StoreOutcome.NO_SPACE
+TIMEOUT = 10.0
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def make_view(num_pages: int) -> RegionView:
+    geo = Geometry.for_pages(num_pages, PAGE)
+    view = RegionView(bytearray(geo.file_bytes), geo)
+    view.format(generation=1, created_unix_ns=0)
+    return view
+
+
+def reopen(view: RegionView, clock=None) -> Store:
+    """A restarted daemon: a fresh Store over the same region bytes."""
+    return Store(RegionView(view.raw, view.geometry), job_timeout=TIMEOUT, clock=clock or FakeClock())
+
+
+def lay(kind: str = "replicated", world_size: int = 1, block_bytes: int = PAGE, model: str = "m",
+        dtype: str = "bf16", block_tokens: int = 16) -> NamespaceId:
+    return NamespaceId.from_wire({"model": model, "dtype": dtype, "block_tokens": block_tokens,
+                                  "block_bytes": block_bytes, "sharding": kind}, world_size)
+
+
+def keys(prefix: str, n: int, start: int = 0) -> list[bytes]:
+    return [f"{prefix}{i}".encode() for i in range(start, start + n)]
+
+
+def pages(p: bytes) -> list[int]:
+    return np.frombuffer(p, PAGES_DTYPE).tolist()
+
+
+class Env:
+    def __init__(self, num_pages: int = 64):
+        self.clock = FakeClock()
+        self.view = make_view(num_pages)
+        self.store = Store(self.view, job_timeout=TIMEOUT, clock=self.clock)
+
+    def ranks(self, engine: str, world_size: int, layout: NamespaceId) -> list:
+        return [self.store.attach(engine, r, world_size, layout) for r in range(world_size)]
+
+    def engine(self, engine: str, world_size: int = 1, kind: str = "replicated", **kw) -> list:
+        return self.ranks(engine, world_size, lay(kind, world_size, **kw))
+
+    def put(self, sessions: list, job: int, ks: list[bytes]) -> tuple[list, dict]:
+        """The whole store protocol: every rank stores, then the writers commit."""
+        outcomes, got = None, {}
+        for s in sessions:
+            outcomes, got[s.rank] = self.store.store(s, job, ks)
+        for s in sessions:
+            if s.rank in s.engine.writers:
+                self.store.commit(s, job, True)
+        return outcomes, got
+
+    def get(self, sessions: list, job: int, ks: list[bytes]) -> tuple[int, dict]:
+        """The whole load protocol: every rank loads, then releases."""
+        hits, got = None, {}
+        for s in sessions:
+            hits, got[s.rank] = self.store.load(s, job, ks)
+        for s in sessions:
+            self.store.release(s, job)
+        return hits, got
+
+    def has(self, session, key: bytes) -> bool:
+        """Without touching the LRU (unlike lookup)."""
+        e = session.engine.ns.index.get(key)
+        return e is not None and e.state is EntryState.READY
+
+    def stats(self) -> dict:
+        return self.store.stats()
+
+
+def small(num_pages: int) -> Env:
+    return Env(num_pages)
+
+
+@contextlib.contextmanager
+def err(code: ErrorCode):
+    """Expect a RequestError with exactly this code."""
+    with pytest.raises(RequestError) as info:
+        yield info
+    assert info.value.code is code, f"expected {code.name}, got {info.value.code.name}: {info.value.message}"

@@ -1,0 +1,199 @@
+"""kvtierd.server: dispatch without sockets (``Server.handle``, ``Server.handle_admin``), and every
+reply the daemon builds matching the shape ``protocol`` declares for it.
+
+A real region (a small file in a tmp directory, unpinned) and a real store; the server is built
+but never ``listen``\\ s, so frames go straight into ``handle`` and replies come straight out.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvtierd.contract import protocol as P
+from kvtierd.contract.namespace import NamespaceId
+from kvtierd.contract.protocol import ErrorCode
+from kvtierd.region import Region
+from kvtierd.server import Server
+from kvtierd.sessions import own_pid_namespace
+from kvtierd.store import Store
+
+NS = NamespaceId("server-model", "bfloat16", 16, 4096)
+KEYS = [bytes([i]) * 36 for i in range(4)]
+
+
+class Dispatch:
+    def __init__(self, directory: str):
+        self.region = Region.open(directory, "srv", 16 << 20, 65536, pin="off")
+        self.store = Store(self.region.view, job_timeout=30.0)
+        self.server = Server(self.store, self.region, heartbeat_timeout=6.0)
+        self.rids = iter(range(1, 1 << 30))
+
+    def call(self, op: str, identity: bytes = b"rank-0", admin: bool = False, **fields) -> dict:
+        rid = next(self.rids)
+        frame = P.encode({"op": op, "rid": rid, **fields})
+        reply = (self.server.handle_admin if admin else self.server.handle)(identity, frame)
+        assert reply["rid"] == rid
+        P.encode(reply)                                      # every reply goes on the wire as it is
+        return reply
+
+    def ok(self, op: str, identity: bytes = b"rank-0", admin: bool = False, **fields) -> dict:
+        reply = self.call(op, identity, admin, **fields)
+        assert reply["ok"], reply
+        return reply
+
+    def hello(self, identity: bytes = b"rank-0", rank: int | None = 0, world_size: int = 1, **fields) -> dict:
+        return self.ok("hello", identity, version=P.PROTOCOL_VERSION, engine="e", rank=rank, world_size=world_size,
+                       namespace=NS.to_wire(), pid=os.getpid(), pidns=own_pid_namespace(), **fields)
+
+    def close(self) -> None:
+        self.server.close()
+        self.store.shutdown()
+        self.region.close()
+
+
+@pytest.fixture
+def d(tmp_path):
+    dispatch = Dispatch(str(tmp_path / "d"))
+    yield dispatch
+    dispatch.store.verify()
+    dispatch.close()
+
+
+def assert_shape(reply: dict, shape: type[P.Reply]) -> None:
+    """The reply holds exactly the declared fields (and rid, ok), each of its declared type."""
+    assert set(reply) == set(shape.FIELDS) | {"rid", "ok"}, shape.__name__
+    hints = typing.get_type_hints(shape)
+    for name in shape.FIELDS:
+        assert isinstance(reply[name], hints[name]), (shape.__name__, name, reply[name])
+    assert shape.from_wire(reply).to_wire() == {name: reply[name] for name in shape.FIELDS}
+
+
+def test_every_reply_matches_its_declared_shape(d):
+    replies = {"hello": d.hello(world_size=1)}
+    replies["ping"] = d.ok("ping")
+    replies["lookup"] = d.ok("lookup", keys=KEYS)
+    replies["store"] = d.ok("store", job=1, keys=KEYS)
+    replies["commit"] = d.ok("commit", job=1, ok=True)
+    replies["load"] = d.ok("load", job=2, keys=KEYS)
+    replies["release"] = d.ok("release", job=2)
+    d.ok("store", job=3, keys=[b"other"])
+    replies["abort"] = d.ok("abort", job=3)
+    replies["jobs"] = d.ok("jobs", jobs=[1, 2, 3, 4])
+    replies["stats"] = d.ok("stats")
+    admin = {op: d.ok(op, b"admin", admin=True, **fields) for op, fields in
+             [("stats", {}), ("ping", {}), ("clients", {}), ("evict", {"count": 1}), ("clear", {})]}
+    replies["bye"] = d.ok("bye")
+    assert replies.keys() == P.REPLIES.keys() and admin.keys() == P.ADMIN_REPLIES.keys()
+    for op, reply in replies.items():
+        assert_shape(reply, P.REPLIES[op])
+    for op, reply in admin.items():
+        assert_shape(reply, P.ADMIN_REPLIES[op])
+    assert replies["lookup"]["hits"] == 0 and replies["load"]["hits"] == 4
+    assert np.frombuffer(replies["store"]["outcomes"], np.uint8).tolist() == [P.StoreOutcome.WRITE] * 4
+    assert replies["load"]["pages"] == replies["store"]["pages"] and len(replies["store"]["pages"]) == 4 * 4
+    assert [j["state"] for j in replies["jobs"]["jobs"]] == ["done", "done", "aborted", "unknown"]
+    assert admin["evict"]["evicted"] == 1 and admin["clear"]["evicted"] == 3
+
+
+def test_hello_reply(d):
+    h = P.HelloReply.from_wire(d.hello())
+    geo = d.region.geometry
+    assert (h.version, h.daemon_pid, h.region, h.generation) == (P.PROTOCOL_VERSION, os.getpid(),
+                                                                 d.region.paths.region, d.region.generation)
+    assert (h.file_bytes, h.page_size, h.num_pages, h.data_offset) == (geo.file_bytes, geo.page_size,
+                                                                        geo.num_pages, geo.data_offset)
+    assert (h.namespace, h.pages_per_shard, h.writers) == (NS.name(), 1, [0])
+    assert h.watched and h.heartbeat_interval is None and h.job_timeout == 30.0 and h.checksums is False
+    other = P.HelloReply.from_wire(d.ok("hello", b"far", version=P.PROTOCOL_VERSION, engine="f", rank=None,
+                                        world_size=1, namespace=NS.to_wire()))      # no pid namespace: heartbeats
+    assert not other.watched and other.heartbeat_interval == pytest.approx(2.0)
+    assert other.session != h.session and other.token != h.token
+
+
+def test_requests_before_hello_and_admin_ops_on_the_client_socket(d):
+    for op, fields in [("lookup", {"keys": KEYS}), ("store", {"job": 1, "keys": KEYS}), ("bye", {})]:
+        reply = d.call(op, **fields)
+        assert (reply["ok"], reply["code"]) == (False, ErrorCode.NOT_ATTACHED)
+    assert d.ok("ping")["attached"] is False
+    assert d.call("clients")["code"] == ErrorCode.FORBIDDEN
+    assert d.call("stats", admin=True)["ok"] and d.call("lookup", admin=True, keys=KEYS)["code"] == ErrorCode.BAD_REQUEST
+    errors = P.StatsReply.from_wire(d.ok("stats")).errors
+    assert errors == {"NOT_ATTACHED": 3, "FORBIDDEN": 1, "BAD_REQUEST": 1}
+
+
+def test_malformed_frames_get_typed_errors_and_their_rid(d):
+    reply = d.server.handle(b"x", msgpack.packb({"op": "store", "rid": 77, "job": -1, "keys": KEYS}))
+    assert (reply["rid"], reply["code"]) == (77, ErrorCode.BAD_REQUEST)
+    assert d.server.handle(b"x", b"\xc1")["code"] == ErrorCode.BAD_REQUEST
+    assert d.server.handle_admin(b"x", b"\x93")["code"] == ErrorCode.BAD_REQUEST
+
+
+def test_version_and_stopping(d):
+    reply = d.call("hello", version=P.PROTOCOL_VERSION - 1, engine="e", rank=0, world_size=1, namespace=NS.to_wire())
+    assert reply["code"] == ErrorCode.VERSION and "install matching kvtierd versions" in reply["message"]
+    d.hello()
+    d.ok("store", job=1, keys=KEYS)
+    d.server.request_stop()
+    assert d.call("store", job=2, keys=KEYS)["code"] == ErrorCode.SHUTTING_DOWN      # no new jobs
+    assert d.ok("commit", job=1, ok=True)                                          # open ones finish
+    assert d.call("hello", b"new", version=P.PROTOCOL_VERSION, engine="n", rank=0, world_size=1,
+                  namespace=NS.to_wire())["code"] == ErrorCode.SHUTTING_DOWN
+
+
+def test_rehello_and_replacing_a_lost_session(d):
+    first = P.HelloReply.from_wire(d.hello())
+    again = P.HelloReply.from_wire(d.hello())                 # the same socket: the old session ends
+    assert again.session != first.session and len(d.store.sessions) == 1
+    assert d.call("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1,
+                  namespace=NS.to_wire())["code"] == ErrorCode.LAYOUT_MISMATCH       # rank 0 is taken
+    wrong = d.call("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1,
+                   namespace=NS.to_wire(), replaces=again.session, replaces_token=again.token ^ 1)
+    assert wrong["code"] == ErrorCode.LAYOUT_MISMATCH                                # a wrong token proves nothing
+    third = P.HelloReply.from_wire(d.ok("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0,
+                                        world_size=1, namespace=NS.to_wire(), replaces=again.session,
+                                        replaces_token=again.token))
+    assert [s.id for s in d.store.sessions.values()] == [third.session]
+    assert d.ok("ping", b"rank-0")["attached"] is False and d.ok("ping", b"new-socket")["attached"] is True
+
+
+def test_heartbeat_from_another_socket(d):
+    h = P.HelloReply.from_wire(d.ok("hello", version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1,
+                                    namespace=NS.to_wire(), pid=os.getpid(), pidns=1))
+    assert not h.watched
+    assert d.ok("ping", b"heartbeat-socket", session=h.session, token=h.token)["attached"] is True
+    reply = d.call("ping", b"heartbeat-socket", session=h.session, token=h.token ^ 1)
+    assert reply["code"] == ErrorCode.NOT_ATTACHED
+    s = P.StatsReply.from_wire(d.ok("stats"))
+    assert (s.sessions_heartbeat, s.clients_watched, s.sessions) == (1, 0, 1)
+
+
+def test_stats_and_clients(d):
+    d.hello()
+    d.ok("hello", b"coord", version=P.PROTOCOL_VERSION, engine="e", rank=None, world_size=1, namespace=NS.to_wire())
+    d.ok("store", job=1, keys=KEYS[:2])
+    s = d.server.stats()
+    assert isinstance(s, P.StatsReply)
+    assert (s.entries_writing, s.open_jobs, s.engines, s.sessions) == (2, 1, 1, 2)
+    assert s.session_roles == {"rank": 1, "coordinator": 1} and s.clients_watched == 1
+    assert s.requests == {"hello": 2, "store": 1} and set(s.latency) == {"hello", "store"}
+    assert (s.region, s.socket, s.admin_socket) == (d.region.paths.region, d.region.paths.socket,
+                                                    d.region.paths.admin_socket)
+    assert s.region_problem is None and s.stopping is False and s.namespace_list[0]["name"] == NS.name()
+    clients = P.ClientsReply.from_wire(d.ok("clients", b"admin", admin=True)).clients
+    assert sorted((c["role"], c["watched"], c["namespace"]) for c in clients) == [
+        ("coordinator", False, NS.name()), ("rank 0", True, NS.name())]
+
+
+def test_bye_ends_the_session_and_aborts_its_jobs(d):
+    d.hello(world_size=2)
+    d.ok("hello", b"rank-1", version=P.PROTOCOL_VERSION, engine="e", rank=1, world_size=2, namespace=NS.to_wire())
+    d.ok("store", job=1, keys=KEYS)
+    d.ok("bye", b"rank-1")
+    jobs = P.JobsReply.from_wire(d.ok("jobs", jobs=[1])).jobs
+    assert jobs == [{"job": 1, "kind": "store", "state": "aborted", "cause": "rank_left"}]
+    assert d.call("commit", b"rank-1", job=1, ok=True)["code"] == ErrorCode.NOT_ATTACHED

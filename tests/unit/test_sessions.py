@@ -1,0 +1,134 @@
+"""kvtierd.sessions.SessionRegistry: identities, tokens, pidfd and heartbeat liveness, ending.
+
+No sockets: the registry is driven directly, over a real store (``store_env``) whose ``detach``
+it calls, and real processes for the pidfds.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import time
+
+import pytest
+
+from kvtierd.contract.protocol import ErrorCode
+from kvtierd.sessions import SessionEnd, SessionRegistry, own_pid_namespace
+
+from .store_env import Env, err, lay
+
+OTHER_PIDNS = 1          # not the daemon's: the session must send heartbeats
+
+
+class Registry:
+    """A registry over a store, recording which fds it asked to watch and which sessions ended."""
+
+    def __init__(self, heartbeat_timeout: float = 15.0):
+        self.env = Env()
+        self.ended: list[tuple[int, SessionEnd]] = []
+        self.watching: set[int] = set()
+
+        def end(session, cause):
+            self.ended.append((session.id, cause))
+            self.env.store.detach(session, cause)
+
+        self.reg = SessionRegistry(end, heartbeat_timeout, watch=self.watching.add, unwatch=self.watching.remove)
+
+    def attach(self, identity: bytes, rank: int = 0, world_size: int = 2, pid: int | None = None,
+               pidns: int | None = OTHER_PIDNS):
+        session = self.env.store.attach("e", rank, world_size, lay("replicated", world_size), pid)
+        watched, token = self.reg.register(identity, session, pid, pidns)
+        return session, watched, token
+
+
+@pytest.fixture
+def r():
+    reg = Registry()
+    yield reg
+    reg.reg.close()
+    reg.env.store.verify()
+
+
+def test_identity_token_and_heartbeat(r):
+    s, watched, token = r.attach(b"id-0", pid=os.getpid())
+    assert not watched and 0 <= token < (1 << 62)
+    assert r.reg.session_of(b"id-0") is s and r.reg.session_of(b"other") is None
+    assert r.reg.proven(s.id, token) is s
+    assert r.reg.proven(s.id, token ^ 1) is None and r.reg.proven(s.id, None) is None
+    assert r.reg.proven(s.id + 1, token) is None
+    assert s.id in r.reg.heartbeats and not r.reg.watched(s) and len(r.reg) == 1
+    assert r.reg.heartbeat(s.id, token) and not r.reg.heartbeat(s.id, token + 1)
+    assert not r.reg.heartbeat(999, token)
+
+
+def test_requests_and_heartbeats_keep_a_session_alive(r):
+    s, _, token = r.attach(b"id-0")
+    r.reg.heartbeats[s.id] = time.monotonic() - 10.0
+    r.reg.session_of(b"id-0")                                # any request proves it alive
+    assert time.monotonic() - r.reg.heartbeats[s.id] < 5.0
+    r.reg.heartbeats[s.id] = time.monotonic() - 10.0
+    assert r.reg.heartbeat(s.id, token)
+    assert time.monotonic() - r.reg.heartbeats[s.id] < 5.0
+
+
+def test_sweep_ends_silent_sessions_only(r):
+    quiet, _, _ = r.attach(b"quiet", rank=0)
+    busy, _, _ = r.attach(b"busy", rank=1)
+    r.env.store.store(quiet, 1, [b"k"])                      # rank 0 writes, rank 1 never votes
+    now = time.monotonic()
+    r.reg.heartbeats[quiet.id] = now - r.reg.heartbeat_timeout - 1
+    r.reg.sweep(now)
+    assert r.ended == [(quiet.id, SessionEnd.HEARTBEAT_LOST)]
+    assert r.reg.session_of(b"quiet") is None and r.reg.session_of(b"busy") is busy
+    assert r.env.store.jobs.aborted["rank_heartbeat_lost"] == 1
+    assert quiet.id not in r.reg.heartbeats and len(r.reg) == 1
+
+
+def test_same_pid_namespace_is_watched_through_a_pidfd(r):
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        s, watched, _ = r.attach(b"child", pid=child.pid, pidns=own_pid_namespace())
+        assert watched and r.reg.watched(s) and s.id not in r.reg.heartbeats
+        (fd,) = r.reg.pidfds
+        assert r.watching == {fd} and r.reg.pidfds[fd] is s
+        assert select.select([fd], [], [], 0)[0] == []      # alive: not readable
+        child.kill()
+        child.wait(10)
+        assert select.select([fd], [], [], 5)[0] == [fd]    # what the server's poller sees
+        r.reg.died(fd)
+        assert r.ended == [(s.id, SessionEnd.DIED)]
+        assert r.watching == set() and r.reg.pidfds == {} and r.env.store.sessions == {}
+        with pytest.raises(OSError):
+            os.fstat(fd)                                     # closed
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_a_pid_gone_at_hello_ends_the_session_at_once(r):
+    done = subprocess.Popen(["true"])
+    done.wait(10)                                            # reaped: its pid names nothing now
+    with err(ErrorCode.BAD_REQUEST) as info:
+        r.attach(b"late", pid=done.pid, pidns=own_pid_namespace())
+    assert "does not exist" in info.value.message
+    assert [cause for _, cause in r.ended] == [SessionEnd.DEAD_AT_HELLO]
+    assert r.reg.session_of(b"late") is None and len(r.reg) == 0 and r.env.store.sessions == {}
+
+
+def test_end_forgets_everything_and_close_ends_the_rest(r):
+    a, _, token = r.attach(b"a", rank=0)
+    b, _, _ = r.attach(b"b", rank=1)
+    r.reg.end(a, SessionEnd.LEFT)
+    assert r.reg.session_of(b"a") is None and r.reg.proven(a.id, token) is None
+    assert a.id not in r.reg.heartbeats and a.id not in r.env.store.sessions
+    r.reg.close()
+    assert r.ended == [(a.id, SessionEnd.LEFT), (b.id, SessionEnd.DAEMON_STOPPED)]
+    assert len(r.reg) == 0 and r.env.store.sessions == {} and r.env.store.jobs.engines == {}
+
+
+def test_role():
+    env = Env()
+    coord = env.store.attach("e", None, 2, lay("replicated", 2))
+    rank = env.store.attach("e", 1, 2, lay("replicated", 2))
+    assert (coord.role, rank.role) == ("coordinator", "rank 1")
