@@ -237,7 +237,7 @@ class Server:
         try:
             if session is None and op not in P.SESSIONLESS_OPS:
                 raise RequestError(ErrorCode.NOT_ATTACHED, f"{op} before hello: attach a session first")
-            return P.ok_reply(rid, **self.handlers[op](identity, session, msg).to_wire())
+            return P.ok_reply(rid, self.handlers[op](identity, session, msg))
         except RequestError as exc:
             self._count_error(exc.code)
             return P.error_reply(rid, exc.code, exc.message)
@@ -252,7 +252,7 @@ class Server:
         """One admin request → one reply. Never raises."""
         try:
             msg = P.decode_request(frame, P.ADMIN_REQUESTS)
-            return P.ok_reply(msg.get("rid", 0), **self.admin_handlers[msg["op"]](msg).to_wire())
+            return P.ok_reply(msg.get("rid", 0), self.admin_handlers[msg["op"]](msg))
         except RequestError as exc:
             self._count_error(exc.code)
             return P.error_reply(P.request_id(frame), exc.code, exc.message)

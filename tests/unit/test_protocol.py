@@ -103,8 +103,8 @@ def test_keys_come_back_as_bytes_and_pages_dtype():
 
 
 def test_replies():
-    ok = P.ok_reply(5, pages=b"\x01\x00\x00\x00")
-    assert ok == {"rid": 5, "ok": True, "pages": b"\x01\x00\x00\x00"}
+    ok = P.ok_reply(5, P.LoadReply(1, b"\x01\x00\x00\x00"))
+    assert ok == {"rid": 5, "ok": True, "hits": 1, "pages": b"\x01\x00\x00\x00"}
     assert P.decode_reply(P.encode(ok)) == ok
     err = P.error_reply(6, ErrorCode.CONFLICT, "other keys", job=3)
     assert err == {"rid": 6, "ok": False, "code": 5, "error": "CONFLICT", "message": "other keys", "job": 3}
@@ -426,7 +426,8 @@ def test_fuzz_arbitrary_msgpack_structures(obj):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from(["op", "rid", "job", "keys", "ok", "jobs", "rank", "world_size", "namespace",
-                                        "engine", "version", "pid", "count"]), scalars | st.lists(scalars, max_size=4),
+                                        "engine", "version", "pid", "count"]),
+                       scalars | st.lists(scalars, max_size=4),
                        max_size=6),
        st.sampled_from(sorted(set(P.REQUESTS) | set(P.ADMIN_REQUESTS))))
 def test_fuzz_maps_with_known_field_names(fields, op):
