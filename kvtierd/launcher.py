@@ -1,14 +1,16 @@
-"""A kvtierd child process: start it, know when it serves, talk to it, stop it.
+"""A kvtierd child process: start it, know when it serves, talk to it, stop it, clean up after it.
 
-For the places that run a real daemon next to its callers: ``kvtierctl bench``, the soak and the
-integration tests. The daemon counts as ready when its socket answers a ping (it binds the socket
-only after the region is adopted or created, so a ping answer means a serving daemon). Its
-output goes to ``<dir>/daemon.log``.
+The one launcher for the places that run a real daemon next to their callers: ``kvtierctl bench``
+(``kvtierbench``), the soak and the integration tests; each passes its own settings as flags. The
+daemon counts as ready when its socket answers a ping (it binds the socket only after the region
+is adopted or created, so a ping answer means a serving daemon). Its output goes to
+``<dir>/daemon.log``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,8 @@ from .contract.paths import DEFAULT_NAME, DaemonPaths
 
 
 class DaemonProcess:
-    def __init__(self, directory: str, *args: str, name: str = DEFAULT_NAME, env: dict[str, str] | None = None):
+    def __init__(self, directory: str, *args: str, name: str = DEFAULT_NAME, env: dict[str, str] | None = None,
+                 start_timeout: float = 60.0, call_timeout: float = 30.0):
         self.dir = directory
         self.name = name
         self.paths = DaemonPaths(directory, name)
@@ -28,7 +31,8 @@ class DaemonProcess:
         self.log_path = os.path.join(directory, "daemon.log")
         self.args = ["--dir", directory, "--name", name, *args]
         self.env = {**os.environ, **(env or {})}
-        self.call_timeout = 30.0            # seconds a request waits for its reply
+        self.start_timeout = start_timeout  # seconds from launch to serving before giving up
+        self.call_timeout = call_timeout    # seconds a request waits for its reply
         self.proc: subprocess.Popen | None = None
 
     def launch(self) -> "DaemonProcess":
@@ -38,8 +42,9 @@ class DaemonProcess:
                                          stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         return self
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float | None = None) -> None:
         from .contract.errors import KvtierError
+        timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -54,7 +59,7 @@ class DaemonProcess:
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"kvtierd did not become ready in {timeout}s:\n{self.log()[-3000:]}")
 
-    def start(self, timeout: float = 60.0) -> float:
+    def start(self, timeout: float | None = None) -> float:
         """Launch and wait until it serves; returns the seconds from launch to serving."""
         started = time.perf_counter()
         self.launch()
@@ -97,3 +102,8 @@ class DaemonProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(10)
+
+    def cleanup(self) -> None:
+        """Stop the daemon (if it runs) and remove its directory with everything in it."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -8,36 +8,25 @@ that imports torch costs seconds) and are disconnected after each test.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 
 import pytest
 
-from kvtierd import launcher
+from kvtierd.launcher import DaemonProcess
 
 from .ranks import RankProcess
 
 pytestmark = pytest.mark.integration
 
 
-class DaemonProcess(launcher.DaemonProcess):
+def new_daemon(*args: str, size: str = "32MiB", job_timeout: float = 20.0, page_size: str = "64KiB",
+                env: dict[str, str] | None = None, root: str = "/tmp") -> DaemonProcess:
     """A test daemon in its own fresh directory (removed by ``cleanup``), small and unpinned."""
-
-    def __init__(self, *args: str, size: str = "32MiB", job_timeout: float = 20.0, page_size: str = "64KiB",
-                 env: dict[str, str] | None = None, root: str = "/tmp"):
-        # root="/dev/shm" for tests that pin the region with CUDA: since Linux 6.5 the kernel may
-        # refuse to pin file-backed pages that are not on tmpfs.
-        super().__init__(tempfile.mkdtemp(prefix="kvt-", dir=root), "--size", size, "--page-size", page_size,
+    # root="/dev/shm" for tests that pin the region with CUDA: since Linux 6.5 the kernel may
+    # refuse to pin file-backed pages that are not on tmpfs.
+    return DaemonProcess(tempfile.mkdtemp(prefix="kvt-", dir=root), "--size", size, "--page-size", page_size,
                          "--pin", "off", "--job-timeout", str(job_timeout), "--log-level", "debug",
-                         "--metrics-address", "127.0.0.1:0", *args, env=env)
-
-    def start(self, timeout: float = 30.0) -> "DaemonProcess":
-        super().start(timeout)
-        return self
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+                         "--metrics-address", "127.0.0.1:0", *args, env=env, start_timeout=30.0)
 
 
 @pytest.fixture
@@ -46,9 +35,13 @@ def start_daemon():
     started: list[DaemonProcess] = []
 
     def start(*args: str, wait: bool = True, **kwargs) -> DaemonProcess:
-        d = DaemonProcess(*args, **kwargs)
+        d = new_daemon(*args, **kwargs)
         started.append(d)
-        return d.start() if wait else d.launch()
+        if wait:
+            d.start()
+        else:
+            d.launch()
+        return d
 
     yield start
     for d in started:

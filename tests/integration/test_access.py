@@ -100,7 +100,7 @@ def ping(path: str) -> None:
 def paths(daemon) -> dict[str, str]:
     stats = daemon.stats()
     return {"dir": daemon.dir, "region": daemon.region, "socket": daemon.socket,
-            "admin": stats["admin_socket"], "lock": os.path.join(daemon.dir, f"{daemon.name}.lock")}
+            "admin": stats["admin_socket"], "lock": daemon.paths.lock}
 
 
 def test_another_uid_can_neither_connect_nor_map_the_region(daemon):

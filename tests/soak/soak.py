@@ -44,7 +44,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -203,29 +202,25 @@ def worker(cfg: dict, engine: int, rank: int, shared: dict, results) -> None:
 
 
 # ---------------------------------------------------------------------------------- daemon
-class Daemon(DaemonProcess):
-    """The soak's daemon, in a fresh directory under /tmp, serving once constructed."""
+def start_daemon(args) -> DaemonProcess:
+    """The soak's daemon, in a fresh directory under /tmp, serving."""
+    daemon = DaemonProcess(tempfile.mkdtemp(prefix="kvt-soak-", dir="/tmp"), "--size", args.size,
+                           "--page-size", args.page_size, "--pin", "off", "--job-timeout", str(args.job_timeout),
+                           "--log-level", "info", "--metrics-address", "off")
+    daemon.start()
+    return daemon
 
-    def __init__(self, args):
-        super().__init__(tempfile.mkdtemp(prefix="kvt-soak-", dir="/tmp"), "--size", args.size,
-                         "--page-size", args.page_size, "--pin", "off", "--job-timeout", str(args.job_timeout),
-                         "--log-level", "info", "--metrics-address", "off")
-        self.start(timeout=60)
 
-    def check(self) -> dict:
-        ctl = os.path.join(os.path.dirname(sys.executable), "kvtierctl")
-        cmd = [ctl] if os.path.exists(ctl) else [sys.executable, "-c", "from kvtierd.cli import ctl_main; ctl_main()"]
-        out = subprocess.run([*cmd, "--dir", self.dir, "check", "--json"], check=False, capture_output=True,
-                             text=True, timeout=60, cwd=ROOT)
-        try:
-            return json.loads(out.stdout)
-        except ValueError:
-            return {"ok": False, "stdout": out.stdout, "stderr": out.stderr}
-
-    def cleanup(self, keep: bool) -> None:
-        self.stop(signal.SIGKILL)
-        if not keep:
-            shutil.rmtree(self.dir, ignore_errors=True)
+def check(daemon: DaemonProcess) -> dict:
+    """``kvtierctl check --json`` of the daemon's region."""
+    ctl = os.path.join(os.path.dirname(sys.executable), "kvtierctl")
+    cmd = [ctl] if os.path.exists(ctl) else [sys.executable, "-c", "from kvtierd.cli import ctl_main; ctl_main()"]
+    out = subprocess.run([*cmd, "--dir", daemon.dir, "check", "--json"], check=False, capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    try:
+        return json.loads(out.stdout)
+    except ValueError:
+        return {"ok": False, "stdout": out.stdout, "stderr": out.stderr}
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -261,7 +256,7 @@ def parse_args(argv=None):
 
 
 def run(args) -> tuple[dict, list[str]]:
-    daemon = Daemon(args)
+    daemon = start_daemon(args)
     failures: list[str] = []
     procs: list = []
     figures: dict = {}
@@ -357,7 +352,7 @@ def run(args) -> tuple[dict, list[str]]:
                 engine_jobs.update({k: out.get(k, 0) for k in ("load_jobs", "store_jobs", "load_hit_keys",
                                                               "load_miss_keys", "rounds", "lookup_hits")})
         stats = wait_stats(daemon)
-        check = daemon.check()
+        check_result = check(daemon)
         figures = {
             "engines": E, "tp": tp, "client_processes": len(procs), "namespaces": stats["namespaces"],
             "seconds": round(elapsed, 1), "rounds": engine_jobs["rounds"],
@@ -382,7 +377,7 @@ def run(args) -> tuple[dict, list[str]]:
             "rss_samples_s_mib_jobs": samples,
             "jobs_after_warmup": (stats["store_jobs_done"] + stats["load_jobs_done"]
                                   - warm_stats["store_jobs_done"] - warm_stats["load_jobs_done"]),
-            "check_ok": bool(check.get("ok")),
+            "check_ok": bool(check_result.get("ok")),
         }
         slack = max(args.rss_slack_mib * (1 << 20), rss_warm["VmRSS"] * args.rss_slack_pct / 100)
         slack += TOMBSTONE_BYTES * min(figures["jobs_after_warmup"], TOMBSTONES_PER_ENGINE * E)
@@ -403,7 +398,7 @@ def run(args) -> tuple[dict, list[str]]:
             if figures[name]:
                 failures.append(f"{name} = {figures[name]} after all clients closed")
         if not figures["check_ok"]:
-            failures.append(f"kvtierctl check: {check}")
+            failures.append(f"kvtierctl check: {check_result}")
         if figures["loads_verified"] == 0:
             failures.append("no loaded block was verified (no hits at all)")
         if figures["evictions"] == 0:
@@ -424,7 +419,9 @@ def run(args) -> tuple[dict, list[str]]:
         for p in procs:
             if p.is_alive():
                 p.kill()
-        daemon.cleanup(args.keep_dir)
+        daemon.stop(signal.SIGKILL)
+        if not args.keep_dir:
+            daemon.cleanup()
     return figures, failures
 
 
