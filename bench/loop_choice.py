@@ -19,11 +19,11 @@ import time
 import msgpack
 import zmq
 
-from kvtierd.bench import echo_reply, echo_server
+from kvtierbench.echo import echo_reply, echo_server
 
 
 def uvloop_server(path: str) -> None:
-    """The same echo as ``kvtierd.bench.echo_server`` (the daemon's poller loop), on uvloop."""
+    """The same echo as ``kvtierbench.echo.echo_server`` (the daemon's poller loop), on uvloop."""
     import uvloop
     import zmq.asyncio
 

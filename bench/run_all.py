@@ -22,7 +22,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kvtierd import bench  # noqa: E402
+import kvtierbench  # noqa: E402
+from kvtierbench.control import OPS  # noqa: E402
+from kvtierbench.report import COLUMNS, cell  # noqa: E402
 
 DOCS = os.path.join(ROOT, "docs")
 RESULTS = os.path.join(DOCS, "bench", "results.json")
@@ -43,7 +45,7 @@ def plots(result: dict) -> list[str]:
     control = sections.get("control", {}).get("rows", [])
     if control:
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
-        for ax, op in zip(axes, bench.OPS):
+        for ax, op in zip(axes, OPS):
             rows = sorted((r for r in control if r["op"] == op and r["clients"] == 1), key=lambda r: r["keys"])
             ks = [r["keys"] for r in rows]
             ax.plot(ks, [r["kvtierd_p50_us"] for r in rows], "o-", label="kvtierd p50")
@@ -58,7 +60,7 @@ def plots(result: dict) -> list[str]:
 
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
         batch = max(r["keys"] for r in control)
-        for ax, op in zip(axes, bench.OPS):
+        for ax, op in zip(axes, OPS):
             rows = sorted((r for r in control if r["op"] == op and r["keys"] == batch), key=lambda r: r["clients"])
             cs = [r["clients"] for r in rows]
             ax.plot(cs, [r["kvtierd_keys_per_s"] for r in rows], "o-", label="kvtierd")
@@ -100,7 +102,7 @@ def _save(fig, name: str) -> str:
 # ----------------------------------------------------------------------------------------------- markdown
 def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---:|" * len(columns)]
-    lines += ["| " + " | ".join(bench._cell(r.get(key), fmt) for _, key, fmt in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r.get(key), fmt) for _, key, fmt in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -141,9 +143,9 @@ def section_text(name: str, section: dict) -> str:
     if name == "control":
         for clients in sorted({r["clients"] for r in rows}):
             parts.append(f"**{clients} client process{'es' if clients > 1 else ''}**\n\n"
-                         + md_table([r for r in rows if r["clients"] == clients], bench.COLUMNS[name]))
+                         + md_table([r for r in rows if r["clients"] == clients], COLUMNS[name]))
     else:
-        parts.append(md_table(rows, bench.COLUMNS[name]))
+        parts.append(md_table(rows, COLUMNS[name]))
     parts += [f"- {n}" for n in section["notes"]]
     return "\n\n".join(parts)
 
@@ -151,11 +153,11 @@ def section_text(name: str, section: dict) -> str:
 # The figures the optimisations moved: (label, section, row filter, value key, format).
 COMPARED = [
     *[(f"{op} B={b}, 1 client: p50 / echo p50", "control", {"op": op, "keys": b, "clients": 1}, "p50_ratio", "{:.2f}")
-      for op in bench.OPS for b in (256, 1024)],
+      for op in OPS for b in (256, 1024)],
     *[(f"{op} B={b}, 1 client: p50 µs", "control", {"op": op, "keys": b, "clients": 1}, "kvtierd_p50_us", "{:,.0f}")
-      for op in bench.OPS for b in (256, 1024)],
+      for op in OPS for b in (256, 1024)],
     *[(f"{op} B=1024, 4 clients: keys/s", "control", {"op": op, "keys": 1024, "clients": 4}, "kvtierd_keys_per_s",
-       "{:,.0f}") for op in bench.OPS],
+       "{:,.0f}") for op in OPS],
     ("eviction B=1024, region full: stores/s", "eviction", {"keys_per_job": 1024}, "full_stores_per_s", "{:,.0f}"),
     ("recovery: restart to ready, s", "recovery", {}, "restart_s", "{:.2f}"),
     ("recovery: Store(view) alone, s", "recovery", {}, "store_recovery_s", "{:.2f}"),
@@ -187,7 +189,7 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
               "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
                  "data": ["bench-gbps-vs-block.png"]}
-    for name in bench.SECTIONS:
+    for name in kvtierbench.SECTIONS:
         if name not in s:
             continue
         out.append(f"## {titles[name]}")
@@ -220,7 +222,8 @@ make bench-docs                       # full run + this page and its plots (pyth
 
 The bench starts its own daemons (`--pin off`, no metrics endpoint) in a fresh directory under
 /dev/shm and removes it at the end; the redis section starts and stops its own `redis-server`
-on 127.0.0.1. Module docstring of `kvtierd/bench.py` has the exact method of each section."""
+on 127.0.0.1. The docstrings of `kvtierbench/` (the package and one module per section) have the exact
+method of each section."""
 
 MISSES = """### Where a target is missed, and why
 

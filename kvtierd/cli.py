@@ -255,13 +255,13 @@ COMMANDS: dict[str, tuple] = {
     "bench": ("benchmark kvtierd against this machine's floors and Redis, each figure a ratio measured in the "
               "same run (starts its own daemons; docs/benchmarks.md)",
               lambda p: _bench().add_arguments(p), lambda a: _bench().fetch(a),
-              lambda d, a: _bench().format_results(d), None),
+              lambda d, a: _bench().report.format_results(d), None),
 }
 
 
 def _bench():
-    from . import bench  # numpy/torch/redis only when benchmarking
-    return bench
+    import kvtierbench  # the bench's dependencies (torch, redis) only when benchmarking
+    return kvtierbench
 
 
 def ctl_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from kvtierd.bench import SECTIONS
+from kvtierbench import SECTIONS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -1,0 +1,112 @@
+"""kvtierbench: ``kvtierctl bench``, kvtierd against the floors of this machine and against Redis, in one run.
+
+Every figure is reported as a ratio to a floor or a peer measured in the same run on the same
+machine, so results from different machines compare by their ratios, and a loaded machine
+(``machine.loadavg`` in the output) shows as noise on both sides rather than as a regression.
+
+Sections (``--only`` picks some; each starts its own daemon in a fresh directory), one module
+each; ``harness`` holds what they share, ``report`` the tables:
+
+``control``   lookup, store and load jobs of B keys from C client processes (TP=1 rank sessions,
+              one-page blocks): p50/p99 latency of a job and keys/s. A store job is the ``store``
+              request and the writer's ``commit``; a load job the ``load`` request and the
+              ``release`` (the copies are the data plane's). Floor: a ZMQ ROUTER echo server in
+              its own process that decodes the same request frames and answers with reply frames
+              of the same size (a daemon doing no work), driven by the same client code. The two
+              sides alternate in short slices, so that both see the same machine.
+``data``      the CPU data plane: store then load of K blocks of S bytes through the client (CPU
+              copier, block ids in random order as an engine's are, its region mapping
+              prefaulted as a running engine's is), GB/s against one-thread memcpy of the same
+              bytes into and back out of a prefaulted shared mapping; plus the round trip of a
+              ping after the daemon idled, which the job's requests pay after each copy.
+``capacity``  TP = 1, 2, 4, 8 ranks on one region: blocks it holds and bytes the ranks' copiers wrote
+              (D2H) per stored block, replicated (one copy, rank 0 writes) against sharded
+              with the same bytes per rank (each rank its own copy: what per-rank offloading does).
+``eviction``  stores/s into a full region of N one-page entries (every stored key evicts one)
+              against stores/s into the same region while it still has room.
+``recovery``  restart of a daemon whose region holds N entries: process start to socket ready
+              (median of 3), and the store's recovery (``Store(view)``) alone; against a start on
+              a fresh region of the same size and the bare interpreter start with the daemon's
+              imports.
+``redis``     a real redis-server on loopback (started and stopped here) storing and loading the
+              same blocks, the way KV-cache libraries use Redis as a remote tier: each job both as
+              one pipelined MSET/MGET and as one SET/GET per block, Redis credited with the faster
+              per direction; blocks/s against kvtierd's. Skipped when redis-server or the redis
+              Python client is not installed.
+
+The region lives in a fresh directory under /dev/shm (its production home: a disk-backed /tmp
+would measure page-cache writeback) and the whole directory is removed at the end. Daemons run
+with ``--pin off`` and no metrics endpoint.
+
+``--quick`` runs every section at toy sizes (a CI smoke test: it proves the bench runs, its
+figures mean little). The full run (``bench/run_all.py``) takes minutes and needs ~10 GiB of
+memory for the largest data-plane jobs (larger ones are skipped when memory is short).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any
+
+from . import capacity, control, data, eviction, recovery, redis, report
+from .harness import FULL, QUICK, Context, machine, say, workdir_base
+
+# In the order they run (eviction fills the region that recovery then restarts).
+SECTIONS = {"control": control, "data": data, "capacity": capacity, "eviction": eviction, "recovery": recovery,
+            "redis": redis}
+
+
+def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: str | None = None) -> dict:
+    """Run ``sections`` and return the results: machine, plan, and per section rows, ratios,
+    targets and notes (or ``skipped`` with a reason)."""
+    plan = QUICK if quick else FULL
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    workdir = tempfile.mkdtemp(prefix="kvtbench-", dir=base or workdir_base())
+    ctx = Context(plan, workdir)
+    result: dict[str, Any] = {"machine": machine(), "quick": quick, "plan": asdict(plan), "workdir": workdir,
+                              "sections": {}}
+    started = time.perf_counter()
+    try:
+        for name in SECTIONS:
+            if name in sections:
+                say(f"--- {name}")
+                t0 = time.perf_counter()
+                section = SECTIONS[name].run(ctx)
+                section["seconds"] = time.perf_counter() - t0
+                result["sections"][name] = section
+    finally:
+        ctx.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- kvtierctl bench
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="toy sizes, a few seconds a section (CI smoke test)")
+    parser.add_argument("--only", action="append", metavar="SECTION",
+                        help=f"run only this section (repeatable, or comma-separated): {', '.join(SECTIONS)}")
+    parser.add_argument("--out", metavar="DIR", help="also write bench.json and bench.txt into DIR")
+    parser.add_argument("--workdir", metavar="DIR",
+                        help="where the bench's temporary directory goes (default /dev/shm, else the temp dir)")
+
+
+def fetch(args) -> dict:
+    """kvtierctl bench: run the selected sections; write --out files."""
+    sections = tuple(s for item in (args.only or [",".join(SECTIONS)]) for s in item.split(",") if s)
+    result = run(sections, quick=args.quick, base=args.workdir)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+        with open(os.path.join(args.out, "bench.txt"), "w") as f:
+            f.write(report.format_results(result) + "\n")
+    return result

@@ -1,0 +1,76 @@
+"""The bench's results as text: a table per section (``COLUMNS``), notes, and the targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .harness import MiB
+
+COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row key, format)
+    "control": [("op", "op", "{}"), ("B", "keys", "{}"), ("C", "clients", "{}"),
+                ("p50 us", "kvtierd_p50_us", "{:.1f}"), ("p99 us", "kvtierd_p99_us", "{:.1f}"),
+                ("keys/s", "kvtierd_keys_per_s", "{:,.0f}"), ("echo p50", "echo_p50_us", "{:.1f}"),
+                ("echo p99", "echo_p99_us", "{:.1f}"), ("echo keys/s", "echo_keys_per_s", "{:,.0f}"),
+                ("p50 x", "p50_ratio", "{:.2f}"), ("keys/s x", "throughput_ratio", "{:.2f}")],
+    "data": [("blocks", "blocks", "{}"), ("block MiB", "block_bytes", "MiB"), ("store GB/s", "store_gbps", "{:.2f}"),
+             ("load GB/s", "load_gbps", "{:.2f}"), ("store+load", "store_load_gbps", "{:.2f}"),
+             ("memcpy", "memcpy_gbps", "{:.2f}"), ("x memcpy", "ratio", "{:.2f}")],
+    "capacity": [("TP", "tp", "{}"), ("layout", "kind", "{}"), ("blocks held", "blocks_held", "{}"),
+                 ("D2H B/block", "d2h_bytes_per_block", "{:,.0f}"), ("x block", "d2h_per_block_vs_block", "{:.2f}"),
+                 ("H2D B/rank/block", "h2d_bytes_per_rank_per_block", "{:,.0f}"),
+                 ("held x sharded", "capacity_vs_sharded", "{:.2f}")],
+    "eviction": [("B", "keys_per_job", "{}"), ("entries", "entries", "{:,}"),
+                 ("stores/s full", "full_stores_per_s", "{:,.0f}"), ("stores/s room", "room_stores_per_s", "{:,.0f}"),
+                 ("evictions/store", "evictions_per_store", "{:.2f}"), ("job p50 us", "job_p50_us", "{:,.0f}"),
+                 ("job p99 us", "job_p99_us", "{:,.0f}"), ("job max us", "job_max_us", "{:,.0f}"),
+                 ("x room", "ratio", "{:.2f}")],
+    "recovery": [("entries", "recovered", "{:,}"), ("restart s", "restart_s", "{:.2f}"),
+                 ("daemon s", "daemon_started_in_s", "{:.2f}"), ("Store() s", "store_recovery_s", "{:.2f}"),
+                 ("scan s", "scan_s", "{:.2f}"), ("fresh start s", "fresh_start_s", "{:.2f}"),
+                 ("interpreter s", "interpreter_s", "{:.2f}")],
+    "redis": [("blocks", "blocks", "{}"), ("block MiB", "block_bytes", "MiB"),
+              ("kvtierd blocks/s", "kvtierd_blocks_per_s", "{:,.0f}"),
+              ("redis blocks/s", "redis_blocks_per_s", "{:,.0f}"),
+              ("kvt store", "kvtierd_store_blocks_per_s", "{:,.0f}"),
+              ("redis store", "redis_store_blocks_per_s", "{:,.0f}"),
+              ("kvt load", "kvtierd_load_blocks_per_s", "{:,.0f}"),
+              ("redis load", "redis_load_blocks_per_s", "{:,.0f}"),
+              ("x redis", "ratio", "{:.1f}"), ("x MSET/MGET", "ratio_vs_mset_mget", "{:.1f}")],
+}
+
+
+def cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "MiB":
+        return f"{value / MiB:g}"
+    return fmt.format(value)
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> list[str]:
+    cells = [[cell(r.get(key), fmt) for _, key, fmt in columns] for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, (h, _, _) in enumerate(columns)]
+    lines = ["  ".join(h.rjust(w) for (h, _, _), w in zip(columns, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return lines
+
+
+def format_results(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"kvtierctl bench{' --quick' if result['quick'] else ''}: {m.get('cpu', '?')}, {m['cpus']} CPUs, "
+             f"{m.get('mem_total', 0) / (1 << 30):.1f} GiB, Python {m['python']}, load average "
+             f"{m['loadavg_start'][0]:.2f} -> {m['loadavg_end'][0]:.2f}, {result['seconds']:.1f} s"]
+    targets = []
+    for name, section in result["sections"].items():
+        lines += ["", f"== {name}"]
+        if "skipped" in section:
+            lines.append(f"skipped: {section['skipped']}")
+            continue
+        lines += table(section["rows"], COLUMNS[name])
+        lines += [f"note: {n}" for n in section["notes"]]
+        targets += section["targets"]
+    if targets:
+        lines += ["", "== targets"]
+        for t in targets:
+            lines.append(f"{'MET   ' if t['met'] else 'MISSED'} {t['name']}: {t['value']:,.3g} (goal {t['goal']})")
+    return "\n".join(lines)
