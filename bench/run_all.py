@@ -310,7 +310,7 @@ Each was found with py-spy (sampling the live daemon), cProfile/line_profiler of
 6. **Page order through reuse** (`PageAllocator.free`): freed pages were pushed so that the LIFO
    stack handed a block's run back reversed, and every other job after an eviction copied a 1 MiB
    block as 16 separate 64 KiB pieces; they now come back in order (one `memmove` per block).
-7. **Recovery scan** (`layout.scan`): the per-entry Python judgement became NumPy over all records;
+7. **Recovery scan** (`recovery.scan`): the per-entry Python judgement became NumPy over all records;
    only records that share a page or a key fingerprint with another are judged one by one (in
    the old order, so results are identical). `Store` builds its objects with `map`/`zip`, and
    turns the cyclic GC off while it does (its passes over the growing heap were ~40% of it).

@@ -78,7 +78,7 @@ class DaemonCollector:
         yield labelled(CounterMetricFamily, "aborted_jobs", "Aborted jobs by cause.", "cause", s.aborted_jobs)
         yield counter("evictions", "Entries evicted to make room.", s.evictions)
         yield counter("written_bytes", "Bytes copied into the region by writer ranks (D2H).", s.bytes_written)
-        yield counter("dedup_saved_bytes", "Bytes replicated-layout ranks did not copy thanks to one-copy dedup.",
+        yield counter("dedup_saved_bytes", "Bytes replicated-namespace ranks did not copy thanks to one-copy dedup.",
                       s.bytes_saved_dedup)
         yield labelled(GaugeMetricFamily, "sessions", "Attached client sessions by role.", "role", s.session_roles)
         yield gauge("engines", "Engines with at least one attached session.", s.engines)

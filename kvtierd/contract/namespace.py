@@ -1,7 +1,7 @@
 """The namespace identity, declared once: what makes two engines' cached blocks interchangeable.
 
-Keys live in a namespace (invariant 8: namespaces never mix). Engines whose ``NamespaceId``\\ s
-are equal share entries; different ones never see each other's keys. The identity is the model
+Keys live in a namespace (invariant 8: namespaces never mix). Engines with equal NamespaceIds
+share entries; different ones never see each other's keys. The identity is the model
 (and whatever of its weights, revision or quantization the engine puts in the name), the KV dtype,
 tokens per block, bytes one rank holds of one block, the ``Sharding``, and — for a sharded
 namespace only — the world size: rank r's shard at TP=4 holds other bytes than at TP=2, but a

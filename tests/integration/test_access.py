@@ -1,4 +1,4 @@
-"""Nobody else gets in (invariant 9): another uid can neither reach the daemon nor map its region.
+"""Nobody else gets in (invariant 11): another uid can neither reach the daemon nor map its region.
 
 Runs only as root: the daemon is started by the fixture as root, and a child process drops to
 uid/gid 65534 (``nobody``) before it tries anything. The child is a fork of the test process,
