@@ -131,7 +131,7 @@ def entry_bytes(region: PinnedRegion, pages: np.ndarray, block_bytes: int):
 def run_geometry(geo: Geometry, args, engines: dict, device) -> list[dict]:
     import torch
 
-    from kvtier.copy import select_engine
+    from kvtier.select import select_engine
     from kvtier.kvcache import KVCacheLayout
 
     k = args.blocks_per_job

@@ -43,9 +43,10 @@ from kvtierd.layout import RegionView, shard_checksum
 from kvtierd.mapping import Mapping
 from kvtierd.protocol import LayoutKind, StoreOutcome
 
-from .copy import CopyEngine, CopyHandle, select_engine
+from .copy import CopyEngine, CopyHandle
 from .errors import DaemonUnavailable, KvtierError, NotAttached
 from .kvcache import KVCacheLayout
+from .select import select_engine
 from .session import Channel
 
 

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.copy import CopyEngineUnavailable, select_engine
+from kvtier.copy import CopyEngineUnavailable
 from kvtier.kvcache import Descriptors, KVCacheLayout
+from kvtier.select import select_engine
 from tests.unit.test_copy_engines import LAYOUTS
 
 pytestmark = [pytest.mark.cuda,
@@ -201,7 +202,7 @@ def test_auto_selection_and_unregistered_host_memory(pinned_region, caplog):
     if HAVE_CUPY:
         with pytest.raises(CopyEngineUnavailable, match="not registered"):
             select_engine("cuda", DEVICE, kv_tensors=[t], host_spans=spans)
-    with caplog.at_level(logging.WARNING, logger="kvtier.copy"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.select"):
         engine = select_engine("auto", DEVICE, kv_tensors=[t], host_spans=spans)
     assert engine.name == "torch"
     assert [r.getMessage() for r in caplog.records if "torch fallback" in r.getMessage()]

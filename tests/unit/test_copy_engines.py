@@ -29,10 +29,11 @@ import pytest
 import torch
 
 from kvtier.copy import (AddressRanges, CopyEngineUnavailable, CopyHandle, CPUCopyEngine, EventCopyHandle,
-                         select_engine, storage_ranges, stream_handle)
+                         storage_ranges, stream_handle)
 from kvtier import cuda as cuda_mod
 from kvtier.cuda import CHUNK_BYTES, KERNEL_NAME, kernel_source, split_descriptors
 from kvtier.kvcache import Descriptors, KVCacheLayout
+from kvtier.select import select_engine
 from kvtier.torch_engine import SpanTable, host_view, storage_view
 from kvtierd import mapping as mapping_mod
 from kvtierd.mapping import Mapping

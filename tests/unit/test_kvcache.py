@@ -16,8 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.copy import CopyHandle, CPUCopyEngine, run_memmove, select_engine
+from kvtier.copy import CopyHandle, CPUCopyEngine, run_memmove
 from kvtier.kvcache import Descriptors, KVCacheLayout, PieceTemplate
+from kvtier.select import select_engine
 
 NUM_BLOCKS = 12
 
