@@ -1,20 +1,21 @@
-"""Copy engines: move a job's bytes between the KV cache and the region, asynchronously.
+"""Copiers: move a job's bytes between the KV cache and the region, asynchronously.
 
-Every engine takes ``Descriptors`` (flat src/dst/nbytes address arrays, see kvcache.py) and
-returns a ``CopyHandle`` at once; ``handle.done()`` polls, ``handle.wait()`` blocks and raises
-if the copy failed. Copies submitted to one engine complete in submission order. The client
-votes (commit) or releases only after ``done()`` is true: a copy's completion is observed, never
-assumed (invariant 1).
+This module owns the ``Copier`` interface, its handles and the CPU copier. Every copier takes
+``Descriptors`` (flat src/dst/nbytes address arrays, see kvcache.py) and returns a
+``CopyHandle`` at once; ``handle.done()`` polls, ``handle.wait()`` blocks and raises if the copy
+failed. Copies submitted to one copier complete in submission order. The client votes (commit)
+or releases only after ``done()`` is true: a copy's completion is observed, never assumed
+(invariant 1).
 
-``CPUCopyEngine`` serves KV caches in host memory (CPU-only engines, and the test suite): one
-worker thread runs memmove over the coalesced descriptors; the GIL is released inside each
-memmove, so the engine's own thread keeps running while bytes move.
+``CPUCopier`` serves KV caches in host memory (CPU-only inference engines, and the test suite):
+one worker thread runs memmove over the coalesced descriptors; the GIL is released inside each
+memmove, so the inference engine's own thread keeps running while bytes move.
 
-KV caches on a CUDA device use a device engine (kvtier.cuda, kvtier.torch_engine; kvtier.select
+KV caches on a CUDA device use a device copier (kvtier.cuda, kvtier.torch_copy; kvtier.select
 picks one). This module holds what they share: ``EventCopyHandle`` (completion through a CUDA
-event), ``AddressRanges`` (the memory an engine may touch, checked before anything is queued),
-``stream_handle`` and ``storage_ranges``. A device engine that cannot run here raises
-``CopyEngineUnavailable``.
+event), ``AddressRanges`` (the memory a copier may touch, checked before anything is queued),
+``stream_handle`` and ``storage_ranges``. A device copier that cannot run here raises
+``CopierUnavailable``.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ import numpy as np
 from .errors import KvtierError
 from .kvcache import Descriptors
 
-class CopyEngineUnavailable(KvtierError):
-    """The named copy engine cannot run here (missing CuPy, no CUDA device, unpinned region…)."""
+class CopierUnavailable(KvtierError):
+    """The named copier cannot run here (missing CuPy, no CUDA device, unpinned region…)."""
 
 
 class CopyHandle:
     """Completion of one submitted copy: a Future of a worker thread, or None (nothing to copy).
 
-    Device engines return ``EventCopyHandle``, which has the same three methods.
+    Device copiers return ``EventCopyHandle``, which has the same three methods.
     """
 
     def __init__(self, future: Future | None = None):
@@ -114,7 +115,7 @@ class EventCopyHandle(CopyHandle):
         return self._error if self.done() else None
 
 
-class CopyEngine(ABC):
+class Copier(ABC):
     name: str
 
     @abstractmethod
@@ -133,7 +134,7 @@ def run_memmove(desc: Descriptors) -> int:
     return desc.total_bytes
 
 
-class CPUCopyEngine(CopyEngine):
+class CPUCopier(Copier):
     name = "cpu"
 
     def __init__(self) -> None:
@@ -159,10 +160,10 @@ def stream_handle(stream) -> int:
 
 
 class AddressRanges:
-    """The memory a device engine may touch: disjoint [base, base+size) ranges, sorted by base.
+    """The memory a device copier may touch: disjoint [base, base+size) ranges, sorted by base.
 
-    A device engine copies raw addresses; a wrong one makes the kernel fault, which poisons the
-    whole process's CUDA context (the inference engine's too). Engines therefore check every
+    A device copier dereferences raw addresses; a wrong one makes the kernel fault, which poisons the
+    whole process's CUDA context (the inference engine's too). Copiers therefore check every
     descriptor against the ranges they were given (the KV-cache storages and the region mapping)
     before queuing anything: one vectorised search per side, microseconds per thousand pieces.
     """

@@ -14,11 +14,11 @@ Sections (``--only`` picks some; each starts its own daemon in a fresh directory
               of the same size (a daemon doing no work), driven by the same client code. The two
               sides alternate in short slices, so that both see the same machine.
 ``data``      the CPU data plane: store then load of K blocks of S bytes through the client (CPU
-              copy engine, block ids in random order as an engine's are, its region mapping
+              copier, block ids in random order as an engine's are, its region mapping
               prefaulted as a running engine's is), GB/s against one-thread memcpy of the same
               bytes into and back out of a prefaulted shared mapping; plus the round trip of a
               ping after the daemon idled, which the job's requests pay after each copy.
-``capacity``  TP = 1, 2, 4, 8 ranks on one region: blocks it holds and bytes the ranks' copy engines
+``capacity``  TP = 1, 2, 4, 8 ranks on one region: blocks it holds and bytes the ranks' copiers
               wrote (D2H) per stored block, replicated (one copy, rank 0 writes) against sharded
               with the same bytes per rank (each rank its own copy: what per-rank offloading does).
 ``eviction``  stores/s into a full region of N one-page entries (every stored key evicts one)
@@ -253,7 +253,7 @@ def _control_worker(conn, wid: int, kvt_socket: str, echo_socket: str) -> None:
     from kvtier import Client
     from kvtier.session import Channel
     client = Client(kvt_socket, engine_id=f"bench-control-{wid}", rank=0, world_size=1,
-                    layout=bench_layout("control", CONTROL_PAGE), copy_engine="cpu", pin="off", timeout=60)
+                    layout=bench_layout("control", CONTROL_PAGE), copier="cpu", pin="off", timeout=60)
     channels = {"kvtierd": client.channel, "echo": Channel(echo_socket, timeout=60)}
     job_ids = iter(range(1, 1 << 62))
     keys: list[bytes] = []
@@ -392,7 +392,7 @@ def _memmove(dst: int, src: int, n: int) -> float:
 
 
 class BlockBench:
-    """One rank (TP=1, CPU copy engine) storing and loading K blocks of S bytes, timed end to end:
+    """One rank (TP=1, CPU copier) storing and loading K blocks of S bytes, timed end to end:
     the job's requests, the copy and the commit/release, as an engine sees them."""
 
     def __init__(self, daemon: Daemon, block: int, num_blocks: int, name: str):
@@ -405,7 +405,7 @@ class BlockBench:
         rows[:] = 0x5A                                  # faults the KV cache in
         rows[:, :8] = np.arange(num_blocks, dtype="<u8")[:, None].view(np.uint8)
         self.client = Client(daemon.socket, engine_id=f"bench-{name}", rank=0, world_size=1,
-                             layout=bench_layout(name, block), copy_engine="cpu", pin="off", timeout=120)
+                             layout=bench_layout(name, block), copier="cpu", pin="off", timeout=120)
         self.client.register_kv_caches([self.kv])
         # A running engine has touched every page of its mapping long ago (or pinned it, which
         # populates it); without this, every job would pay first-touch page faults on pages it
@@ -536,18 +536,18 @@ def data(ctx: Context) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- capacity
-class _CountingEngine:
-    """Wraps a rank's copy engine to count the bytes it was asked to copy."""
+class _CountingCopier:
+    """Wraps a rank's copier to count the bytes it was asked to copy."""
 
-    def __init__(self, engine):
-        self.engine, self.name, self.bytes = engine, engine.name, 0
+    def __init__(self, copier):
+        self.copier, self.name, self.bytes = copier, copier.name, 0
 
     def submit(self, desc):
         self.bytes += desc.total_bytes
-        return self.engine.submit(desc)
+        return self.copier.submit(desc)
 
     def close(self) -> None:
-        self.engine.close()
+        self.copier.close()
 
 
 def _capacity_case(daemon: Daemon, world: int, kind: str, block: int, stored_goal: int, case: int) -> dict:
@@ -560,10 +560,10 @@ def _capacity_case(daemon: Daemon, world: int, kind: str, block: int, stored_goa
     try:
         for r in range(world):
             c = Client(daemon.socket, engine_id=f"bench-cap-{case}", rank=r, world_size=world,
-                       layout=bench_layout("capacity", block, kind), copy_engine="cpu", pin="off", timeout=120)
+                       layout=bench_layout("capacity", block, kind), copier="cpu", pin="off", timeout=120)
             ranks.append(c)
             c.register_kv_caches([kv])
-            c.engine = _CountingEngine(c.engine)
+            c.copier = _CountingCopier(c.copier)
         ids = np.arange(per_job)
         before = daemon.stats()
         job, keys = 0, []
@@ -578,18 +578,18 @@ def _capacity_case(daemon: Daemon, world: int, kind: str, block: int, stored_goa
                     raise RuntimeError(f"capacity store job failed: {res}")
             if job * per_job >= stored_goal:
                 break
-        d2h = sum(c.engine.bytes for c in ranks)
+        d2h = sum(c.copier.bytes for c in ranks)
         after = daemon.stats()
         job += 1
         loaded = []
         for c in ranks:               # every rank loads the last job's blocks from the one copy
-            c.engine.bytes = 0
+            c.copier.bytes = 0
             loaded.append(c.load(job, keys, ids))
         for c in ranks:
             (res,) = c.wait([job])
             if not res.ok:
                 raise RuntimeError(f"capacity load job failed: {res}")
-        h2d = [c.engine.bytes for c in ranks]
+        h2d = [c.copier.bytes for c in ranks]
         written = after["store_written_keys"] - before["store_written_keys"]
         return {"tp": world, "kind": kind, "blocks_held": after["entries_ready"], "blocks_stored": written,
                 "d2h_bytes_per_block": d2h / written, "d2h_per_block_vs_block": d2h / written / block,
@@ -643,7 +643,7 @@ class RankChannel:
     def __init__(self, daemon: Daemon, engine: str):
         from kvtier import Client
         self.client = Client(daemon.socket, engine_id=engine, rank=0, world_size=1,
-                             layout=bench_layout("entries", CONTROL_PAGE), copy_engine="cpu", pin="off", timeout=300)
+                             layout=bench_layout("entries", CONTROL_PAGE), copier="cpu", pin="off", timeout=300)
         self.jobs = iter(range(1, 1 << 62))
 
     def store(self, keys: list[bytes]) -> bytes:

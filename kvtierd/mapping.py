@@ -1,7 +1,7 @@
 """Shared file mappings with a known address, and the host-memory pinning of a mapping.
 
 Python's ``mmap`` hides the mapping's address, but both sides need it: the client hands page
-addresses to its copy engine (memmove on the CPU, UVA pointers for the CUDA kernel), and pinning
+addresses to its copier (memmove on the CPU, UVA pointers for the CUDA kernel), and pinning
 (``cudaHostRegister``, ``mlock``) takes an address. So regions are mapped here through libc.
 
 Pinning modes (``pin`` setting): ``cuda`` registers the mapping with cudaHostRegister in chunks of
@@ -161,7 +161,7 @@ class Mapping:
         unregisters it). Without a usable CUDA runtime: raise if ``required``, else return False
         quietly (a CPU-only client needs no pinning). When registration fails: raise if
         ``required``, else log one warning line and return False; the mapping stays usable
-        unpinned (copies then go through the torch engine, staged by the driver).
+        unpinned (copies then go through the torch copier, staged by the driver).
         """
         failure = self._register_cuda()
         if failure is None:

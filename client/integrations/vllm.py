@@ -504,7 +504,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.rank = rank
         self._views = block_views(kv_caches, layout.block_bytes)
         self._client = connect(settings.socket, engine_id=engine_id, rank=rank, world_size=world_size,
-                               layout=layout, copy_engine=settings.copy_engine, timeout=settings.timeout_s,
+                               layout=layout, copier=settings.copy_engine, timeout=settings.timeout_s,
                                reconnect_timeout=settings.timeout_s)
         try:
             self._client.register_kv_caches(self._views)
