@@ -10,8 +10,8 @@ Contract (see the header of csrc/kvtier_copy.cu for the kernel's own):
   the device pointer (UVA). The constructor checks this and raises ``CopierUnavailable``
   otherwise, because the kernel dereferences host pointers directly and would fault on
   pageable memory. It also raises it when CuPy is missing or no CUDA device is usable.
-- ``submit(desc)`` returns at once. It splits pieces larger than ``CHUNK_BYTES`` (so one big
-  piece does not serialise on one warp), uploads the (src, dst, nbytes) table to the device
+- ``submit(desc)`` returns at once. It splits pieces larger than ``SPLIT_CHUNK_BYTES`` (so one
+  big piece does not serialise on one warp), uploads the (src, dst, nbytes) table to the device
   from a pinned staging buffer, makes the copier's private non-blocking stream wait for the
   work queued so far on the compute stream (so a store reads what the model wrote, and a load
   does not overwrite blocks that queued kernels still read), launches the kernel once, and
@@ -47,7 +47,7 @@ KERNEL_NAME = "kvtier_batched_copy"
 # Largest piece one warp copies. A multiple of 16 (splitting keeps each piece's alignment);
 # equal to the default region page, so typical pieces (≤ one page) are never split, while a
 # coalesced multi-megabyte run spreads over many warps.
-CHUNK_BYTES = 64 << 10
+SPLIT_CHUNK_BYTES = 64 << 10
 THREADS_PER_BLOCK = 256
 # Grid cap: enough blocks to fill every SM (2048 resident threads per SM on sm_80/sm_90); more
 # would only queue behind them, and the kernel's grid-stride loop covers any descriptor count.
@@ -59,7 +59,7 @@ def kernel_source() -> str:
     return importlib.resources.files("kvtier.csrc").joinpath(KERNEL_FILE).read_text()
 
 
-def split_descriptors(desc: Descriptors, chunk: int = CHUNK_BYTES) -> Descriptors:
+def split_descriptors(desc: Descriptors, chunk: int = SPLIT_CHUNK_BYTES) -> Descriptors:
     """The same copy with every piece cut into pieces of at most ``chunk`` bytes (vectorised).
 
     Zero-byte pieces disappear. ``chunk`` must be a multiple of 16 so that each cut piece keeps

@@ -31,7 +31,7 @@ import torch
 from kvtier.copy import (AddressRanges, CopierUnavailable, CopyHandle, CPUCopier, EventCopyHandle,
                          storage_ranges, stream_handle)
 from kvtier import cuda as cuda_mod
-from kvtier.cuda import CHUNK_BYTES, KERNEL_NAME, kernel_source, split_descriptors
+from kvtier.cuda import KERNEL_NAME, SPLIT_CHUNK_BYTES, kernel_source, split_descriptors
 from kvtier.kvcache import Descriptors, KVCacheLayout
 from kvtier.select import select_copier
 from kvtier.torch_copy import SpanTable, host_view, storage_view
@@ -228,11 +228,11 @@ def test_split_descriptors_copies_the_same_bytes():
     rng = np.random.default_rng(5)
     src_buf, dst_buf, desc = random_descriptors(rng, 200, 300_000, 1 << 20)
     split = split_descriptors(desc)
-    assert int(split.nbytes.max()) <= CHUNK_BYTES and split.total_bytes == desc.total_bytes
-    assert len(split) == int(np.sum(-(-desc.nbytes.astype(np.int64) // CHUNK_BYTES)))
+    pieces = -(-desc.nbytes.astype(np.int64) // SPLIT_CHUNK_BYTES)       # per parent
+    assert int(split.nbytes.max()) <= SPLIT_CHUNK_BYTES and split.total_bytes == desc.total_bytes
+    assert len(split) == int(np.sum(pieces))
     # Cutting at multiples of 16 keeps each piece in its parent's alignment class.
-    owner = np.searchsorted(np.cumsum(-(-desc.nbytes.astype(np.int64) // CHUNK_BYTES)), np.arange(len(split)),
-                            side="right")
+    owner = np.searchsorted(np.cumsum(pieces), np.arange(len(split)), side="right")
     assert np.array_equal(split.src % 16, desc.src[owner] % 16)
     assert np.array_equal(split.dst % 16, desc.dst[owner] % 16)
     pristine = dst_buf.copy()
@@ -401,7 +401,7 @@ def test_kernel_copier_refuses_unregistered_memory_and_stray_addresses(monkeypat
                       np.array([kv.numel()], np.uint64))
     region[:kv.numel()] = np.arange(kv.numel()) % 251
     copier.submit(big).wait(5)
-    assert [c[3] for c in fake.calls if c[0] == "launch"] == [-(-kv.numel() // CHUNK_BYTES)] == [5]
+    assert [c[3] for c in fake.calls if c[0] == "launch"] == [-(-kv.numel() // SPLIT_CHUNK_BYTES)] == [5]
     assert np.array_equal(kv.numpy().ravel(), region[:kv.numel()])
     copier.close()
     assert fake.calls[-1] == ("stream-sync",)
