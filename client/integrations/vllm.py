@@ -122,6 +122,7 @@ from kvtierd import protocol as P  # noqa: E402
 
 from ..api import Client, Layout, default_socket  # noqa: E402
 from ..errors import KvtierError  # noqa: E402
+from ..select import COPIERS  # noqa: E402
 
 # A child of vLLM's logger, so that these lines go where vLLM's own go.
 logger = logging.getLogger("vllm.kvtier")
@@ -140,11 +141,11 @@ class KvtierSettings:
     layout: str = "auto"             # auto: vLLM's replicated gate decides; sharded: never replicated
     timeout_s: float = 5.0           # bound on one request to kvtierd
     retry_s: float = 10.0            # after kvtierd was unreachable, wait this long before reconnecting
-    copy_engine: str = "auto"        # kvtier copy engine of the workers (auto, cuda, torch, cpu)
+    copier: str = "auto"             # how the workers copy (kvtier.select.COPIERS: auto, cpu, cuda, torch)
     engine_id: str | None = None     # kvtier engine id; default vllm-<vLLM engine_id>
 
     KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_layout": "layout",
-            "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_copy_engine": "copy_engine",
+            "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_copier": "copier",
             "kvtier_engine_id": "engine_id"}
 
     @classmethod
@@ -164,13 +165,13 @@ class KvtierSettings:
                     raise ValueError(f"kvtier_{name} must be a number of seconds, got {values[name]!r}") from None
                 if not values[name] > 0:
                     raise ValueError(f"kvtier_{name} must be > 0, got {values[name]}")
-        for name in ("socket", "namespace", "layout", "copy_engine", "engine_id"):
+        for name in ("socket", "namespace", "layout", "copier", "engine_id"):
             if name in values and not isinstance(values[name], str):
                 raise ValueError(f"kvtier_{name} must be a string, got {values[name]!r}")
         if values.get("layout", "auto") not in ("auto", "sharded"):
             raise ValueError(f"kvtier_layout must be 'auto' or 'sharded', got {values['layout']!r}")
-        if values.get("copy_engine", "auto") not in ("auto", "cuda", "torch", "cpu"):
-            raise ValueError(f"kvtier_copy_engine must be auto, cuda, torch or cpu, got {values['copy_engine']!r}")
+        if values.get("copier", "auto") not in COPIERS:
+            raise ValueError(f"kvtier_copier must be one of {', '.join(COPIERS)}, got {values['copier']!r}")
         return cls(**values)
 
 
@@ -504,7 +505,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.rank = rank
         self._views = block_views(kv_caches, layout.block_bytes)
         self._client = connect(settings.socket, engine_id=engine_id, rank=rank, world_size=world_size,
-                               layout=layout, copier=settings.copy_engine, timeout=settings.timeout_s,
+                               layout=layout, copier=settings.copier, timeout=settings.timeout_s,
                                reconnect_timeout=settings.timeout_s)
         try:
             self._client.register_kv_caches(self._views)

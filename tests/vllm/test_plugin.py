@@ -77,13 +77,13 @@ def test_importing_kvtier_does_not_import_vllm():
 def test_settings_are_checked():
     s = plugin.KvtierSettings.from_extra_config({"kvtier_socket": "/s", "kvtier_timeout_s": "2.5",
                                                  "spec_name": "KvtierOffloadingSpec"})
-    assert (s.socket, s.timeout_s, s.retry_s, s.layout, s.copy_engine, s.namespace) == ("/s", 2.5, 10.0, "auto",
-                                                                                        "auto", None)
+    assert (s.socket, s.timeout_s, s.retry_s, s.layout, s.copier, s.namespace) == ("/s", 2.5, 10.0, "auto",
+                                                                                   "auto", None)
     for extra, match in [({"kvtier_sockett": "/s"}, "unknown .*kvtier_sockett"),
                          ({"kvtier_layout": "replicated"}, "kvtier_layout must be 'auto' or 'sharded'"),
                          ({"kvtier_timeout_s": 0}, "kvtier_timeout_s must be > 0"),
                          ({"kvtier_retry_s": "soon"}, "kvtier_retry_s must be a number"),
-                         ({"kvtier_copy_engine": "dma"}, "kvtier_copy_engine"),
+                         ({"kvtier_copier": "dma"}, "kvtier_copier must be one of auto, cpu, cuda, torch"),
                          ({"kvtier_namespace": 7}, "kvtier_namespace must be a string")]:
         with pytest.raises(ValueError, match=match):
             plugin.KvtierSettings.from_extra_config(extra)
