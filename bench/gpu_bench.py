@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
-"""Store (D2H) and load (H2D) bandwidth of kvtier's device copy engines, against the link's ceiling.
+"""Store (D2H) and load (H2D) bandwidth of kvtier's device copiers, against the link's ceiling.
 
 For each geometry, a job of ``--blocks-per-job`` blocks is copied between a paged GPU KV cache
 and scattered pages of a pinned region (a /dev/shm file mapped and cudaHostRegister'ed exactly as
 a client does), by:
 
-- ``kernel``: the CUDA kernel engine (csrc/kvtier_copy.cu, one launch per job; needs CuPy);
-- ``torch``: the torch fallback engine (one non_blocking copy_ per piece);
+- ``kernel``: the CUDA kernel copier (csrc/kvtier_copy.cu, one launch per job; needs CuPy);
+- ``torch``: the torch fallback copier (one non_blocking copy_ per piece);
 - ``ceiling``: one contiguous cudaMemcpyAsync of the same total bytes between a device buffer and
   the same pinned region: what the host link gives a single large copy.
 
 Reported per job: GB/s (10^9 bytes/s, median over ``--iters`` timed jobs after one warm-up,
 timed from submit to the completion event on the host, as the client sees it), the ratio of each
-engine to the ceiling, the number of pieces, and the host time to build the descriptors. Every
+copier to the ceiling, the number of pieces, and the host time to build the descriptors. Every
 measured copy is checked byte for byte once, so a fast wrong copy cannot pass.
 
 Geometries: DeepSeek-V3 MLA (61 layers, [blocks, 64 tokens, 576] per layer, bf16 and fp8) and a
@@ -91,7 +91,7 @@ class PinnedRegion:
     """Scratch host memory mapped and registered with CUDA the way a kvtier client registers the region."""
 
     def __init__(self, nbytes: int):
-        from kvtier.torch_engine import host_view
+        from kvtier.torch_copy import host_view
         from kvtierd.contract.mapping import Mapping
         self.mapping = Mapping.anonymous(nbytes, "kvtier-bench")
         self.mapping.prefault()
@@ -128,11 +128,11 @@ def entry_bytes(region: PinnedRegion, pages: np.ndarray, block_bytes: int):
     return rows[torch.as_tensor(pages)].reshape(len(pages), -1)[:, :block_bytes]
 
 
-def run_geometry(geo: Geometry, args, engines: dict, device) -> list[dict]:
+def run_geometry(geo: Geometry, args, unavailable: dict, device) -> list[dict]:
     import torch
 
-    from kvtier.copy import select_engine
     from kvtier.kvcache import KVCacheLayout
+    from kvtier.select import select_copier
 
     k = args.blocks_per_job
     tensors = geo.make(2 * k, device)
@@ -166,14 +166,14 @@ def run_geometry(geo: Geometry, args, engines: dict, device) -> list[dict]:
 
         ceiling = {"store": timed(contiguous(host, flat), args.iters),
                    "load": timed(contiguous(flat, host), args.iters)}
-        del flat, host      # free the device buffer before the engines run
+        del flat, host      # free the device buffer before the copiers run
 
         measured: dict[tuple[str, str], list[float] | str] = {}
         for label, name in (("kernel", "cuda"), ("torch", "torch")):
-            if isinstance(engines.get(name), str):
-                measured[(label, "store")] = measured[(label, "load")] = engines[name]
+            if name in unavailable:
+                measured[(label, "store")] = measured[(label, "load")] = unavailable[name]
                 continue
-            engine = select_engine(name, device, kv_tensors=tensors, host_spans=[(region.address, region.size)])
+            copier = select_copier(name, device, kv_tensors=tensors, host_spans=[(region.address, region.size)])
             try:
                 for direction, desc in (("store", store), ("load", load)):
                     # Clear the destination first, so that bytes a copy failed to move show up.
@@ -182,15 +182,15 @@ def run_geometry(geo: Geometry, args, engines: dict, device) -> list[dict]:
                     else:
                         for t in tensors:
                             t.view(torch.uint8).index_fill_(0, torch.as_tensor(dst_blocks, device=device), 0)
-                    times = timed(lambda d=desc: engine.submit(d).wait(), args.iters)
+                    times = timed(lambda d=desc: copier.submit(d).wait(), args.iters)
                     # Every timed job rewrote the same bytes: check them once.
                     got = (entry_bytes(region, pages, kv.block_bytes) if direction == "store"
                            else block_rows(tensors, dst_blocks).cpu())
                     if not torch.equal(got, expected):
-                        raise AssertionError(f"{geo.name}: {label} engine {direction} produced wrong bytes")
+                        raise AssertionError(f"{geo.name}: {label} copier {direction} produced wrong bytes")
                     measured[(label, direction)] = times
             finally:
-                engine.close()
+                copier.close()
 
         for direction, desc in (("store", store), ("load", load)):
             ceil_gbps = job_bytes / statistics.median(ceiling[direction]) / 1e9
@@ -228,7 +228,7 @@ def markdown(env: dict, rows: list[dict], skipped: list[str]) -> str:
                      f"| {r['job_bytes'] / 2**20:.1f} | {r['pieces']} | {cell(r, 'kernel')} | {cell(r, 'torch')} "
                      f"| {r['ceiling_gbps']:.1f} | {r['descriptor_build_ms']:.2f} |")
     for reason in sorted({r.get('kernel_unavailable') for r in rows} - {None}):
-        lines.append(f"\nkernel engine unavailable: {reason}")
+        lines.append(f"\nkernel copier unavailable: {reason}")
     for s in skipped:
         lines.append(f"\nnot measured (time budget): {s}")
     return "\n".join(lines) + "\n"
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
               f"{torch.version.cuda or 'none'}); nothing measured.", file=sys.stderr)
         return 0
 
-    from kvtier.copy import CopyEngineUnavailable
+    from kvtier.copy import CopierUnavailable
 
     device = torch.device("cuda", torch.cuda.current_device())
     try:
@@ -257,17 +257,17 @@ def main(argv=None) -> int:
     env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
            "cupy": cupy_version or "not installed", "python": platform.python_version(), "host": platform.node(),
            "blocks_per_job": args.blocks_per_job, "iters": args.iters, "page_bytes": PAGE}
-    engines: dict = {}
+    unavailable: dict[str, str] = {}      # copier name -> why it cannot run here
     if cupy_version is None:
-        engines["cuda"] = "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
+        unavailable["cuda"] = "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
     else:
         # Compile once up front so that a failing NVRTC shows as a clear line, not a traceback.
         probe = PinnedRegion(PAGE)
         try:
-            from kvtier.cuda import CudaKernelEngine
-            CudaKernelEngine(device, [], [(probe.address, probe.size)]).close()
-        except CopyEngineUnavailable as exc:
-            engines["cuda"] = str(exc)
+            from kvtier.cuda import CudaKernelCopier
+            CudaKernelCopier(device, [], [(probe.address, probe.size)]).close()
+        except CopierUnavailable as exc:
+            unavailable["cuda"] = str(exc)
         finally:
             probe.close()
 
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
             skipped.append(geo.name)
             continue
         print(f"gpu_bench: {geo.name} …", file=sys.stderr, flush=True)
-        rows += run_geometry(geo, args, engines, device)
+        rows += run_geometry(geo, args, unavailable, device)
 
     os.makedirs(args.out, exist_ok=True)
     table = markdown(env, rows, skipped)

@@ -245,7 +245,7 @@ kind (2 vCPUs of a KVM guest), and the table above says which targets this parti
   hot-path fix. The ratio also moves with the machine's load (the echo's round trip is its
   denominator: the same code measured 1.18x in a quieter run).
 - **CPU store+load against memcpy, small jobs.** The copy itself runs near memcpy speed (the CPU
-  engine moves a block per `memmove` on a worker thread; timed alone it matches one-thread
+  copier moves a block per `memmove` on a worker thread; timed alone it matches one-thread
   memcpy within noise, and a 1 GiB job's copy reaches 0.85-0.93x). What small jobs pay is four
   round trips per store+load (store, commit, load, release), each after the daemon sat idle
   through a copy: on this KVM guest a ping after a 5-20 ms idle gap costs 0.15-0.5 ms (it varies
@@ -273,13 +273,13 @@ work. A store job is `store` + `commit`, a load job `load` + `release` (two roun
 copies are the data plane's). With 2 CPUs, 4 and 16 client processes oversubscribe the machine
 (the daemon waits for a core too): that is expected, and is why those rows are mostly a measure
 of the scheduler.""",
-    "data": """Store then load of K blocks through the client library with the CPU copy engine (block ids in
+    "data": """Store then load of K blocks through the client library with the CPU copier (block ids in
 random order, as an engine's are), timed end to end (requests, copy, commit/release), against
 one-thread `memcpy` of the same bytes into and back out of a prefaulted shared mapping.""",
     "capacity": """TP = N ranks attach to one region of a fixed budget and store more blocks than fit (so it ends
 full). Replicated (MLA: one copy, rank 0 writes, all ranks load it) against sharded with the same
 bytes per rank (every rank its own copy: what per-rank offloading does). D2H bytes are counted by
-wrapping each rank's copy engine, i.e. the bytes actually copied into the region.""",
+wrapping each rank's copier, i.e. the bytes actually copied into the region.""",
     "eviction": """A region of N one-page entries, filled; then every stored key evicts the least recently used
 entry. Against the same store jobs into the same region while it still had room.""",
     "recovery": """The daemon holding N entries is stopped (SIGTERM) and started again: process start to the socket
@@ -321,7 +321,7 @@ bench added; `docs/bench/baseline.json`):"""
 GPU = """## GPU figures
 
 The GPU benchmarks live in `bench/gpu_bench.py` (issue 4): store (D2H) and load (H2D) bandwidth
-of the device copy engines (the CUDA kernel of csrc/ and the torch fallback) against one
+of the device copiers (the CUDA kernel of csrc/ and the torch fallback) against one
 contiguous `cudaMemcpyAsync` of the same bytes into the same pinned region (the link's ceiling),
 for DeepSeek-V3 MLA and a Llama-70B-like GQA shard. They were **not run** for this page: no GPU
 device was lent to this task, so there are no GPU figures here."""

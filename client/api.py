@@ -48,8 +48,9 @@ from kvtierd.contract.protocol import (HelloReply, JobsReply, LoadReply, LookupR
                                       StoreReply)
 from kvtierd.contract.region_format import RegionView, shard_checksum
 
-from .copy import CopyEngine, CopyHandle, select_engine
+from .copy import Copier, CopyHandle
 from .kvcache import KVCacheLayout
+from .select import select_copier
 
 
 @dataclass
@@ -113,7 +114,7 @@ _RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort"})
 
 class Client:
     def __init__(self, socket_path: str | None = None, *, engine_id: str, rank: int | None, world_size: int,
-                 namespace: NamespaceId, copy_engine: str = "auto", pin: str = "auto", timeout: float = 10.0,
+                 namespace: NamespaceId, copier: str = "auto", pin: str = "auto", timeout: float = 10.0,
                  reconnect_timeout: float = 30.0):
         self.socket_path = socket_path or default_socket()
         self.rank = rank
@@ -126,11 +127,11 @@ class Client:
         self.mapping: Mapping | None = None
         self.pinned = "off"
         self.kv: KVCacheLayout | None = None
-        self.engine: CopyEngine | None = None
+        self.copier: Copier | None = None
         self._stream = None                       # the compute stream copies wait for (None: current)
         self.info: HelloReply | None = None     # the last hello's reply
         self._heartbeat: _Heartbeat | None = None
-        self._copy_engine_name = copy_engine
+        self._copier_name = copier
         self._pin = pin
         self._pending: dict[int, _Pending] = {}
         self._lost: list[JobResult] = []          # in flight across a daemon restart
@@ -163,15 +164,15 @@ class Client:
         self.is_writer = self.rank is not None and self.rank in info.writers
         if self.rank is not None and (self.mapping is None or previous is None
                                       or (previous.region, previous.generation) != (info.region, info.generation)):
-            if self.engine is not None:      # it holds the old mapping's addresses (and its pinning)
-                self.engine.close()
-                self.engine = None
+            if self.copier is not None:      # it holds the old mapping's addresses (and its pinning)
+                self.copier.close()
+                self.copier = None
             if self.mapping is not None:
                 self.mapping.close()
                 self.mapping = None
             self._map_region()
             if self.kv is not None:
-                self._start_engine()
+                self._start_copier()
         if info.heartbeat_interval:
             self._heartbeat = _Heartbeat(self.socket_path, info.session, info.token, info.heartbeat_interval)
             self._heartbeat.start()
@@ -228,7 +229,7 @@ class Client:
             mapping.close()
             raise
         self.mapping = mapping
-        self.pinned = "off"       # pinning is per mapping: _start_engine pins it for a CUDA KV cache
+        self.pinned = "off"       # pinning is per mapping: _start_copier pins it for a CUDA KV cache
         self.region_data = mapping.address + info.data_offset
         self.region_bytes = np.frombuffer(mapping.buffer, dtype=np.uint8)[info.data_offset:]
 
@@ -245,17 +246,17 @@ class Client:
             raise ValueError(f"the KV-cache tensors hold {kv.block_bytes} bytes per block; the namespace this "
                              f"client attached with says {self.namespace.block_bytes}")
         self.kv, self._stream = kv, stream
-        self._start_engine()
+        self._start_copier()
 
-    def _start_engine(self) -> None:
-        """(Re)build the copy engine over the current mapping; for a CUDA KV cache, pin the mapping first."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+    def _start_copier(self) -> None:
+        """(Re)build the copier over the current mapping; for a CUDA KV cache, pin the mapping first."""
+        if self.copier is not None:
+            self.copier.close()
+            self.copier = None
         kv = self.kv
         if kv.device.type == "cuda":
             self._pin_for(kv.device)
-        self.engine = select_engine(self._copy_engine_name, kv.device, kv_tensors=kv.tensors,
+        self.copier = select_copier(self._copier_name, kv.device, kv_tensors=kv.tensors,
                                     host_spans=[(self.mapping.address, self.mapping.size)], stream=self._stream)
 
     def _pin_for(self, device) -> None:
@@ -263,7 +264,7 @@ class Client:
 
         Pinning is per process: the daemon's does not cover this mapping. It happens under the KV
         cache's device so that registering creates no context on device 0. pin='auto' continues
-        unpinned after one warning line when registration fails (auto then picks the torch engine,
+        unpinned after one warning line when registration fails (auto then picks the torch copier,
         which copies unpinned memory); pin='cuda' raises; pin='off' skips it.
         """
         if self.pinned == "cuda" or self._pin not in ("auto", "cuda"):
@@ -324,7 +325,7 @@ class Client:
         pages = np.frombuffer(reply.pages, dtype=P.PAGES_DTYPE).reshape(len(write), self.pages_per_shard)
         try:
             desc = kv.descriptors(np.asarray(block_ids)[write], pages, self.region_data, to_region=True)
-            handle = self.engine.submit(desc)
+            handle = self.copier.submit(desc)
         except BaseException:
             self._call_quietly("commit", job=job, ok=False)
             raise
@@ -344,7 +345,7 @@ class Client:
         pages = np.frombuffer(reply.pages, dtype=P.PAGES_DTYPE).reshape(hits, self.pages_per_shard)
         try:
             desc = kv.descriptors(np.asarray(block_ids)[:hits], pages, self.region_data, to_region=False)
-            handle = self.engine.submit(desc)
+            handle = self.copier.submit(desc)
         except BaseException:
             self._call_quietly("release", job=job)
             raise
@@ -430,8 +431,8 @@ class Client:
             if self._heartbeat is not None:
                 self._heartbeat.stop()
                 self._heartbeat = None
-            if self.engine is not None:
-                self.engine.close()
+            if self.copier is not None:
+                self.copier.close()
             if self.mapping is not None:
                 self.mapping.close()
             self.channel.close()

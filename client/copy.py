@@ -1,32 +1,26 @@
-"""Copy engines: move a job's bytes between the KV cache and the region, asynchronously.
+"""Copiers: move a job's bytes between the KV cache and the region, asynchronously.
 
-Every engine takes ``Descriptors`` (flat src/dst/nbytes address arrays, see kvcache.py) and
-returns a ``CopyHandle`` at once; ``handle.done()`` polls, ``handle.wait()`` blocks and raises
-if the copy failed. Copies submitted to one engine complete in submission order. The client
-votes (commit) or releases only after ``done()`` is true: a copy's completion is observed, never
-assumed (invariant 1).
+This module owns the ``Copier`` interface, its handles and the CPU copier. Every copier takes
+``Descriptors`` (flat src/dst/nbytes address arrays, see kvcache.py) and returns a
+``CopyHandle`` at once; ``handle.done()`` polls, ``handle.wait()`` blocks and raises if the copy
+failed. Copies submitted to one copier complete in submission order. The client votes (commit)
+or releases only after ``done()`` is true: a copy's completion is observed, never assumed
+(invariant 1).
 
-``CPUCopyEngine`` serves KV caches in host memory (CPU-only engines, and the test suite): one
-worker thread runs memmove over the coalesced descriptors; the GIL is released inside each
-memmove, so the engine's own thread keeps running while bytes move.
+``CPUCopier`` serves KV caches in host memory (CPU-only inference engines, and the test suite):
+one worker thread runs memmove over the coalesced descriptors; the GIL is released inside each
+memmove, so the inference engine's own thread keeps running while bytes move.
 
-KV caches on a CUDA device use one of two device engines (``select_engine`` picks):
-
-- ``cuda`` (kvtier.cuda): csrc/kvtier_copy.cu compiled through CuPy/NVRTC, one kernel launch
-  per job reading and writing the UVA-mapped pinned region directly. Needs CuPy and a region
-  this process registered with cudaHostRegister (pinned + mapped).
-- ``torch`` (kvtier.torch_engine): one non_blocking ``copy_`` per descriptor. Needs only a CUDA
-  build of torch, and works with an unpinned region too (then each copy is staged, slower).
-
-Both order their copies after the engine's compute stream and complete through a CUDA event
-(``EventCopyHandle``). ``auto`` takes ``cuda`` when it is usable, else ``torch`` (one warning
-line says why); an explicitly named engine that cannot run raises ``CopyEngineUnavailable``.
+KV caches on a CUDA device use a device copier (kvtier.cuda, kvtier.torch_copy; kvtier.select
+picks one). This module holds what they share: ``EventCopyHandle`` (completion through a CUDA
+event), ``AddressRanges`` (the memory a copier may touch, checked before anything is queued),
+``stream_handle`` and ``storage_ranges``. A device copier that cannot run here raises
+``CopierUnavailable``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,19 +33,15 @@ from kvtierd.contract.errors import KvtierError
 
 from .kvcache import Descriptors
 
-log = logging.getLogger(__name__)
 
-ENGINES = ("auto", "cpu", "cuda", "torch")
-
-
-class CopyEngineUnavailable(KvtierError):
-    """The named copy engine cannot run here (missing CuPy, no CUDA device, unpinned region…)."""
+class CopierUnavailable(KvtierError):
+    """The named copier cannot run here (missing CuPy, no CUDA device, unpinned region…)."""
 
 
 class CopyHandle:
     """Completion of one submitted copy: a Future of a worker thread, or None (nothing to copy).
 
-    Device engines return ``EventCopyHandle``, which has the same three methods.
+    Device copiers return ``EventCopyHandle``, which has the same three methods.
     """
 
     def __init__(self, future: Future | None = None):
@@ -127,7 +117,7 @@ class EventCopyHandle(CopyHandle):
         return self._error if self.done() else None
 
 
-class CopyEngine(ABC):
+class Copier(ABC):
     name: str
 
     @abstractmethod
@@ -146,7 +136,7 @@ def run_memmove(desc: Descriptors) -> int:
     return desc.total_bytes
 
 
-class CPUCopyEngine(CopyEngine):
+class CPUCopier(Copier):
     name = "cpu"
 
     def __init__(self) -> None:
@@ -172,10 +162,10 @@ def stream_handle(stream) -> int:
 
 
 class AddressRanges:
-    """The memory a device engine may touch: disjoint [base, base+size) ranges, sorted by base.
+    """The memory a device copier may touch: disjoint [base, base+size) ranges, sorted by base.
 
-    A device engine copies raw addresses; a wrong one makes the kernel fault, which poisons the
-    whole process's CUDA context (the inference engine's too). Engines therefore check every
+    A device copier dereferences raw addresses; a wrong one makes the kernel fault, which poisons the
+    whole process's CUDA context (the inference engine's too). Copiers therefore check every
     descriptor against the ranges they were given (the KV-cache storages and the region mapping)
     before queuing anything: one vectorised search per side, microseconds per thousand pieces.
     """
@@ -212,48 +202,3 @@ class AddressRanges:
 def storage_ranges(tensors: Sequence) -> list[tuple[int, int]]:
     """(address, bytes) of the whole storage behind each tensor."""
     return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors]
-
-
-def select_engine(name: str, device, *, kv_tensors: Sequence = (), host_spans: Sequence[tuple[int, int]] = (),
-                  stream=None) -> CopyEngine:
-    """The copy engine for KV caches on ``device`` (a torch.device).
-
-    ``name`` is ``auto`` or forces ``cpu``, ``cuda`` or ``torch``. Device engines also need
-    ``host_spans``, the (address, size) ranges of host memory that descriptors may reference (the
-    client's mapping of the region), and the registered ``kv_tensors``: descriptors may touch
-    nothing else.
-    ``stream`` is the engine's compute stream (torch.cuda.Stream, cupy Stream or a raw
-    cudaStream_t); copies start only after the work queued on it at submit time. None means
-    ``torch.cuda.current_stream(device)`` as of each submit.
-    """
-    if name not in ENGINES:
-        raise ValueError(f"copy engine {name!r} is unknown; choose one of: {', '.join(ENGINES)}")
-    if device.type == "cpu":
-        if name not in ("auto", "cpu"):
-            raise ValueError(f"copy engine {name!r} moves data between a CUDA device and the host; "
-                             "KV caches in host memory use the 'cpu' engine")
-        return CPUCopyEngine()
-    if device.type != "cuda":
-        raise ValueError(f"KV caches on {device} are not supported; kvtier copies CPU and CUDA tensors")
-    if name == "cpu":
-        raise ValueError(f"copy engine 'cpu' cannot reach KV caches on {device}; use auto, cuda or torch")
-    if not host_spans:
-        raise ValueError("device copy engines need host_spans: the (address, size) of this process's region mapping")
-
-    from .torch_engine import TorchCopyEngine
-    if name == "torch":
-        return TorchCopyEngine(device, kv_tensors, host_spans, stream)
-    from .cuda import CudaKernelEngine
-    if name == "cuda":
-        return CudaKernelEngine(device, kv_tensors, host_spans, stream)
-    try:
-        return CudaKernelEngine(device, kv_tensors, host_spans, stream)
-    except CopyEngineUnavailable as kernel_missing:
-        try:
-            engine = TorchCopyEngine(device, kv_tensors, host_spans, stream)
-        except CopyEngineUnavailable as torch_missing:
-            raise CopyEngineUnavailable(f"no copy engine can serve KV caches on {device}: "
-                                        f"cuda: {kernel_missing}; torch: {torch_missing}") from None
-        log.warning("kvtier copy engine: torch fallback (one copy_ per piece) because the kernel engine "
-                    "is unavailable: %s", kernel_missing)
-        return engine

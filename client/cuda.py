@@ -1,24 +1,24 @@
-"""The CUDA kernel copy engine: one launch of csrc/kvtier_copy.cu per job, through CuPy.
+"""The CUDA kernel copier: one launch of csrc/kvtier_copy.cu per job, through CuPy.
 
 Contract (see the header of csrc/kvtier_copy.cu for the kernel's own):
 
-- ``CudaKernelEngine(device, kv_tensors, host_spans, stream)`` serves KV caches on one CUDA
+- ``CudaKernelCopier(device, kv_tensors, host_spans, stream)`` serves KV caches on one CUDA
   device. Every descriptor must lie inside the storage of one of ``kv_tensors`` or inside one of
   ``host_spans`` (checked at submit: a stray address would fault the kernel and poison the
   process's CUDA context), and the host spans must be registered
   in *this* process with cudaHostRegister(portable | mapped), with the host pointer usable as
-  the device pointer (UVA). The constructor checks this and raises ``CopyEngineUnavailable``
+  the device pointer (UVA). The constructor checks this and raises ``CopierUnavailable``
   otherwise, because the kernel dereferences host pointers directly and would fault on
   pageable memory. It also raises it when CuPy is missing or no CUDA device is usable.
-- ``submit(desc)`` returns at once. It splits pieces larger than ``CHUNK_BYTES`` (so one big
-  piece does not serialise on one warp), uploads the (src, dst, nbytes) table to the device
-  from a pinned staging buffer, makes the engine's private non-blocking stream wait for the
+- ``submit(desc)`` returns at once. It splits pieces larger than ``SPLIT_CHUNK_BYTES`` (so one
+  big piece does not serialise on one warp), uploads the (src, dst, nbytes) table to the device
+  from a pinned staging buffer, makes the copier's private non-blocking stream wait for the
   work queued so far on the compute stream (so a store reads what the model wrote, and a load
   does not overwrite blocks that queued kernels still read), launches the kernel once, and
   records a completion event. ``handle.done()`` is that event's query, ``wait()`` its
   synchronize: the client votes or reports a load done only once the event completed.
 - Jobs run in submission order (one stream). The staging buffers of a job live until its event
-  completed. Submit from one thread at a time (the client's), as with every engine.
+  completed. Submit from one thread at a time (the client's), as with every copier.
 
 The kernel source is compiled at run time by NVRTC (cupy.RawModule) for the device's
 architecture; CuPy keeps the binary in its on-disk kernel cache (~/.cupy/kernel_cache, or
@@ -37,8 +37,7 @@ import numpy as np
 
 from kvtierd.contract.mapping import CUDA_REGISTER_CHUNK_BYTES
 
-from .copy import (AddressRanges, CopyEngine, CopyEngineUnavailable, CopyHandle, EventCopyHandle, storage_ranges,
-                   stream_handle)
+from .copy import AddressRanges, Copier, CopierUnavailable, CopyHandle, EventCopyHandle, storage_ranges, stream_handle
 from .kvcache import Descriptors
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ KERNEL_NAME = "kvtier_batched_copy"
 # Largest piece one warp copies. A multiple of 16 (splitting keeps each piece's alignment);
 # equal to the default region page, so typical pieces (≤ one page) are never split, while a
 # coalesced multi-megabyte run spreads over many warps.
-CHUNK_BYTES = 64 << 10
+SPLIT_CHUNK_BYTES = 64 << 10
 THREADS_PER_BLOCK = 256
 # Grid cap: enough blocks to fill every SM (2048 resident threads per SM on sm_80/sm_90); more
 # would only queue behind them, and the kernel's grid-stride loop covers any descriptor count.
@@ -60,7 +59,7 @@ def kernel_source() -> str:
     return importlib.resources.files("kvtier.csrc").joinpath(KERNEL_FILE).read_text()
 
 
-def split_descriptors(desc: Descriptors, chunk: int = CHUNK_BYTES) -> Descriptors:
+def split_descriptors(desc: Descriptors, chunk: int = SPLIT_CHUNK_BYTES) -> Descriptors:
     """The same copy with every piece cut into pieces of at most ``chunk`` bytes (vectorised).
 
     Zero-byte pieces disappear. ``chunk`` must be a multiple of 16 so that each cut piece keeps
@@ -84,8 +83,8 @@ def _import_cupy():
         import cupy
         import cupyx
     except ImportError as exc:
-        raise CopyEngineUnavailable(f"the 'cuda' copy engine needs CuPy ({exc}); install cupy-cuda12x or "
-                                    "cupy-cuda13x to match the CUDA driver, or use copy_engine='torch'") from None
+        raise CopierUnavailable(f"the 'cuda' copier needs CuPy ({exc}); install cupy-cuda12x or "
+                                "cupy-cuda13x to match the CUDA driver, or use copier='torch'") from None
     return cupy, cupyx
 
 
@@ -100,7 +99,7 @@ def _kernel(cupy, index: int):
     return _kernels[index]
 
 
-class CudaKernelEngine(CopyEngine):
+class CudaKernelCopier(Copier):
     name = "cuda"
 
     def __init__(self, device, kv_tensors: Sequence, host_spans: Sequence[tuple[int, int]], stream=None):
@@ -109,10 +108,10 @@ class CudaKernelEngine(CopyEngine):
         try:
             count = cupy.cuda.runtime.getDeviceCount()
         except cupy.cuda.runtime.CUDARuntimeError as exc:
-            raise CopyEngineUnavailable(f"CuPy finds no usable CUDA driver/device: {exc}") from None
+            raise CopierUnavailable(f"CuPy finds no usable CUDA driver/device: {exc}") from None
         index = device.index if device.index is not None else _current_device()
         if not 0 <= index < count:
-            raise CopyEngineUnavailable(f"{device} is not a CUDA device CuPy can see ({count} visible)")
+            raise CopierUnavailable(f"{device} is not a CUDA device CuPy can see ({count} visible)")
         self._index = index
         self._device = cupy.cuda.Device(index)
         self._compute = None if stream is None else stream_handle(stream)
@@ -121,8 +120,8 @@ class CudaKernelEngine(CopyEngine):
             self._check_host_spans(host_spans)
             try:
                 self._fn = _kernel(cupy, index)
-            except Exception as exc:   # NVRTC missing or failing: the torch engine can still serve
-                raise CopyEngineUnavailable(f"compiling {KERNEL_FILE} with NVRTC failed: {exc}") from exc
+            except Exception as exc:   # NVRTC missing or failing: the torch copier can still serve
+                raise CopierUnavailable(f"compiling {KERNEL_FILE} with NVRTC failed: {exc}") from exc
             self._max_blocks = self._device.attributes["MultiProcessorCount"] * BLOCKS_PER_SM
             self._stream = cupy.cuda.Stream(non_blocking=True)
             # Re-recorded at each submit; cudaStreamWaitEvent captures the event's state at the
@@ -143,10 +142,10 @@ class CudaKernelEngine(CopyEngine):
                 except runtime.CUDARuntimeError:
                     ok = False
                 if not ok:
-                    raise CopyEngineUnavailable(
+                    raise CopierUnavailable(
                         f"host memory at {ptr:#x} is not registered (pinned + mapped, with the host pointer valid "
                         f"on cuda:{self._index}); the kernel reads the region directly and needs that. "
-                        "Pinning failed or is off in this process; the torch engine can copy unpinned memory")
+                        "Pinning failed or is off in this process; the torch copier can copy unpinned memory")
 
     def _compute_stream(self) -> int:
         if self._compute is not None:
@@ -198,7 +197,7 @@ class CudaKernelEngine(CopyEngine):
         except self._cupy.cuda.runtime.CUDARuntimeError as exc:
             # A device fault was already reported to the job that caused it; closing must go on
             # so that the client can still unmap and unregister the region.
-            log.warning("kvtier cuda copy engine: device error while closing: %s", exc)
+            log.warning("kvtier cuda copier: device error while closing: %s", exc)
         self._inflight.clear()
 
 

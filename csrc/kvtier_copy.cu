@@ -1,5 +1,5 @@
 /*
- * kvtier_copy.cu: the batched copy kernel of kvtier's CUDA copy engine (kvtier/cuda.py).
+ * kvtier_copy.cu: the batched copy kernel of kvtier's CUDA copier (kvtier/cuda.py).
  *
  * One launch moves every piece of a store or load job: thousands of (block x layer x page)
  * pieces between the paged GPU KV cache and the host region's pages, in either direction.
@@ -15,7 +15,7 @@
  *     device (or of a peer with access enabled), or host memory registered with
  *     cudaHostRegister(..., cudaHostRegisterMapped) on a system where the registered host
  *     pointer is also the device pointer (UVA with
- *     cudaDevAttrCanUseHostPointerForRegisteredMem; the engine checks this before use).
+ *     cudaDevAttrCanUseHostPointerForRegisteredMem; the copier checks this before use).
  *     Pageable, unregistered host memory is NOT allowed: the kernel would fault.
  *   - No descriptor's source range may overlap any descriptor's destination range (a store
  *     reads the KV cache and writes the region, a load the reverse), so the order in which
@@ -23,18 +23,18 @@
  *   - Any grid shape works: blockDim.x must be a multiple of 32, and each warp takes
  *     descriptors i = warp, warp + warps, ... (grid-stride), so one launch covers any count,
  *     1,000,000 descriptors and beyond, with a grid sized to the device rather than the job.
- *     The engine also splits large descriptors into bounded chunks on the host so that one
+ *     The copier also splits large descriptors into bounded chunks on the host so that one
  *     huge piece does not serialise on a single warp; the kernel is correct without that.
  *   - Bytes are copied with the widest access that both addresses allow: 16-byte vectors when
  *     src and dst are congruent mod 16 (after a short byte head that brings both to a 16-byte
  *     boundary, and with a byte tail), else 8-, 4- or 2-byte words under the same rule, else
  *     single bytes. Misaligned pieces are therefore safe, only slower.
- *   - Completion is stream-ordered: the engine records a CUDA event after the launch; the
+ *   - Completion is stream-ordered: the copier records a CUDA event after the launch; the
  *     bytes are in place (and visible to the host for mapped memory) once that event completed.
  *
  * The file includes no headers so that NVRTC (cupy.RawModule) compiles it as is; `nvcc
  * -Werror all-warnings` compiles it in CI. The per-warp copy routines are __host__
- * __device__ so that a CPU-only test (tests/unit/test_copy_engines.py) checks the exact lane
+ * __device__ so that a CPU-only test (tests/unit/test_copiers.py) checks the exact lane
  * schedule the kernel runs, by running every lane in turn on the host.
  */
 

@@ -11,18 +11,18 @@ from kvtierd.launcher import DaemonProcess
 
 from .harness import DATA_PAGE, Context, MiB, bench_daemon, bench_namespace, make_keys, say, target
 
-class _CountingEngine:
-    """Wraps a rank's copy engine to count the bytes it was asked to copy."""
+class _CountingCopier:
+    """Wraps a rank's copier to count the bytes it was asked to copy."""
 
-    def __init__(self, engine):
-        self.engine, self.name, self.bytes = engine, engine.name, 0
+    def __init__(self, copier):
+        self.copier, self.name, self.bytes = copier, copier.name, 0
 
     def submit(self, desc):
         self.bytes += desc.total_bytes
-        return self.engine.submit(desc)
+        return self.copier.submit(desc)
 
     def close(self) -> None:
-        self.engine.close()
+        self.copier.close()
 
 
 def _capacity_case(daemon: DaemonProcess, world: int, kind: str, block: int, stored_goal: int, case: int) -> dict:
@@ -35,10 +35,10 @@ def _capacity_case(daemon: DaemonProcess, world: int, kind: str, block: int, sto
     try:
         for r in range(world):
             c = Client(daemon.socket, engine_id=f"bench-cap-{case}", rank=r, world_size=world,
-                       namespace=bench_namespace("capacity", block, kind), copy_engine="cpu", pin="off", timeout=120)
+                       namespace=bench_namespace("capacity", block, kind), copier="cpu", pin="off", timeout=120)
             ranks.append(c)
             c.register_kv_caches([kv])
-            c.engine = _CountingEngine(c.engine)
+            c.copier = _CountingCopier(c.copier)
         ids = np.arange(per_job)
         before = daemon.stats()
         job, keys = 0, []
@@ -53,18 +53,18 @@ def _capacity_case(daemon: DaemonProcess, world: int, kind: str, block: int, sto
                     raise RuntimeError(f"capacity store job failed: {res}")
             if job * per_job >= stored_goal:
                 break
-        d2h = sum(c.engine.bytes for c in ranks)
+        d2h = sum(c.copier.bytes for c in ranks)
         after = daemon.stats()
         job += 1
         loaded = []
         for c in ranks:               # every rank loads the last job's blocks from the one copy
-            c.engine.bytes = 0
+            c.copier.bytes = 0
             loaded.append(c.load(job, keys, ids))
         for c in ranks:
             (res,) = c.wait([job])
             if not res.ok:
                 raise RuntimeError(f"capacity load job failed: {res}")
-        h2d = [c.engine.bytes for c in ranks]
+        h2d = [c.copier.bytes for c in ranks]
         written = after["store_written_keys"] - before["store_written_keys"]
         return {"tp": world, "kind": kind, "blocks_held": after["entries_ready"], "blocks_stored": written,
                 "d2h_bytes_per_block": d2h / written, "d2h_per_block_vs_block": d2h / written / block,

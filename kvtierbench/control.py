@@ -27,7 +27,7 @@ def _control_worker(conn, wid: int, kvt_socket: str, echo_socket: str) -> None:
     """
     from kvtier import Client
     client = Client(kvt_socket, engine_id=f"bench-control-{wid}", rank=0, world_size=1,
-                    namespace=bench_namespace("control", CONTROL_PAGE), copy_engine="cpu", pin="off", timeout=60)
+                    namespace=bench_namespace("control", CONTROL_PAGE), copier="cpu", pin="off", timeout=60)
     channels = {"kvtierd": client.channel, "echo": Channel(echo_socket, timeout=60)}
     job_ids = iter(range(1, 1 << 62))
     keys: list[bytes] = []

@@ -155,7 +155,7 @@ def workdir_base() -> str:
 
 # ----------------------------------------------------------------------------------------------- ranks
 class BlockBench:
-    """One rank (TP=1, CPU copy engine) storing and loading K blocks of S bytes, timed end to end:
+    """One rank (TP=1, CPU copier) storing and loading K blocks of S bytes, timed end to end:
     the job's requests, the copy and the commit/release, as an engine sees them."""
 
     def __init__(self, daemon: DaemonProcess, block: int, num_blocks: int, name: str):
@@ -168,7 +168,7 @@ class BlockBench:
         rows[:] = 0x5A                                  # faults the KV cache in
         rows[:, :8] = np.arange(num_blocks, dtype="<u8")[:, None].view(np.uint8)
         self.client = Client(daemon.socket, engine_id=f"bench-{name}", rank=0, world_size=1,
-                             namespace=bench_namespace(name, block), copy_engine="cpu", pin="off", timeout=120)
+                             namespace=bench_namespace(name, block), copier="cpu", pin="off", timeout=120)
         self.client.register_kv_caches([self.kv])
         # A running engine has touched every page of its mapping long ago (or pinned it, which
         # populates it); without this, every job would pay first-touch page faults on pages it
@@ -213,7 +213,7 @@ class RankChannel:
     def __init__(self, daemon: DaemonProcess, engine: str):
         from kvtier import Client
         self.client = Client(daemon.socket, engine_id=engine, rank=0, world_size=1,
-                             namespace=bench_namespace("entries", CONTROL_PAGE), copy_engine="cpu", pin="off",
+                             namespace=bench_namespace("entries", CONTROL_PAGE), copier="cpu", pin="off",
                              timeout=300)
         self.jobs = iter(range(1, 1 << 62))
 

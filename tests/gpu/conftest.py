@@ -23,7 +23,7 @@ class PinnedRegion:
     """Scratch memory mapped and CUDA-registered in this process; ``tensor`` is a uint8 CPU view."""
 
     def __init__(self, nbytes: int):
-        from kvtier.torch_engine import host_view
+        from kvtier.torch_copy import host_view
         self.mapping = Mapping.anonymous(nbytes, "kvtier-gpu-test")
         self.mapping.pin_cuda(required=True)
         self.address, self.size = self.mapping.address, nbytes

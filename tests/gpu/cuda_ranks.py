@@ -3,7 +3,7 @@
 Each ``CudaRank`` is a spawned process (a fresh CUDA context, its own mapping and pinning of
 the region, its own pid, as in a real engine) holding per-layer MLA-like tensors
 [num_blocks, block_tokens, 576] bf16 on cuda:0 and a ``kvtier.Client`` with the default copy
-engine selection. The test drives it over a pipe; every command answers ("ok", value) or
+copier selection. The test drives it over a pipe; every command answers ("ok", value) or
 ("error", text).
 """
 
@@ -64,7 +64,7 @@ def _worker(conn, socket: str, engine: str, rank: int, world_size: int, spec: Gp
         return {"hits": hits, "ok": result.ok, "error": repr(result.error) if result.error else None}
 
     commands = {"hashes": hashes, "store": store, "load": load}
-    conn.send(("ok", {"writer": client.is_writer, "engine": client.engine.name, "pinned": client.pinned}))
+    conn.send(("ok", {"writer": client.is_writer, "copier": client.copier.name, "pinned": client.pinned}))
     serve(conn, commands, close=client.close)
 
 

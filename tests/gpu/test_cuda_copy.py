@@ -1,11 +1,11 @@
-"""The device copy engines on a real GPU: bytes equal to a torch reference, in both directions.
+"""The device copiers on a real GPU: bytes equal to a torch reference, in both directions.
 
 - every KV-cache layout of the CPU tests, random block lists, store (D2H) then load (H2D);
 - exactly 1 descriptor, and 1,000,000 descriptors in one launch (aligned and misaligned);
 - ordering after the compute stream (the current one, and an explicit one);
-- automatic selection, and the kernel engine refusing an unregistered host span.
+- automatic selection, and the kernel copier refusing an unregistered host span.
 
-Both engines are exercised: ``cuda`` (the kernel, needs CuPy) and ``torch`` (copy_ per piece).
+Both copiers are exercised: ``cuda`` (the kernel, needs CuPy) and ``torch`` (copy_ per piece).
 """
 
 from __future__ import annotations
@@ -17,30 +17,31 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.copy import CopyEngineUnavailable, select_engine
+from kvtier.copy import CopierUnavailable
 from kvtier.kvcache import Descriptors, KVCacheLayout
-from tests.unit.test_copy_engines import LAYOUTS
+from kvtier.select import select_copier
+from tests.unit.test_copiers import LAYOUTS
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None
-ENGINES = [pytest.param("cuda", marks=pytest.mark.skipif(not HAVE_CUPY, reason="the kernel engine needs CuPy")),
+COPIERS = [pytest.param("cuda", marks=pytest.mark.skipif(not HAVE_CUPY, reason="the kernel copier needs CuPy")),
            "torch"]
 DEVICE = torch.device("cuda", 0)
 PAGE = 64 << 10
 
 
 @pytest.fixture
-def make_engine():
-    engines = []
+def make_copier():
+    copiers = []
 
     def make(name, tensors, region, **kwargs):
-        engines.append(select_engine(name, DEVICE, kv_tensors=tensors, host_spans=region.spans, **kwargs))
-        return engines[-1]
+        copiers.append(select_copier(name, DEVICE, kv_tensors=tensors, host_spans=region.spans, **kwargs))
+        return copiers[-1]
 
     yield make
-    for e in engines:      # before pinned_region's teardown unmaps the region (fixture order)
+    for e in copiers:      # before pinned_region's teardown unmaps the region (fixture order)
         e.close()
 
 
@@ -70,15 +71,15 @@ def entry_bytes(region, pages: np.ndarray, block_bytes: int) -> torch.Tensor:
     return rows[torch.as_tensor(pages)].reshape(len(pages), -1)[:, :block_bytes]
 
 
-def run(engine, desc: Descriptors) -> None:
-    handle = engine.submit(desc)
+def run(copier, desc: Descriptors) -> None:
+    handle = copier.submit(desc)
     handle.wait(120)
     assert handle.done() and handle.error() is None
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("engine_name", ENGINES)
-def test_random_block_lists_both_directions(layout, engine_name, pinned_region, make_engine):
+@pytest.mark.parametrize("copier_name", COPIERS)
+def test_random_block_lists_both_directions(layout, copier_name, pinned_region, make_copier):
     gen = torch.Generator().manual_seed(11)
     tensors = to_device(LAYOUTS[layout](gen))
     kv = KVCacheLayout(tensors, PAGE)
@@ -86,11 +87,11 @@ def test_random_block_lists_both_directions(layout, engine_name, pinned_region, 
     k = kv.num_blocks // 3
     per_block = -(-kv.block_bytes // PAGE)
     region = pinned_region((k * per_block + 3) * PAGE)
-    engine = make_engine(engine_name, tensors, region)
+    copier = make_copier(copier_name, tensors, region)
     blocks = rng.choice(kv.num_blocks, size=k, replace=False)
     pages = rng.permutation(k * per_block + 3)[:k * per_block].reshape(k, per_block)
 
-    run(engine, kv.descriptors(blocks, pages, region.address, to_region=True))
+    run(copier, kv.descriptors(blocks, pages, region.address, to_region=True))
     assert torch.equal(entry_bytes(region, pages, kv.block_bytes), block_rows(tensors, blocks).cpu())
 
     targets = rng.permutation(np.setdiff1d(np.arange(kv.num_blocks), blocks))[:k]
@@ -98,21 +99,21 @@ def test_random_block_lists_both_directions(layout, engine_name, pinned_region, 
         t.view(torch.uint8).index_fill_(0, torch.as_tensor(targets, device=DEVICE), 0)
     others = np.setdiff1d(np.arange(kv.num_blocks), targets)
     untouched = block_rows(tensors, others).clone()
-    run(engine, kv.descriptors(targets, pages, region.address, to_region=False))
+    run(copier, kv.descriptors(targets, pages, region.address, to_region=False))
     assert torch.equal(block_rows(tensors, targets), block_rows(tensors, blocks))
     assert torch.equal(block_rows(tensors, others), untouched)
 
 
 @pytest.mark.parametrize("to_region", [True, False], ids=["store", "load"])
-@pytest.mark.parametrize("engine_name", ENGINES)
-def test_exactly_one_descriptor(engine_name, to_region, pinned_region, make_engine):
+@pytest.mark.parametrize("copier_name", COPIERS)
+def test_exactly_one_descriptor(copier_name, to_region, pinned_region, make_copier):
     t = torch.randint(0, 256, (8, 16, 576), dtype=torch.uint8, device=DEVICE).view(torch.bfloat16)  # 9 KiB rows
     kv = KVCacheLayout([t], PAGE)
     region = pinned_region(4 * PAGE)
     region.tensor.copy_(torch.randint(0, 256, (4 * PAGE,), dtype=torch.uint8))
     desc = kv.descriptors([5], np.array([[2]]), region.address, to_region=to_region)
     assert len(desc) == 1
-    run(make_engine(engine_name, [t], region), desc)
+    run(make_copier(copier_name, [t], region), desc)
     host = region.tensor[2 * PAGE: 2 * PAGE + kv.block_bytes]
     assert torch.equal(t[5].reshape(-1).view(torch.uint8).cpu(), host)
 
@@ -128,24 +129,24 @@ def slot_descriptors(n: int, slot: int, dev_base: int, host_base: int, perm: np.
 @pytest.mark.parametrize("slot,dev_skew,host_skew", [(64, 0, 0), (37, 3, 8), (48, 8, 8)],
                          ids=["16-aligned", "misaligned", "8-aligned"])
 @pytest.mark.parametrize("to_host", [True, False], ids=["store", "load"])
-@pytest.mark.parametrize("engine_name,n", [
-    pytest.param("cuda", 1_000_000, marks=pytest.mark.skipif(not HAVE_CUPY, reason="the kernel engine needs CuPy")),
+@pytest.mark.parametrize("copier_name,n", [
+    pytest.param("cuda", 1_000_000, marks=pytest.mark.skipif(not HAVE_CUPY, reason="the kernel copier needs CuPy")),
     # one cudaMemcpyAsync per piece: a million would take minutes; the kernel is what must scale
     ("torch", 20_000),
 ])
-def test_many_descriptors_one_job(engine_name, n, to_host, slot, dev_skew, host_skew, pinned_region, make_engine):
+def test_many_descriptors_one_job(copier_name, n, to_host, slot, dev_skew, host_skew, pinned_region, make_copier):
     total = n * slot
     dev = torch.randint(0, 256, (total + 16,), dtype=torch.uint8, device=DEVICE)
     region = pinned_region(total + 4096)
     region.tensor.copy_(torch.randint(0, 256, (total + 4096,), dtype=torch.uint8))
-    engine = make_engine(engine_name, [dev], region)
+    copier = make_copier(copier_name, [dev], region)
     perm = np.random.default_rng(n + slot).permutation(n)
     desc = slot_descriptors(n, slot, dev.data_ptr() + dev_skew, region.address + host_skew, perm, to_host)
     assert len(desc) == n
     host_rows = lambda: region.tensor[host_skew: host_skew + total].view(n, slot)  # noqa: E731
     dev_rows = lambda: dev[dev_skew: dev_skew + total].view(n, slot)  # noqa: E731
     before_dev = dev.clone()
-    run(engine, desc)
+    run(copier, desc)
     idx = torch.as_tensor(perm, device=DEVICE)
     if to_host:
         assert torch.equal(host_rows(), dev_rows().index_select(0, idx).cpu())
@@ -157,32 +158,32 @@ def test_many_descriptors_one_job(engine_name, n, to_host, slot, dev_skew, host_
 
 
 @pytest.mark.parametrize("explicit_stream", [False, True], ids=["current-stream", "given-stream"])
-@pytest.mark.parametrize("engine_name", ENGINES)
-def test_store_waits_for_the_compute_stream(engine_name, explicit_stream, pinned_region, make_engine):
+@pytest.mark.parametrize("copier_name", COPIERS)
+def test_store_waits_for_the_compute_stream(copier_name, explicit_stream, pinned_region, make_copier):
     """The model's last write is still queued (behind a ~0.2 s spin) when the store is submitted."""
     t = torch.zeros((4, 64, 576), dtype=torch.bfloat16, device=DEVICE)
     kv = KVCacheLayout([t], PAGE)
     region = pinned_region(8 * PAGE)
     compute = torch.cuda.Stream(DEVICE) if explicit_stream else torch.cuda.current_stream(DEVICE)
-    engine = make_engine(engine_name, [t], region, stream=compute if explicit_stream else None)
+    copier = make_copier(copier_name, [t], region, stream=compute if explicit_stream else None)
     desc = kv.descriptors([1], np.array([[3, 4]]), region.address, to_region=True)
     torch.cuda.synchronize()
     with torch.cuda.stream(compute):
         torch.cuda._sleep(int(2e8))
         t[1].fill_(1.5)
-    handle = engine.submit(desc)       # submitted from the default stream's context in both cases
+    handle = copier.submit(desc)       # submitted from the default stream's context in both cases
     handle.wait(60)
     expected = torch.full((64, 576), 1.5, dtype=torch.bfloat16).view(-1).view(torch.uint8)
     assert torch.equal(region.tensor[3 * PAGE: 3 * PAGE + kv.block_bytes], expected)
 
 
-@pytest.mark.parametrize("engine_name", ENGINES)
-def test_jobs_complete_in_submission_order(engine_name, pinned_region, make_engine):
+@pytest.mark.parametrize("copier_name", COPIERS)
+def test_jobs_complete_in_submission_order(copier_name, pinned_region, make_copier):
     t = torch.randint(0, 256, (64, 16, 576), dtype=torch.uint8, device=DEVICE).view(torch.bfloat16)
     kv = KVCacheLayout([t], PAGE)
     region = pinned_region(64 * PAGE)
-    engine = make_engine(engine_name, [t], region)
-    handles = [engine.submit(kv.descriptors([b], np.array([[b]]), region.address, to_region=True))
+    copier = make_copier(copier_name, [t], region)
+    handles = [copier.submit(kv.descriptors([b], np.array([[b]]), region.address, to_region=True))
                for b in range(64)]
     handles[-1].wait(60)
     assert all(h.done() and h.error() is None for h in handles)
@@ -192,23 +193,23 @@ def test_jobs_complete_in_submission_order(engine_name, pinned_region, make_engi
 def test_auto_selection_and_unregistered_host_memory(pinned_region, caplog):
     t = torch.zeros((4, 16, 576), dtype=torch.bfloat16, device=DEVICE)
     region = pinned_region(4 * PAGE)
-    engine = select_engine("auto", DEVICE, kv_tensors=[t], host_spans=region.spans)
-    assert engine.name == ("cuda" if HAVE_CUPY else "torch")
-    engine.close()
+    copier = select_copier("auto", DEVICE, kv_tensors=[t], host_spans=region.spans)
+    assert copier.name == ("cuda" if HAVE_CUPY else "torch")
+    copier.close()
 
     pageable = np.zeros(4 * PAGE, dtype=np.uint8)      # never registered with CUDA
     spans = [(pageable.ctypes.data, pageable.nbytes)]
     if HAVE_CUPY:
-        with pytest.raises(CopyEngineUnavailable, match="not registered"):
-            select_engine("cuda", DEVICE, kv_tensors=[t], host_spans=spans)
-    with caplog.at_level(logging.WARNING, logger="kvtier.copy"):
-        engine = select_engine("auto", DEVICE, kv_tensors=[t], host_spans=spans)
-    assert engine.name == "torch"
+        with pytest.raises(CopierUnavailable, match="not registered"):
+            select_copier("cuda", DEVICE, kv_tensors=[t], host_spans=spans)
+    with caplog.at_level(logging.WARNING, logger="kvtier.select"):
+        copier = select_copier("auto", DEVICE, kv_tensors=[t], host_spans=spans)
+    assert copier.name == "torch"
     assert [r.getMessage() for r in caplog.records if "torch fallback" in r.getMessage()]
-    # The torch engine copies pageable memory correctly (staged by the driver).
+    # The torch copier copies pageable memory correctly (staged by the driver).
     kv = KVCacheLayout([t], PAGE)
     t[2].fill_(3.0)
-    run(engine, kv.descriptors([2], np.array([[1]]), pageable.ctypes.data, to_region=True))
+    run(copier, kv.descriptors([2], np.array([[1]]), pageable.ctypes.data, to_region=True))
     assert np.array_equal(pageable[PAGE: PAGE + kv.block_bytes],
                           t[2].reshape(-1).view(torch.uint8).cpu().numpy())
-    engine.close()
+    copier.close()

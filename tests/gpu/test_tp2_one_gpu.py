@@ -33,9 +33,9 @@ def test_tp2_one_gpu_only_rank0_writes(start_daemon):
         info = [r.result() for r in ranks]
         assert [i["writer"] for i in info] == [True, False]
         for i in info:
-            # The kernel engine whenever it can run: CuPy present and the region pinned in that process.
+            # The kernel copier whenever it can run: CuPy present and the region pinned in that process.
             can_use_kernel = importlib.util.find_spec("cupy") is not None and i["pinned"] == "cuda"
-            assert i["engine"] == ("cuda" if can_use_kernel else "torch"), info
+            assert i["copier"] == ("cuda" if can_use_kernel else "torch"), info
 
         src, dst = list(range(n)), list(range(16, 16 + n))
         rank0, rank1 = all_call(ranks, "hashes", block_ids=src)

@@ -6,7 +6,7 @@
 // random (offset, offset, length) triples covering every alignment class (16/8/4/2/1-byte
 // congruence, heads and tails of every length, lengths 0..5000 and a few large ones) and checks
 // that the destination range equals the source and that no byte outside it changed.
-// Built and run by tests/unit/test_copy_engines.py; prints "ok <cases>" and exits 0 on success.
+// Built and run by tests/unit/test_copiers.py; prints "ok <cases>" and exits 0 on success.
 
 #include <cstdio>
 #include <cstring>

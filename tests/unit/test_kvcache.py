@@ -1,4 +1,4 @@
-"""kvtier.kvcache (piece templates, descriptors) and kvtier.copy's CPU engine, checked on bytes.
+"""kvtier.kvcache (piece templates, descriptors) and kvtier.copy's CPU copier, checked on bytes.
 
 A numpy array stands in for the region's data area: descriptors built for CPU torch KV caches are
 executed with memmove into it, and the region must then hold each block's layer rows in layer
@@ -16,8 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.copy import CopyHandle, CPUCopyEngine, run_memmove, select_engine
+from kvtier.copy import CopyHandle, CPUCopier, run_memmove
 from kvtier.kvcache import Descriptors, KVCacheLayout, PieceTemplate
+from kvtier.select import select_copier
 
 NUM_BLOCKS = 12
 
@@ -305,86 +306,86 @@ def test_coalesced_property(spec):
     assert np.array_equal(out_a, out_b)
 
 
-# --- CPU copy engine ----------------------------------------------------------------------------------
-def test_cpu_engine_submit_wait_done():
+# --- CPU copier ---------------------------------------------------------------------------------------
+def test_cpu_copier_submit_wait_done():
     src = np.arange(1 << 16, dtype=np.uint8)
     dst = np.zeros_like(src)
-    engine = CPUCopyEngine()
+    copier = CPUCopier()
     try:
-        h = engine.submit(D([src.ctypes.data], [dst.ctypes.data], [len(src)]))
+        h = copier.submit(D([src.ctypes.data], [dst.ctypes.data], [len(src)]))
         h.wait(timeout=30)
         assert h.done()
         assert h.error() is None
         assert np.array_equal(src, dst)
     finally:
-        engine.close()
+        copier.close()
 
 
-def test_cpu_engine_copies_complete_in_submission_order():
+def test_cpu_copier_copies_complete_in_submission_order():
     a = np.full(4096, 1, dtype=np.uint8)
     b = np.full(4096, 2, dtype=np.uint8)
     dst = np.zeros(4096, dtype=np.uint8)
-    engine = CPUCopyEngine()
+    copier = CPUCopier()
     try:
-        handles = [engine.submit(D([(a if i % 2 == 0 else b).ctypes.data], [dst.ctypes.data], [4096]))
+        handles = [copier.submit(D([(a if i % 2 == 0 else b).ctypes.data], [dst.ctypes.data], [4096]))
                    for i in range(9)]
         handles[-1].wait(timeout=30)
         assert all(h.done() for h in handles)        # earlier copies finished before the last
         assert (dst == 1).all()                       # the 9th copy (from a) landed last
     finally:
-        engine.close()
+        copier.close()
 
 
-def test_cpu_engine_empty_copy_is_done_at_once():
-    engine = CPUCopyEngine()
+def test_cpu_copier_empty_copy_is_done_at_once():
+    copier = CPUCopier()
     try:
-        h = engine.submit(Descriptors.empty())
+        h = copier.submit(Descriptors.empty())
         assert h.done() and h.error() is None
         h.wait()
     finally:
-        engine.close()
+        copier.close()
     assert CopyHandle().done()
 
 
-def test_cpu_engine_reports_a_failed_copy():
-    engine = CPUCopyEngine()
+def test_cpu_copier_reports_a_failed_copy():
+    copier = CPUCopier()
     try:
         broken = Descriptors(None, None, np.ones(1, dtype=np.uint64))   # .tolist() fails in the worker
-        h = engine.submit(broken)
+        h = copier.submit(broken)
         with pytest.raises(AttributeError):
             h.wait(timeout=30)
         assert h.done()
         assert isinstance(h.error(), AttributeError)
         ok = np.zeros(8, np.uint8)
-        engine.submit(D([np.ones(8, np.uint8).ctypes.data], [ok.ctypes.data], [0])).wait(timeout=30)  # still serves
+        copier.submit(D([np.ones(8, np.uint8).ctypes.data], [ok.ctypes.data], [0])).wait(timeout=30)  # still serves
     finally:
-        engine.close()
+        copier.close()
 
 
-def test_cpu_engine_full_job_round_trip():
+def test_cpu_copier_full_job_round_trip():
     tensors = caches()["mla-bf16-3layers"]
     kv = KVCacheLayout(tensors, 16384)
     per = math.ceil(kv.block_bytes / 16384)
     region = np.zeros(4 * per * 16384, dtype=np.uint8)
     pages = np.random.default_rng(9).permutation(4 * per)[:2 * per].reshape(2, per)
-    engine = CPUCopyEngine()
+    copier = CPUCopier()
     try:
-        engine.submit(kv.descriptors([1, 2], pages, region.ctypes.data, to_region=True)).wait(timeout=30)
-        engine.submit(kv.descriptors([8, 9], pages, region.ctypes.data, to_region=False)).wait(timeout=30)
+        copier.submit(kv.descriptors([1, 2], pages, region.ctypes.data, to_region=True)).wait(timeout=30)
+        copier.submit(kv.descriptors([8, 9], pages, region.ctypes.data, to_region=False)).wait(timeout=30)
     finally:
-        engine.close()
+        copier.close()
     assert block_bytes_of(tensors, 8) == block_bytes_of(tensors, 1)
     assert block_bytes_of(tensors, 9) == block_bytes_of(tensors, 2)
 
 
-def test_select_engine_for_cpu_tensors():
+def test_select_copier_for_cpu_tensors():
     for name in ("auto", "cpu"):
-        engine = select_engine(name, torch.device("cpu"))
-        assert isinstance(engine, CPUCopyEngine)
-        engine.close()
+        copier = select_copier(name, torch.device("cpu"))
+        assert isinstance(copier, CPUCopier)
+        copier.close()
     with pytest.raises(ValueError):
-        select_engine("bogus", torch.device("cpu"))
+        select_copier("bogus", torch.device("cpu"))
     with pytest.raises(ValueError):
-        select_engine("cuda", torch.device("cpu"))
+        select_copier("cuda", torch.device("cpu"))
     with pytest.raises(ValueError):
-        select_engine("cpu", torch.device("cuda"))
+        select_copier("cpu", torch.device("cuda"))

@@ -32,6 +32,9 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 
 from kvtier import NamespaceId  # noqa: E402
 from kvtier.integrations import vllm as plugin  # noqa: E402
+from kvtier.integrations.vllm.manager import KvtierOffloadingManager  # noqa: E402
+from kvtier.integrations.vllm.settings import KvtierSettings, kvtier_key, namespace_layout  # noqa: E402
+from kvtier.integrations.vllm.worker import KvtierOffloadingWorker  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -75,37 +78,36 @@ def test_importing_kvtier_does_not_import_vllm():
 
 
 def test_settings_are_checked():
-    s = plugin.KvtierSettings.from_extra_config({"kvtier_socket": "/s", "kvtier_timeout_s": "2.5",
-                                                 "spec_name": "KvtierOffloadingSpec"})
-    assert (s.socket, s.timeout_s, s.retry_s, s.layout, s.copy_engine, s.namespace) == ("/s", 2.5, 10.0, "auto",
-                                                                                        "auto", None)
+    s = KvtierSettings.from_extra_config({"kvtier_socket": "/s", "kvtier_timeout_s": "2.5",
+                                          "spec_name": "KvtierOffloadingSpec"})
+    assert (s.socket, s.timeout_s, s.retry_s, s.layout, s.copier, s.namespace) == ("/s", 2.5, 10.0, "auto",
+                                                                                   "auto", None)
     for extra, match in [({"kvtier_sockett": "/s"}, "unknown .*kvtier_sockett"),
                          ({"kvtier_layout": "replicated"}, "kvtier_layout must be 'auto' or 'sharded'"),
                          ({"kvtier_timeout_s": 0}, "kvtier_timeout_s must be > 0"),
                          ({"kvtier_retry_s": "soon"}, "kvtier_retry_s must be a number"),
-                         ({"kvtier_copy_engine": "dma"}, "kvtier_copy_engine"),
+                         ({"kvtier_copier": "dma"}, "kvtier_copier must be one of auto, cpu, cuda, torch"),
                          ({"kvtier_namespace": 7}, "kvtier_namespace must be a string")]:
         with pytest.raises(ValueError, match=match):
-            plugin.KvtierSettings.from_extra_config(extra)
+            KvtierSettings.from_extra_config(extra)
 
 
 def test_keys_fit_kvtierd_and_keep_groups_apart():
     (k,) = keys("a", 1)
-    assert plugin.kvtier_key(k) == k and len(k) == 36
+    assert kvtier_key(k) == k and len(k) == 36
     long0, long1 = (make_offload_key(b"x" * 80, g) for g in (0, 1))
-    short0, short1 = plugin.kvtier_key(long0), plugin.kvtier_key(long1)
+    short0, short1 = kvtier_key(long0), kvtier_key(long1)
     assert len(short0) == 36 and short0 != short1 and short0[-4:] == long0[-4:]
 
 
 def test_namespace_follows_vllms_replicated_gate():
-    settings = plugin.KvtierSettings(socket="/s")
-    replicated = plugin.namespace_layout(offload_config(), settings)
+    settings = KvtierSettings(socket="/s")
+    replicated = namespace_layout(offload_config(), settings)
     assert replicated == NamespaceId("deepseek-ai/DeepSeek-V3|LBHNC", "bfloat16", 16, 3072, "replicated")
-    assert plugin.namespace_layout(offload_config(replicated_layout=False), settings).kind == "sharded"
-    forced = plugin.namespace_layout(offload_config(), replace(settings, layout="sharded", namespace="dsv3"))
-    assert (forced.kind, forced.model) == ("sharded", "dsv3|LBHNC")
-    long = plugin.namespace_layout(offload_config(model=OffloadingModelConfig(name="m" * 400, dtype="fp8")),
-                                   settings)
+    assert namespace_layout(offload_config(replicated_layout=False), settings).sharding == "sharded"
+    forced = namespace_layout(offload_config(), replace(settings, layout="sharded", namespace="dsv3"))
+    assert (forced.sharding, forced.model) == ("sharded", "dsv3|LBHNC")
+    long = namespace_layout(offload_config(model=OffloadingModelConfig(name="m" * 400, dtype="fp8")), settings)
     assert len(long.model.encode()) <= 256
 
 
@@ -116,19 +118,19 @@ def test_namespace_follows_vllms_replicated_gate():
 ])
 def test_unsupported_configurations_fail_at_start(overrides, match):
     with pytest.raises(ValueError, match=match):
-        plugin.namespace_layout(offload_config(**overrides), plugin.KvtierSettings(socket="/s"))
+        namespace_layout(offload_config(**overrides), KvtierSettings(socket="/s"))
 
 
 def test_pipeline_parallel_is_refused():
     config = offload_config()
     config = replace(config, parallel=replace(config.parallel, pp_size=2, world_size=4))
     with pytest.raises(ValueError, match="pipeline parallelism"):
-        plugin.namespace_layout(config, plugin.KvtierSettings(socket="/s"))
+        namespace_layout(config, KvtierSettings(socket="/s"))
 
 
 def test_spec_keeps_vllms_replicated_flag_off_so_every_rank_votes():
     spec = plugin.KvtierOffloadingSpec(offload_config())
-    assert spec.layout.kind == "replicated" and spec.replicated_layout is False
+    assert spec.layout.sharding == "replicated" and spec.replicated_layout is False
     assert spec.engine_id == "vllm-e1"
 
 
@@ -161,18 +163,18 @@ def drain(worker, job_ids: set[int]) -> dict:
 @pytest.fixture
 def tier(start_daemon):
     daemon = start_daemon(page_size="4KiB")
-    settings = plugin.KvtierSettings(socket=daemon.socket, timeout_s=5)
+    settings = KvtierSettings(socket=daemon.socket, timeout_s=5)
     layout = NamespaceId("unit", "bfloat16", 16, BLOCK, "sharded")
     made = []
 
     def manager(timeout_s: float = 5.0, **kw):
-        m = plugin.KvtierOffloadingManager(replace(settings, timeout_s=timeout_s), "unit-engine", 1, layout, **kw)
+        m = KvtierOffloadingManager(replace(settings, timeout_s=timeout_s), "unit-engine", 1, layout, **kw)
         made.append(m)
         return m
 
     def worker(seed: int = 1):
         caches, pages = kv_caches(seed)
-        w = plugin.KvtierOffloadingWorker(settings, "unit-engine", 0, 1, layout, caches)
+        w = KvtierOffloadingWorker(settings, "unit-engine", 0, 1, layout, caches)
         made.append(w)
         return w, pages
 
@@ -249,7 +251,7 @@ def test_nothing_fits_returns_none(tier):
 
 def test_large_transfers_are_split_into_several_kvtier_jobs(tier, monkeypatch):
     _, make_manager, make_worker = tier
-    monkeypatch.setattr(plugin, "PART_KEYS", 3)
+    monkeypatch.setattr("kvtier.integrations.vllm.manager.PART_KEYS", 3)
     manager = make_manager()
     worker, pages = make_worker()
     ks = keys("big", 8)
@@ -299,6 +301,6 @@ def test_the_documented_serve_line_loads_this_plugin():
     assert config["kv_connector"] == "OffloadingConnector"
     extra = config["kv_connector_extra_config"]
     assert OffloadingSpecFactory.get_spec_cls(extra) is plugin.KvtierOffloadingSpec
-    assert plugin.KvtierSettings.from_extra_config(extra).socket == extra["kvtier_socket"]
-    for key in plugin.KvtierSettings.KEYS:
+    assert KvtierSettings.from_extra_config(extra).socket == extra["kvtier_socket"]
+    for key in KvtierSettings.KEYS:
         assert f"`{key}`" in doc, f"docs/vllm.md does not describe {key}"

@@ -1,11 +1,11 @@
-"""Copy engines and descriptors on the CPU: every KV-cache layout, engine selection, pinning.
+"""Copiers and descriptors on the CPU: every KV-cache layout, copier selection, pinning.
 
 What runs here without a GPU:
 - descriptors for MLA per-layer tensors (bf16, fp8), the cross-layer layout, and head-sharded
   GQA shards (separate K/V tensors, and K/V interleaved per block as FlashInfer lays them out),
-  executed by the CPU engine against a NumPy "region", store then load, compared byte for byte;
-- the kernel engine's host-side pieces: chunk splitting, the span table of the torch engine,
-  event handles, engine selection and its errors without CuPy or CUDA;
+  executed by the CPU copier against a NumPy "region", store then load, compared byte for byte;
+- the kernel copier's host-side pieces: chunk splitting, the span table of the torch copier,
+  event handles, copier selection and its errors without CuPy or CUDA;
 - the kernel's per-warp copy schedule, compiled by nvcc and run lane by lane on the host;
 - per-process pinning of a mapping: chunking, rollback, one warning line, fallback.
 The same copies on a real device are in tests/gpu/.
@@ -28,12 +28,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.copy import (AddressRanges, CopyEngineUnavailable, CopyHandle, CPUCopyEngine, EventCopyHandle,
-                         select_engine, storage_ranges, stream_handle)
+from kvtier.copy import (AddressRanges, CopierUnavailable, CopyHandle, CPUCopier, EventCopyHandle,
+                         storage_ranges, stream_handle)
 from kvtier import cuda as cuda_mod
-from kvtier.cuda import CHUNK_BYTES, KERNEL_NAME, kernel_source, split_descriptors
+from kvtier.cuda import KERNEL_NAME, SPLIT_CHUNK_BYTES, kernel_source, split_descriptors
 from kvtier.kvcache import Descriptors, KVCacheLayout
-from kvtier.torch_engine import SpanTable, host_view, storage_view
+from kvtier.select import select_copier
+from kvtier.torch_copy import SpanTable, host_view, storage_view
 from kvtierd.contract import mapping as mapping_mod
 from kvtierd.contract.mapping import Mapping
 
@@ -122,12 +123,12 @@ def store_and_load(tensors, page_size: int, rng: np.random.Generator, make_copy)
     region = Region(k * per_block + 5, page_size)
     blocks = rng.choice(nb, size=k, replace=False)
     pages = rng.permutation(k * per_block + 5)[:k * per_block].reshape(k, per_block)
-    engine_copy = make_copy(tensors, region)
+    run_copy = make_copy(tensors, region)
 
     store = kv.descriptors(blocks, pages, region.data, to_region=True)
     assert store.total_bytes == k * kv.block_bytes
     assert np.all(store.nbytes > 0)
-    engine_copy(store)
+    run_copy(store)
     for i, b in enumerate(blocks):
         assert region.entry(pages[i], kv.block_bytes) == block_bytes(tensors, b), f"block {b} stored wrong"
     unused = np.setdiff1d(np.arange(k * per_block + 5), pages)
@@ -141,7 +142,7 @@ def store_and_load(tensors, page_size: int, rng: np.random.Generator, make_copy)
     before = all_blocks(tensors)
     load = kv.descriptors(targets, pages, region.data, to_region=False)
     assert load.total_bytes == k * kv.block_bytes
-    engine_copy(load)
+    run_copy(load)
     after = all_blocks(tensors)
     loaded = dict(zip(targets.tolist(), blocks.tolist()))
     for b in range(nb):
@@ -152,25 +153,25 @@ def store_and_load(tensors, page_size: int, rng: np.random.Generator, make_copy)
     return store, load
 
 
-def with_cpu_engine(tensors, region):
-    return cpu_engine_copy
+def with_cpu_copier(tensors, region):
+    return cpu_copy
 
 
-def cpu_engine_copy(desc: Descriptors) -> None:
-    engine = CPUCopyEngine()
+def cpu_copy(desc: Descriptors) -> None:
+    copier = CPUCopier()
     try:
-        handle = engine.submit(desc)
+        handle = copier.submit(desc)
         handle.wait(30)
         assert handle.done() and handle.error() is None
     finally:
-        engine.close()
+        copier.close()
 
 
 @pytest.mark.parametrize("page_size", [64 << 10, 4096, 3000])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_roundtrip_cpu_engine(layout, page_size):
+def test_layout_roundtrip_cpu_copier(layout, page_size):
     gen = torch.Generator().manual_seed(page_size + sorted(LAYOUTS).index(layout))
-    store_and_load(LAYOUTS[layout](gen), page_size, np.random.default_rng(page_size), with_cpu_engine)
+    store_and_load(LAYOUTS[layout](gen), page_size, np.random.default_rng(page_size), with_cpu_copier)
 
 
 def test_mla_geometry_piece_counts():
@@ -202,7 +203,7 @@ def test_sharded_ranks_build_independent_descriptors():
 
 
 # ---------------------------------------------------------------------------------------------
-# The kernel engine's host side
+# The kernel copier's host side
 # ---------------------------------------------------------------------------------------------
 
 def test_kernel_source_is_found_and_exports_the_entry_point():
@@ -227,18 +228,18 @@ def test_split_descriptors_copies_the_same_bytes():
     rng = np.random.default_rng(5)
     src_buf, dst_buf, desc = random_descriptors(rng, 200, 300_000, 1 << 20)
     split = split_descriptors(desc)
-    assert int(split.nbytes.max()) <= CHUNK_BYTES and split.total_bytes == desc.total_bytes
-    assert len(split) == int(np.sum(-(-desc.nbytes.astype(np.int64) // CHUNK_BYTES)))
+    pieces = -(-desc.nbytes.astype(np.int64) // SPLIT_CHUNK_BYTES)       # per parent
+    assert int(split.nbytes.max()) <= SPLIT_CHUNK_BYTES and split.total_bytes == desc.total_bytes
+    assert len(split) == int(np.sum(pieces))
     # Cutting at multiples of 16 keeps each piece in its parent's alignment class.
-    owner = np.searchsorted(np.cumsum(-(-desc.nbytes.astype(np.int64) // CHUNK_BYTES)), np.arange(len(split)),
-                            side="right")
+    owner = np.searchsorted(np.cumsum(pieces), np.arange(len(split)), side="right")
     assert np.array_equal(split.src % 16, desc.src[owner] % 16)
     assert np.array_equal(split.dst % 16, desc.dst[owner] % 16)
     pristine = dst_buf.copy()
-    cpu_engine_copy(desc)
+    cpu_copy(desc)
     reference = dst_buf.copy()
     dst_buf[:] = pristine
-    cpu_engine_copy(split)
+    cpu_copy(split)
     assert np.array_equal(dst_buf, reference)
 
 
@@ -267,9 +268,9 @@ def test_kernel_lane_schedule_on_host(tmp_path):
 
 
 class FakeCupy:
-    """Just enough of CuPy's API for CudaKernelEngine, executing the "kernel" on the CPU.
+    """Just enough of CuPy's API for CudaKernelCopier, executing the "kernel" on the CPU.
 
-    It checks the engine's host-side protocol without a GPU: the descriptor table the kernel
+    It checks the copier's host-side protocol without a GPU: the descriptor table the kernel
     would read (rows src, dst, nbytes), the launch shape, the order of the calls on the streams
     (the copy stream waits for an event recorded on the compute stream before the launch, and the
     completion event follows it), and the refusal of unregistered host memory. The real API is
@@ -354,24 +355,24 @@ class FakeCupy:
         monkeypatch.setattr(cuda_mod, "_kernels", {})
 
 
-def test_kernel_engine_host_protocol_with_a_stand_in_cupy(monkeypatch):
+def test_kernel_copier_host_protocol_with_a_stand_in_cupy(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     tensors = mla_per_layer(torch.bfloat16, layers=3, num_blocks=12, gen=gen)
     fake = None
 
-    def with_kernel_engine(tensors, region):
+    def with_kernel_copier(tensors, region):
         nonlocal fake
         fake = FakeCupy([(region.data, region.buf.nbytes)])
         fake.install(monkeypatch)
-        engine = cuda_mod.CudaKernelEngine(CUDA0, tensors, [(region.data, region.buf.nbytes)], stream=0x1234)
+        copier = cuda_mod.CudaKernelCopier(CUDA0, tensors, [(region.data, region.buf.nbytes)], stream=0x1234)
 
         def copy(desc):
-            handle = engine.submit(desc)
+            handle = copier.submit(desc)
             handle.wait(5)
             assert handle.done() and handle.error() is None
         return copy
 
-    store, load = store_and_load(tensors, 64 << 10, np.random.default_rng(8), with_kernel_engine)
+    store, load = store_and_load(tensors, 64 << 10, np.random.default_rng(8), with_kernel_copier)
     launches = [c for c in fake.calls if c[0] == "launch"]
     assert [c[3] for c in launches] == [len(store), len(load)]          # one launch per job
     assert all(c[1] == (min(-(-c[3] // 8), 2 * cuda_mod.BLOCKS_PER_SM),) and c[2] == (256,) for c in launches)
@@ -382,37 +383,37 @@ def test_kernel_engine_host_protocol_with_a_stand_in_cupy(monkeypatch):
     assert record[2] == 0x1234 and wait[1] == 0x5000 and wait[2] == record[1]
 
 
-def test_kernel_engine_refuses_unregistered_memory_and_stray_addresses(monkeypatch):
+def test_kernel_copier_refuses_unregistered_memory_and_stray_addresses(monkeypatch):
     region = np.zeros(1 << 20, dtype=np.uint8)
     kv = torch.zeros(8, 40960, dtype=torch.uint8)          # 320 KiB: one piece, split into 5 chunks
     FakeCupy(registered=[]).install(monkeypatch)
-    with pytest.raises(CopyEngineUnavailable, match="not registered"):
-        cuda_mod.CudaKernelEngine(CUDA0, [kv], [(region.ctypes.data, region.nbytes)])
+    with pytest.raises(CopierUnavailable, match="not registered"):
+        cuda_mod.CudaKernelCopier(CUDA0, [kv], [(region.ctypes.data, region.nbytes)])
 
     fake = FakeCupy(registered=[(region.ctypes.data, region.nbytes)])
     fake.install(monkeypatch)
-    engine = cuda_mod.CudaKernelEngine(CUDA0, [kv], [(region.ctypes.data, region.nbytes)], stream=0)
+    copier = cuda_mod.CudaKernelCopier(CUDA0, [kv], [(region.ctypes.data, region.nbytes)], stream=0)
     stray = Descriptors(np.array([kv.data_ptr()], np.uint64), np.array([region.ctypes.data + region.nbytes - 8],
                                                                        np.uint64), np.array([16], np.uint64))
     with pytest.raises(ValueError, match="outside"):
-        engine.submit(stray)
+        copier.submit(stray)
     big = Descriptors(np.array([region.ctypes.data], np.uint64), np.array([kv.data_ptr()], np.uint64),
                       np.array([kv.numel()], np.uint64))
     region[:kv.numel()] = np.arange(kv.numel()) % 251
-    engine.submit(big).wait(5)
-    assert [c[3] for c in fake.calls if c[0] == "launch"] == [-(-kv.numel() // CHUNK_BYTES)] == [5]
+    copier.submit(big).wait(5)
+    assert [c[3] for c in fake.calls if c[0] == "launch"] == [-(-kv.numel() // SPLIT_CHUNK_BYTES)] == [5]
     assert np.array_equal(kv.numpy().ravel(), region[:kv.numel()])
-    engine.close()
+    copier.close()
     assert fake.calls[-1] == ("stream-sync",)
 
 
 # ---------------------------------------------------------------------------------------------
-# The torch engine's span table (its copy loop runs on CPU tensors too)
+# The torch copier's span table (its copy loop runs on CPU tensors too)
 # ---------------------------------------------------------------------------------------------
 
 def with_span_table(tensors, region):
-    """The torch engine's copy path on CPU tensors: resolve to (span, offset), copy_ per piece."""
-    table = SpanTable.for_engine(tensors, [(region.data, region.buf.nbytes)])
+    """The torch copier's copy path on CPU tensors: resolve to (span, offset), copy_ per piece."""
+    table = SpanTable.for_copier(tensors, [(region.data, region.buf.nbytes)])
     assert len(table.views) == len({t.untyped_storage().data_ptr() for t in tensors}) + 1
 
     def copy(desc: Descriptors) -> None:
@@ -421,7 +422,7 @@ def with_span_table(tensors, region):
 
 
 @pytest.mark.parametrize("layout", ["mla-bf16", "gqa-flashinfer-tp2", "mla-cross-layer-fp8"])
-def test_span_table_copies_like_the_cpu_engine(layout):
+def test_span_table_copies_like_the_cpu_copier(layout):
     gen = torch.Generator().manual_seed(9)
     store_and_load(LAYOUTS[layout](gen), 64 << 10, np.random.default_rng(3), with_span_table)
 
@@ -446,8 +447,8 @@ def test_span_table_rejects_overlap_and_dedupes_shared_storage():
         SpanTable([host_view(buf.ctypes.data, 4096), host_view(buf.ctypes.data + 1024, 1024)])
 
 
-def test_device_engines_check_every_descriptor_against_their_ranges():
-    """What the kernel engine runs before a launch: a stray address must never reach the GPU."""
+def test_device_copiers_check_every_descriptor_against_their_ranges():
+    """What the kernel copier runs before a launch: a stray address must never reach the GPU."""
     kv = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     region = np.zeros(4096, dtype=np.uint8)
     ranges = AddressRanges(storage_ranges([kv[:, 0], kv[:, 1]]) + [(region.ctypes.data, region.nbytes)])
@@ -519,7 +520,7 @@ def test_empty_handle_is_done():
 
 
 # ---------------------------------------------------------------------------------------------
-# Engine selection
+# Copier selection
 # ---------------------------------------------------------------------------------------------
 
 CUDA0 = torch.device("cuda", 0)
@@ -527,42 +528,42 @@ SPAN = [(1 << 30, 1 << 20)]
 
 
 @pytest.mark.parametrize("name", ["auto", "cpu"])
-def test_cpu_tensors_get_the_cpu_engine(name):
-    engine = select_engine(name, torch.device("cpu"))
-    assert isinstance(engine, CPUCopyEngine)
-    engine.close()
+def test_cpu_tensors_get_the_cpu_copier(name):
+    copier = select_copier(name, torch.device("cpu"))
+    assert isinstance(copier, CPUCopier)
+    copier.close()
 
 
 @pytest.mark.parametrize("name", ["cuda", "torch"])
-def test_device_engines_refuse_cpu_tensors(name):
-    with pytest.raises(ValueError, match="'cpu' engine"):
-        select_engine(name, torch.device("cpu"))
+def test_device_copiers_refuse_cpu_tensors(name):
+    with pytest.raises(ValueError, match="'cpu' copier"):
+        select_copier(name, torch.device("cpu"))
 
 
-def test_unknown_engine_and_device_mismatches():
+def test_unknown_copier_and_device_mismatches():
     with pytest.raises(ValueError, match="auto, cpu, cuda, torch"):
-        select_engine("nccl", torch.device("cpu"))
+        select_copier("nccl", torch.device("cpu"))
     with pytest.raises(ValueError, match="cannot reach KV caches on cuda:0"):
-        select_engine("cpu", CUDA0, host_spans=SPAN)
+        select_copier("cpu", CUDA0, host_spans=SPAN)
     with pytest.raises(ValueError, match="host_spans"):
-        select_engine("auto", CUDA0)
+        select_copier("auto", CUDA0)
     with pytest.raises(ValueError, match="not supported"):
-        select_engine("auto", torch.device("meta"))
+        select_copier("auto", torch.device("meta"))
 
 
 def test_forced_cuda_without_cupy_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)     # import cupy → ImportError, whatever is installed
-    with pytest.raises(CopyEngineUnavailable, match="needs CuPy.*cupy-cuda12x or cupy-cuda13x"):
-        select_engine("cuda", CUDA0, host_spans=SPAN)
+    with pytest.raises(CopierUnavailable, match="needs CuPy.*cupy-cuda12x or cupy-cuda13x"):
+        select_copier("cuda", CUDA0, host_spans=SPAN)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
 def test_forced_torch_and_auto_without_cuda(monkeypatch):
-    with pytest.raises(CopyEngineUnavailable, match="is_available"):
-        select_engine("torch", CUDA0, kv_tensors=[torch.zeros(2, 4)], host_spans=SPAN)
+    with pytest.raises(CopierUnavailable, match="is_available"):
+        select_copier("torch", CUDA0, kv_tensors=[torch.zeros(2, 4)], host_spans=SPAN)
     monkeypatch.setitem(sys.modules, "cupy", None)
-    with pytest.raises(CopyEngineUnavailable, match="no copy engine can serve KV caches on cuda:0: cuda: .*; torch: "):
-        select_engine("auto", CUDA0, kv_tensors=[torch.zeros(2, 4)], host_spans=SPAN)
+    with pytest.raises(CopierUnavailable, match="no copier can serve KV caches on cuda:0: cuda: .*; torch: "):
+        select_copier("auto", CUDA0, kv_tensors=[torch.zeros(2, 4)], host_spans=SPAN)
 
 
 def test_stream_handle_accepts_torch_cupy_and_raw_handles():

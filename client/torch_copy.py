@@ -1,11 +1,11 @@
-"""The torch fallback copy engine: one non_blocking ``copy_`` per descriptor, on a private stream.
+"""The torch fallback copier: one non_blocking ``copy_`` per descriptor, on a private stream.
 
-Used when CuPy (hence the kernel engine) is unavailable, or when the region could not be pinned
-in this process (the kernel engine needs mapped pinned memory; cudaMemcpy does not).
+Used when CuPy (hence the kernel copier) is unavailable, or when the region could not be pinned
+in this process (the kernel copier needs mapped pinned memory; cudaMemcpy does not).
 
 Contract:
 
-- ``TorchCopyEngine(device, kv_tensors, host_spans, stream)``: every descriptor's source and
+- ``TorchCopier(device, kv_tensors, host_spans, stream)``: every descriptor's source and
   destination range must lie inside one *span*: the storage of one of ``kv_tensors`` (the
   registered KV cache, on ``device``) or one of ``host_spans`` ((address, size) of host memory:
   the client's mapping of the region). Torch cannot wrap an arbitrary address as a tensor
@@ -13,14 +13,14 @@ Contract:
   ``(span, offset)`` pairs by a vectorised search over the spans' base addresses
   (``SpanTable``, an ``AddressRanges`` with views). A descriptor outside every span is a
   ``ValueError`` at submit, before anything is queued.
-- ``submit(desc)`` makes the engine's stream wait for the compute stream (given, or torch's
+- ``submit(desc)`` makes the copier's stream wait for the compute stream (given, or torch's
   current stream at submit time), queues ``dst[o:o+n].copy_(src[o:o+n], non_blocking=True)`` per
-  descriptor on the engine's stream, and records a completion event: ``handle.done()`` is the
+  descriptor on the copier's stream, and records a completion event: ``handle.done()`` is the
   event's query, ``wait()`` its synchronize.
 
 Limits: each piece is its own cudaMemcpyAsync plus Python overhead (several µs), so a job of
 thousands of pieces costs tens of milliseconds of host time and small pieces do not reach the
-link's bandwidth; bench/gpu_bench.py measures it against the kernel engine. When the host span
+link's bandwidth; bench/gpu_bench.py measures it against the kernel copier. When the host span
 is not pinned, the driver stages every copy and cudaMemcpyAsync returns only once the copy
 is done (correct, slower, and it blocks the submitting thread).
 """
@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .copy import AddressRanges, CopyEngine, CopyEngineUnavailable, CopyHandle, EventCopyHandle, stream_handle
+from .copy import AddressRanges, Copier, CopierUnavailable, CopyHandle, EventCopyHandle, stream_handle
 from .kvcache import Descriptors
 
 
@@ -45,7 +45,7 @@ def storage_view(tensor):
 def host_view(address: int, size: int):
     """A flat uint8 CPU tensor over host memory [address, address+size) (no copy).
 
-    The caller keeps the memory mapped while the view is in use (the client closes the engine
+    The caller keeps the memory mapped while the view is in use (the client closes the copier
     before it unmaps the region).
     """
     import torch
@@ -64,7 +64,7 @@ class SpanTable(AddressRanges):
         self.views = [unique[b] for b in self.base.tolist()]
 
     @classmethod
-    def for_engine(cls, kv_tensors: Sequence, host_spans: Sequence[tuple[int, int]]) -> "SpanTable":
+    def for_copier(cls, kv_tensors: Sequence, host_spans: Sequence[tuple[int, int]]) -> "SpanTable":
         return cls([storage_view(t) for t in kv_tensors] + [host_view(a, n) for a, n in host_spans])
 
     def plan(self, desc: Descriptors) -> tuple[list, list, list, list, list]:
@@ -80,19 +80,19 @@ class SpanTable(AddressRanges):
             views[d][do:do + n].copy_(views[s][so:so + n], non_blocking=True)
 
 
-class TorchCopyEngine(CopyEngine):
+class TorchCopier(Copier):
     name = "torch"
 
     def __init__(self, device, kv_tensors: Sequence, host_spans: Sequence[tuple[int, int]], stream=None):
         import torch
         if not torch.cuda.is_available():
-            raise CopyEngineUnavailable(f"the 'torch' copy engine needs a CUDA build of torch and a visible device "
-                                        f"(this torch is {torch.__version__}, torch.cuda.is_available() is False)")
+            raise CopierUnavailable(f"the 'torch' copier needs a CUDA build of torch and a visible device "
+                                    f"(this torch is {torch.__version__}, torch.cuda.is_available() is False)")
         if not kv_tensors:
-            raise ValueError("the 'torch' copy engine needs the registered KV-cache tensors (kv_tensors)")
+            raise ValueError("the 'torch' copier needs the registered KV-cache tensors (kv_tensors)")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._device = torch.device("cuda", index)
-        self._spans = SpanTable.for_engine(kv_tensors, host_spans)
+        self._spans = SpanTable.for_copier(kv_tensors, host_spans)
         self._stream = torch.cuda.Stream(self._device)     # torch's pool streams are non-blocking
         if stream is None or isinstance(stream, torch.cuda.Stream):
             self._compute = stream
@@ -113,5 +113,5 @@ class TorchCopyEngine(CopyEngine):
         return EventCopyHandle(done.query, done.synchronize)
 
     def close(self) -> None:
-        """Wait for every submitted copy; the span views go with the engine."""
+        """Wait for every submitted copy; the span views go with the copier."""
         self._stream.synchronize()

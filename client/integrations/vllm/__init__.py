@@ -1,0 +1,125 @@
+"""kvtierd as vLLM's KV-cache offloading tier: an out-of-tree spec for vLLM's OffloadingConnector.
+
+Turn it on with one ``--kv-transfer-config`` (docs/vllm.md has the whole line and every setting)::
+
+    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
+                                   "spec_module_path": "kvtier.integrations.vllm",
+                                   "kvtier_socket": "/dev/shm/kvtierd/kvtierd.sock"}}
+
+This module owns the entry point vLLM loads (``KvtierOffloadingSpec``) and the version check:
+importing it imports vLLM and checks its version (``SUPPORTED_VLLM_SERIES``) before any
+version-specific vLLM module is imported; importing ``kvtier`` alone never imports vLLM. The rest
+is split the way vLLM splits its own offloading code (vllm/v1/kv_offload, 0.33):
+
+- ``settings``: the ``kvtier_*`` settings, and how vLLM's keys, namespaces and engine ids map
+  onto kvtierd's;
+- ``manager``: the scheduler side, ``KvtierOffloadingManager``, a kvtierd *coordinator* session;
+- ``worker``: the worker side, ``KvtierOffloadingWorker``, the kvtierd *rank* session of one TP
+  rank;
+- ``transfer``: the kvtier jobs of one transfer, as the manager hands them to the workers.
+
+All sessions of one vLLM engine (one per DP rank) form one kvtier engine, with world size =
+vLLM's world size.
+
+**Replicated (MLA) layout.** ``KvtierOffloadingSpec.replicated_layout`` stays False on purpose,
+even when the kvtier namespace is replicated: when True, vLLM's worker acknowledges non-writer
+ranks' stores without calling ``submit_store``, but kvtierd needs those ranks' votes (a block is
+ready only when every rank of the job voted), so every rank must see every store. The
+deduplication happens in kvtierd instead (only rank 0 copies).
+
+Supported: one KV-cache group, or several groups that use the same per-block byte ranges (vLLM's
+hybrid allocator), ``blocks_per_chunk`` = 1, TP (and DCP/PCP, sharded) within one node. Not
+supported: PP > 1, ``canonical_layout``, per-group layouts with different block sizes — the spec
+raises at start-up naming the setting.
+
+When kvtierd restarts, every session re-attaches on its own (``kvtier.Client``); transfers in
+flight across the restart fail (a store is then simply not cached; a load is reported failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import vllm
+
+SUPPORTED_VLLM_SERIES = ("0.33",)      # vLLM's offloading plugin API is experimental: pinned per minor
+TESTED_VLLM_VERSIONS = ("0.33.0",)
+ALLOW_UNSUPPORTED_ENV = "KVTIER_VLLM_ALLOW_UNSUPPORTED"
+
+
+class UnsupportedVllmVersion(ImportError):
+    """The installed vLLM is not a version this plugin supports."""
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Raise ``UnsupportedVllmVersion`` unless ``version`` (default: the installed vLLM's) is in a
+    supported series; returns the version. ``KVTIER_VLLM_ALLOW_UNSUPPORTED=1`` turns the error into
+    a warning (at your own risk: the plugin API changes between vLLM minor releases)."""
+    from packaging.version import InvalidVersion, Version
+
+    version = vllm.__version__ if version is None else version
+    try:
+        parsed = Version(version)
+        series = f"{parsed.major}.{parsed.minor}"
+    except InvalidVersion:
+        series = None
+    if series in SUPPORTED_VLLM_SERIES:
+        return version
+    message = (f"kvtier's vLLM plugin supports vLLM {', '.join(s + '.x' for s in SUPPORTED_VLLM_SERIES)} "
+               f"(tested with {', '.join(TESTED_VLLM_VERSIONS)}); this process has vLLM {version}. Install a "
+               f"supported vLLM (pip install 'vllm=={TESTED_VLLM_VERSIONS[-1]}') or a kvtierd release that "
+               f"supports vLLM {version}; {ALLOW_UNSUPPORTED_ENV}=1 tries anyway.")
+    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
+        logging.getLogger("vllm.kvtier").warning("%s (%s=1: continuing)", message, ALLOW_UNSUPPORTED_ENV)
+        return version
+    raise UnsupportedVllmVersion(message)
+
+
+check_vllm_version()
+
+# Only now the version-specific vLLM modules (a wrong version fails above with a clear message).
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
+
+from .manager import KvtierOffloadingManager  # noqa: E402
+from .settings import KvtierSettings, kvtier_engine_id, namespace_layout  # noqa: E402
+from .worker import KvtierOffloadingWorker  # noqa: E402
+
+
+class KvtierOffloadingSpec(OffloadingSpec):
+    """The entry point vLLM's ``OffloadingSpecFactory`` loads (``spec_name`` "KvtierOffloadingSpec",
+    ``spec_module_path`` "kvtier.integrations.vllm"). Built once in the scheduler process and once
+    in every worker; connects lazily (``get_manager`` / ``get_worker``)."""
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        self.settings = KvtierSettings.from_extra_config(self.extra_config)
+        self.layout = namespace_layout(config, self.settings)
+        self.engine_id = kvtier_engine_id(config, self.settings)
+        # Deliberately False even for the replicated namespace: see the module docstring.
+        self.replicated_layout = False
+        self._manager: KvtierOffloadingManager | None = None
+        self._worker: KvtierOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KvtierOffloadingManager(self.settings, self.engine_id, self.config.parallel.world_size,
+                                                    self.layout)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvtierOffloadingWorker(self.settings, self.engine_id, self.config.parallel.rank,
+                                                  self.config.parallel.world_size, self.layout, kv_caches)
+        return self._worker
+
+
+__all__ = ["KvtierOffloadingSpec", "check_vllm_version", "SUPPORTED_VLLM_SERIES", "TESTED_VLLM_VERSIONS",
+           "ALLOW_UNSUPPORTED_ENV", "UnsupportedVllmVersion"]

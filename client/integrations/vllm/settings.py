@@ -1,0 +1,127 @@
+"""The plugin's settings, and how vLLM's keys, namespaces and engine ids map onto kvtierd's.
+
+- **Settings.** ``KvtierSettings`` reads and checks the ``kvtier_*`` keys of
+  ``kv_connector_extra_config`` (docs/vllm.md describes each); a misspelt ``kvtier_*`` key is an
+  error, not ignored.
+- **Keys.** vLLM's ``OffloadKey`` (block hash ‖ 4-byte group index, 36 bytes with sha256) is the
+  kvtier key as is; a key longer than kvtierd's limit is shortened to sha256(hash) ‖ group index
+  (``kvtier_key``).
+- **Namespaces.** (model, KV dtype, tokens per block, bytes per block per rank, layout kind), with
+  vLLM's KV-cache memory layout appended to the model name; ``kvtier_namespace`` overrides the
+  model part (e.g. one name for one model served from different paths). The namespace is
+  *replicated* exactly when vLLM's own gate says so (``OffloadingConfig.replicated_layout``: pure
+  MLA, TP > 1, no PP/PCP/DCP, single-node ``mp`` executor), else *sharded*; a replicated one keeps
+  one copy, which only rank 0 writes. ``namespace_layout`` refuses, at start-up and naming the
+  setting, the configurations the plugin does not support (the package docstring lists them).
+- **Engine ids.** All sessions of one vLLM engine attach as one kvtier engine: ``vllm-<engine_id>``
+  (one per DP rank), or the id the ``kvtier_engine_id`` setting names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvtierd.contract import protocol as P
+from kvtierd.contract.namespace import NamespaceId
+from kvtierd.contract.paths import default_socket
+
+from ...select import COPIERS
+
+
+@dataclass(frozen=True)
+class KvtierSettings:
+    """The ``kvtier_*`` settings of ``kv_connector_extra_config`` (docs/vllm.md describes each)."""
+
+    socket: str                      # kvtierd's IPC socket
+    namespace: str | None = None     # overrides the model part of the namespace
+    layout: str = "auto"             # auto: vLLM's replicated gate decides; sharded: never replicated
+    timeout_s: float = 5.0           # bound on one request to kvtierd
+    retry_s: float = 10.0            # after kvtierd was unreachable, wait this long before reconnecting
+    copier: str = "auto"             # how the workers copy (kvtier.select.COPIERS: auto, cpu, cuda, torch)
+    engine_id: str | None = None     # kvtier engine id; default vllm-<vLLM engine_id>
+
+    KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_layout": "layout",
+            "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_copier": "copier",
+            "kvtier_engine_id": "engine_id"}
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> "KvtierSettings":
+        """Read and check the settings; a ``kvtier_*`` key that is not a setting is an error."""
+        unknown = sorted(k for k in extra if k.startswith("kvtier_") and k not in cls.KEYS)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config settings {unknown}; "
+                             f"kvtier's settings are {sorted(cls.KEYS)}")
+        values: dict[str, Any] = {attr: extra[key] for key, attr in cls.KEYS.items() if extra.get(key) is not None}
+        values.setdefault("socket", default_socket())
+        for name in ("timeout_s", "retry_s"):
+            if name in values:
+                try:
+                    values[name] = float(values[name])
+                except (TypeError, ValueError):
+                    raise ValueError(f"kvtier_{name} must be a number of seconds, got {values[name]!r}") from None
+                if not values[name] > 0:
+                    raise ValueError(f"kvtier_{name} must be > 0, got {values[name]}")
+        for name in ("socket", "namespace", "layout", "copier", "engine_id"):
+            if name in values and not isinstance(values[name], str):
+                raise ValueError(f"kvtier_{name} must be a string, got {values[name]!r}")
+        if values.get("layout", "auto") not in ("auto", "sharded"):
+            raise ValueError(f"kvtier_layout must be 'auto' or 'sharded', got {values['layout']!r}")
+        if values.get("copier", "auto") not in COPIERS:
+            raise ValueError(f"kvtier_copier must be one of {', '.join(COPIERS)}, got {values['copier']!r}")
+        return cls(**values)
+
+
+def kvtier_key(key: bytes) -> bytes:
+    """The kvtier key of a vLLM OffloadKey: the key itself when it fits kvtierd's limit, else
+    sha256(block hash) ‖ group index (4 bytes), which keeps keys of different groups apart."""
+    key = bytes(key)
+    if len(key) <= P.MAX_KEY_BYTES:
+        return key
+    return hashlib.sha256(key[:-4]).digest() + key[-4:]
+
+
+def _short(text: str, limit: int = P.MAX_STR_BYTES) -> str:
+    """``text`` if it fits a protocol string, else a prefix plus a hash of the whole (stays unique)."""
+    if len(text.encode()) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return text.encode()[: limit - 17].decode(errors="ignore") + "~" + digest
+
+
+def namespace_layout(config: OffloadingConfig, settings: KvtierSettings) -> NamespaceId:
+    """The kvtier namespace of an engine, from vLLM's offloading config.
+
+    Replicated exactly when vLLM's gate (``config.replicated_layout``) allows it and the settings
+    do not force sharded. Raises ValueError for configurations the plugin does not support.
+    """
+    if config.worker_kv_bytes_per_block <= 0:
+        raise ValueError("vLLM reports no KV bytes per block for offloading (e.g. HiSparse host blocks); "
+                         "kvtierd cannot offload this model")
+    if config.cache.blocks_per_chunk != 1:
+        raise ValueError(f"kvtier offloads one vLLM block per key; blocks_per_chunk="
+                         f"{config.cache.blocks_per_chunk} (set by 'block_size'/'blocks_per_chunk' in "
+                         "kv_connector_extra_config) is not supported: drop that setting")
+    if config.parallel.pp_size != 1:
+        raise ValueError(f"pipeline parallelism (pp_size={config.parallel.pp_size}) is not supported: the "
+                         "stages hold different layers, and a kvtier namespace has one block size for all ranks")
+    if config.canonical_layout:
+        raise ValueError("kv_connector_extra_config canonical_layout is not supported by kvtier; drop it")
+    tokens = {g.tokens_per_block for g in config.groups}
+    if len(tokens) != 1:
+        raise ValueError(f"KV-cache groups with different block sizes {sorted(tokens)} are not supported")
+    kind = "replicated" if config.replicated_layout and settings.layout == "auto" else "sharded"
+    model = settings.namespace or config.model.name
+    if config.kv_cache_layout:
+        model = f"{model}|{config.kv_cache_layout}"
+    return NamespaceId(model=_short(model), dtype=_short(config.model.dtype, 32), block_tokens=tokens.pop(),
+                       block_bytes=config.worker_kv_bytes_per_block, sharding=kind)
+
+
+
+def kvtier_engine_id(config: OffloadingConfig, settings: KvtierSettings) -> str:
+    """The engine id kvtierd sees for this vLLM engine: ``kvtier_engine_id``, else vllm-<engine_id>."""
+    return settings.engine_id or _short(f"vllm-{config.engine_id}")
