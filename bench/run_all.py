@@ -336,7 +336,7 @@ def main() -> int:
         with open(args.source) as f:
             result = json.load(f)
     else:
-        result = bench.run(quick=args.quick)
+        result = kvtierbench.run(quick=args.quick)
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)
@@ -347,7 +347,7 @@ def main() -> int:
     images = plots(result)
     with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
         f.write(page(result, images, before))
-    print(bench.format_results(result))
+    print(kvtierbench.report.format_results(result))
     print(f"\nwrote docs/benchmarks.md and {', '.join(images)}", file=sys.stderr)
     return 0
 
