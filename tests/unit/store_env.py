@@ -15,7 +15,7 @@ import pytest
 
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
-from kvtierd.contract.region_format import EntryState, Geometry, RegionView
+from kvtierd.contract.region_format import CHAIN_END, EntryState, Geometry, RegionView
 from kvtierd.store import Store
 
 PAGE = 4096
@@ -110,3 +110,78 @@ def err(code: ErrorCode):
     with pytest.raises(RequestError) as info:
         yield info
     assert info.value.code is code, f"expected {code.name}, got {info.value.code.name}: {info.value.message}"
+
+
+def two_namespaces(num_pages: int, a: int, b: int):
+    """A region holding entries a0.. (namespace A, 1 page each) and b0.. (namespace B, 2 pages each:
+    chains of different lengths). Returns (env, a rank session of A, a rank session of B)."""
+    env = small(num_pages)
+    ea = env.engine("a", 1, model="A")
+    eb = env.engine("b", 1, model="B", block_bytes=2 * PAGE)
+    env.put(ea, 1, keys("a", a))
+    env.put(eb, 1, keys("b", b))
+    return env, ea[0], eb[0]
+
+
+def corrupt_env():
+    """Namespace A: 1-page entries a0..a3; namespace B: 2-page entries b0..b3."""
+    env, a, b = two_namespaces(32, 4, 4)
+    return env, a.engine.ns.index, b.engine.ns.index
+
+
+def slot_pages(idx, key):
+    e = idx[key]
+    return e.slot, pages(e.pages)
+
+
+# Damage done to the tables of ``corrupt_env``'s region, each to one record (or one namespace).
+DAMAGES = ["shared_page", "first_out_of_range", "link_out_of_range", "chain_short", "chain_long_short_row",
+           "cycle", "bad_ns", "key_len_zero", "duplicate_key", "page_count_huge", "page_count_wrong",
+           "bad_state", "ns_record_garbage", "key_len_too_long"]
+
+
+def damage_region(env, ia, ib, damage: str) -> list[bytes]:
+    """Do ``damage`` to the tables; returns the keys a restart must then lose."""
+    view = env.view
+    ents = view.entries
+    sa, pa = slot_pages(ia, b"a1")
+    sb, pb = slot_pages(ib, b"b1")
+    lost = [b"a1"]
+    if damage == "shared_page":
+        sb2, pb2 = slot_pages(ib, b"b2")
+        ents[sb2]["first_page"] = pb[0]            # b2 now claims b1's pages; b1 is older
+        lost = [b"b2"]
+    elif damage == "first_out_of_range":
+        ents[sa]["first_page"] = view.geometry.num_pages + 5
+    elif damage == "link_out_of_range":
+        view.chain[pb[0]] = view.geometry.num_pages
+        lost = [b"b1"]
+    elif damage == "chain_short":
+        view.chain[pb[0]] = CHAIN_END
+        lost = [b"b1"]
+    elif damage == "chain_long_short_row":
+        view.chain[pa[0]] = pb[0]                 # a 1-page entry whose chain goes on
+    elif damage == "cycle":
+        view.chain[pb[1]] = pb[0]
+        lost = [b"b1"]
+    elif damage == "bad_ns":
+        ents[sa]["ns"] = 999
+    elif damage == "key_len_zero":
+        ents[sa]["key_len"] = 0
+    elif damage == "key_len_too_long":
+        ents[sa]["key_len"] = 200
+    elif damage == "duplicate_key":
+        sa2, _ = slot_pages(ia, b"a2")
+        ents[sa2]["key"][:2] = np.frombuffer(b"a1", np.uint8)  # a2's record now says a1 (younger)
+        lost = [b"a2"]
+    elif damage == "page_count_huge":
+        ents[sa]["page_count"] = 0xFFFFFFF0
+    elif damage == "page_count_wrong":
+        ents[sb]["page_count"] = 1
+        lost = [b"b1"]
+    elif damage == "bad_state":
+        ents[sa]["state"] = 77
+    elif damage == "ns_record_garbage":
+        view.namespaces[ents[sa]["ns"]]["sharding"] = 9
+        lost = keys("a", 4)
+    return lost

@@ -7,13 +7,12 @@ The scenarios drive ``Store`` (the front the server calls) over a region in memo
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from kvtierd.contract.protocol import ErrorCode
-from kvtierd.contract.region_format import CHAIN_END, NS_SLOTS
+from kvtierd.contract.region_format import NS_SLOTS
 
-from .store_env import PAGE, Env, N, P, W, err, keys, lay, pages, reopen, small
+from .store_env import DAMAGES, PAGE, Env, N, P, W, corrupt_env, damage_region, err, keys, lay, pages, reopen, small
 
 # ---------------------------------------------------------------------------- capacity
 def fill_count(env: Env, kind: str, tp: int) -> int:
@@ -316,72 +315,11 @@ def test_recovered_entries_can_be_evicted_and_reused():
     st3.verify()
 
 
-def corrupt_env():
-    """Namespace A: 1-page entries; namespace B: 2-page entries (chains of different lengths)."""
-    env = small(32)
-    a = env.engine("a", 1, model="A")
-    b = env.engine("b", 1, model="B", block_bytes=2 * PAGE)
-    env.put(a, 1, keys("a", 4))
-    env.put(b, 1, keys("b", 4))
-    ia = a[0].engine.ns.index
-    ib = b[0].engine.ns.index
-    return env, ia, ib
-
-
-def slot_pages(idx, key):
-    e = idx[key]
-    return e.slot, pages(e.pages)
-
-
-@pytest.mark.parametrize("damage", [
-    "shared_page", "first_out_of_range", "link_out_of_range", "chain_short", "chain_long_short_row",
-    "cycle", "bad_ns", "key_len_zero", "duplicate_key", "page_count_huge", "page_count_wrong",
-    "bad_state", "ns_record_garbage", "key_len_too_long",
-])
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_recovery_discards_corrupt_entries(damage):
     env, ia, ib = corrupt_env()
     view = env.view
-    ents = view.entries
-    sa, pa = slot_pages(ia, b"a1")
-    sb, pb = slot_pages(ib, b"b1")
-    lost = {b"a1"}
-    if damage == "shared_page":
-        sb2, pb2 = slot_pages(ib, b"b2")
-        ents[sb2]["first_page"] = pb[0]            # b2 now claims b1's pages; b1 is older
-        lost = {b"b2"}
-    elif damage == "first_out_of_range":
-        ents[sa]["first_page"] = view.geometry.num_pages + 5
-    elif damage == "link_out_of_range":
-        view.chain[pb[0]] = view.geometry.num_pages
-        lost = {b"b1"}
-    elif damage == "chain_short":
-        view.chain[pb[0]] = CHAIN_END
-        lost = {b"b1"}
-    elif damage == "chain_long_short_row":
-        view.chain[pa[0]] = pb[0]                 # a 1-page entry whose chain goes on
-    elif damage == "cycle":
-        view.chain[pb[1]] = pb[0]
-        lost = {b"b1"}
-    elif damage == "bad_ns":
-        ents[sa]["ns"] = 999
-    elif damage == "key_len_zero":
-        ents[sa]["key_len"] = 0
-    elif damage == "key_len_too_long":
-        ents[sa]["key_len"] = 200
-    elif damage == "duplicate_key":
-        sa2, _ = slot_pages(ia, b"a2")
-        ents[sa2]["key"][:2] = np.frombuffer(b"a1", np.uint8)  # a2's record now says a1 (younger)
-        lost = {b"a2"}
-    elif damage == "page_count_huge":
-        ents[sa]["page_count"] = 0xFFFFFFF0
-    elif damage == "page_count_wrong":
-        ents[sb]["page_count"] = 1
-        lost = {b"b1"}
-    elif damage == "bad_state":
-        ents[sa]["state"] = 77
-    elif damage == "ns_record_garbage":
-        view.namespaces[ents[sa]["ns"]]["sharding"] = 9
-        lost = set(keys("a", 4))
+    lost = set(damage_region(env, ia, ib, damage))
     st2 = reopen(view)
     st2.verify()
     assert st2.recovered["ready"] + st2.recovered["corrupt_discarded"] <= 8
