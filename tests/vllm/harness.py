@@ -181,7 +181,7 @@ class RankWorker:
 
     def info(self) -> dict:
         client = self.worker.client
-        return {"writer": client.is_writer, "namespace": client.info["namespace"],
+        return {"writer": client.is_writer, "namespace": client.info.namespace,
                 "kind": self.spec.layout.sharding.value, "block_bytes": self.spec.layout.block_bytes,
                 "replicated_gate": self.spec.config.replicated_layout, "pid": os.getpid()}
 
