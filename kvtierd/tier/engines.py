@@ -95,6 +95,13 @@ class _Engine:
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**os.environ, **(env or {})}, cwd=self.dir, start_new_session=True)
 
+    def _tail(self, log: str, lines: int = 5) -> str:
+        try:
+            with open(os.path.join(self.dir, log), errors="replace") as f:
+                return " | ".join(f.read().splitlines()[-lines:])
+        except OSError:
+            return f"(no {log})"
+
     def __enter__(self):
         return self.start()
 
@@ -138,7 +145,10 @@ class MooncakeCluster(_Engine):
         self.master = self._spawn(
             [self.master_bin, f"--rpc_address={HOST}", f"--rpc_port={self.rpc_port}", f"--metrics_host={HOST}",
              f"--metrics_port={self.metrics_port}", f"--default_kv_lease_ttl={self.lease_ttl_ms}"], "master.log")
-        wait_port(self.rpc_port, timeout, self.master)
+        try:
+            wait_port(self.rpc_port, timeout, self.master)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}: {self._tail('master.log')}") from None
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/metrics", timeout=2) as r:
@@ -215,7 +225,10 @@ class RedisCluster(_Engine):
              "--save", "", "--appendonly", "no", "--dir", self.dir, "--logfile", f"{port}.log",
              "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
              "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb"], f"{port}.out")
-        wait_port(port, timeout, self.procs[i])
+        try:
+            wait_port(port, timeout, self.procs[i])
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}: {self._tail(f'{port}.log')}") from None
 
     def cli(self, *args: str, port: int | None = None, timeout: float = 30) -> str:
         return subprocess.run([self.cli_bin, "-h", HOST, "-p", str(port or self.ports[0]), *args],

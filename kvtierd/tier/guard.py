@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from .backend import Backend, CircuitOpen, TierError, TierFailed, TierRejected, TierTimeout, TierUnavailable
+from .backend import Backend, CircuitOpen, TierError, TierFailed, TierRejected, TierTimeout
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
@@ -80,7 +80,7 @@ class Guard:
         stuck = self.stuck_for()
         if stuck:
             self.counters["rejected"] += 1
-            raise TierUnavailable(f"{self.backend.name}: a {self._stuck[1]} call has not returned for "
+            raise CircuitOpen(f"{self.backend.name}: a {self._stuck[1]} call has not returned for "
                                   f"{stuck:.1f} s; no other call runs until it does")
         now = self.clock()
         if self.state == OPEN:

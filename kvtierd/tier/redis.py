@@ -140,3 +140,4 @@ class RedisClusterBackend(Backend):
 
     def close(self) -> None:
         self.cluster.close()
+        self.memory = None
