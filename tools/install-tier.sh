@@ -4,7 +4,8 @@
 #     redis-tools (Debian 12 ships Redis 7.0, not Valkey; valkey-server is used instead when a
 #     later Debian provides it) — only when missing, and only as root (else it says what to run);
 #   - into the given venv: the Mooncake Store wheel (non-CUDA build: a bundled mooncake_master and
-#     the store client extension), pinned to the version this project was tested with.
+#     the store client extension), pinned to the version this project was tested with, and redis-py
+#     with hiredis (not used by kvtierd: the benchmark's floor for Redis Cluster, kvtierbench/tier.py).
 # Usage: tools/install-tier.sh VENV
 set -euo pipefail
 VENV=${1:?usage: tools/install-tier.sh VENV}
@@ -25,7 +26,7 @@ if ((${#need[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-"$VENV/bin/pip" install -q "$MOONCAKE"
+"$VENV/bin/pip" install -q "$MOONCAKE" "redis>=5" "hiredis>=2"
 # Every bundled binary and extension must resolve its libraries (libibverbs1 above).
 missing=0
 for f in "$VENV"/lib/python3*/site-packages/mooncake/{store*.so,engine*.so,mooncake_master}; do
