@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -1,7 +1,9 @@
 """Mooncake Store as the second tier (``mooncake-transfer-engine-non-cuda``, tools/install-tier.sh).
 
 Zero-copy: ``attach`` registers the region's data area with the store client
-(``register_buffer``), and blocks move with ``batch_put_from_multi_buffers`` /
+(``register_buffer``), and blocks move with ``batch_put_from`` / ``batch_get_into`` when every
+block of the call is one extent (the common case: the allocator hands out freed pages in order;
+the same calls as the raw floor in kvtierbench/tier.py), else ``batch_put_from_multi_buffers`` /
 ``batch_get_into_multi_buffers``: one pointer and size per extent, so a block whose pages are
 not contiguous is gathered and scattered by the transfer engine itself. No block passes through
 the client's local staging buffer (``local_buffer_bytes`` only has to exist) or through Python
@@ -132,10 +134,14 @@ class MooncakeBackend(Backend):
         if not keys:
             return []
         ptrs, sizes = self._buffers(blocks)
+        single = all(len(p) == 1 for p in ptrs)
+        if single:
+            ptrs, sizes = [p[0] for p in ptrs], [s[0] for s in sizes]
+        put = self.store.batch_put_from if single else self.store.batch_put_from_multi_buffers
         codes = []
         for i in range(0, len(keys), MAX_BATCH):
             j = i + MAX_BATCH
-            codes += self.store.batch_put_from_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j], self.config)
+            codes += put(keys[i:j], ptrs[i:j], sizes[i:j], self.config)
         self._check(codes, "put")
         return [c == 0 or c == OBJECT_ALREADY_EXISTS for c in codes]
 
@@ -144,14 +150,17 @@ class MooncakeBackend(Backend):
             return []
         ptrs, sizes = self._buffers(blocks)
         want = list(map(sum, sizes))
+        single = all(len(p) == 1 for p in ptrs)
+        if single:
+            ptrs, sizes = [p[0] for p in ptrs], want
+        get = self.store.batch_get_into if single else self.store.batch_get_into_multi_buffers
         got = []
         for i in range(0, len(keys), MAX_BATCH):
             j = i + MAX_BATCH
-            got += self.store.batch_get_into_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j])
+            got += get(keys[i:j], ptrs[i:j], sizes[i:j])
         again = [i for i, n in enumerate(got) if n == LEASE_EXPIRED]
         if again:        # the bytes landed but the lease check after them failed: ask once more
-            more = self.store.batch_get_into_multi_buffers([keys[i] for i in again], [ptrs[i] for i in again],
-                                                           [sizes[i] for i in again])
+            more = get([keys[i] for i in again], [ptrs[i] for i in again], [sizes[i] for i in again])
             for i, n in zip(again, more):
                 got[i] = n
         # INVALID_PARAMS here is a stored value whose length is not the extents' (another geometry):
