@@ -9,7 +9,8 @@
 
 Everything binds 127.0.0.1 on free ports and lives in one directory (logs, cluster configs)
 that ``stop()`` removes; every process is started in its own session and stopped by its own
-pid (TERM, then KILL). Each engine can kill and restart a part of itself, as the fault tests do.
+pid (TERM, then KILL), and dies with the process that started it (``PR_SET_PDEATHSIG``) should
+that one crash before stopping it. Each engine can kill and restart a part of itself, as the fault tests do.
 
     python -m kvtierd.tier.engines {mooncake,redis} [--dir DIR]
 
@@ -28,6 +29,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+
+from .link import die_with_parent
 
 HOST = "127.0.0.1"
 
@@ -93,7 +96,8 @@ class _Engine:
     def _spawn(self, argv: list[str], log: str, env: dict | None = None) -> subprocess.Popen:
         with open(os.path.join(self.dir, log), "ab") as out:
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **(env or {})}, cwd=self.dir, start_new_session=True)
+                                    env={**os.environ, **(env or {})}, cwd=self.dir, start_new_session=True,
+                                    preexec_fn=die_with_parent)
 
     def _tail(self, log: str, lines: int = 5) -> str:
         try:

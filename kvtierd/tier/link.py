@@ -70,7 +70,8 @@ class Outcome:
     error: TierError | None = None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child between fork and exec: SIGKILL it when its parent dies."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -111,7 +112,7 @@ class TierLink:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         finally:
             if self.log_path:
                 log.close()
