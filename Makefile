@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install run test test-unit test-integration vllm-install test-vllm soak bench bench-docs nvcc-check bench-loop docs clean
+.PHONY: install run test test-unit test-integration vllm-install test-vllm tier-install test-tier bench-tier tier-up soak bench bench-docs nvcc-check bench-loop docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +21,10 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/kvtierd
 
-# The whole test suite (unit + integration; GPU tests skip without CUDA).
+# The whole test suite (unit + integration; GPU tests skip without CUDA). The second-tier suite
+# has its own target (test-tier): it needs the engines that tier-install brings.
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --ignore=tests/tier
 
 test-unit: install
 	$(BIN)/pytest -q tests/unit
@@ -41,6 +42,27 @@ vllm-install: $(VLLM_VENV)/.installed
 # The vLLM plugin against vLLM's own Scheduler and OffloadingConnector and a real kvtierd (CPU only).
 test-vllm: vllm-install
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/pytest -q tests/vllm
+
+# The second tier's engines: Debian's libibverbs1 and redis-server/redis-tools (root: apt-get), the
+# Mooncake Store wheel and redis-py (the benchmark's floor) into the venv.
+$(BIN)/.tier-installed: $(BIN)/.installed tools/install-tier.sh
+	bash tools/install-tier.sh $(VENV)
+	touch $@
+
+tier-install: $(BIN)/.tier-installed
+
+# Tier backends and the companion against real Mooncake Store and Redis Cluster processes on
+# loopback (the fixtures start and stop them).
+test-tier: tier-install
+	$(BIN)/pytest -q tests/tier tests/unit/test_tier.py
+
+# Each engine's raw put/get against kvtierd's tier path (kvtierbench/tier.py; QUICK=1 for toy sizes).
+bench-tier: tier-install
+	$(BIN)/python -m kvtierbench.tier $(if $(QUICK),--quick)
+
+# One engine in the foreground for manual runs: make tier-up ENGINE=mooncake|redis
+tier-up: tier-install
+	$(BIN)/python -m kvtierd.tier.engines $(or $(ENGINE),mooncake)
 
 # The long soak: 16 client processes (4 engines x TP=4, two namespaces) for 5 minutes under
 # constant eviction; every loaded block verified by hash; prints its figures. CI runs an 8 s one.

@@ -1,0 +1,43 @@
+"""Tier keys: the namespace's identity folded into every key, so two models never meet.
+
+A block's key in the region is only unique inside its namespace (vLLM's keys are hashes of the
+tokens, not of the model that produced the KV). In the second tier, which every node and every
+model of a fleet shares, a block's key is therefore
+
+    kvt1/<24 hex: blake2b-96 of the namespace identity>/<block key as hex>
+
+where the identity is the namespace's canonical wire form (model and weights, dtype, tokens per
+block, bytes per block, sharding, and the world size for a sharded namespace only). Because a
+replicated (MLA) namespace's identity carries no world size, every TP degree of the same model
+reads and writes the same tier keys: one copy in the tier for all of them. A sharded namespace's
+entry is stored whole (every rank's shard, in rank order) under one key of its own world size.
+
+``kvt1`` versions the scheme: a change of the value format or of the digest gets a new prefix,
+so old values are never misread. 96 bits of digest make an accidental meeting of two identities
+vanishingly unlikely across any fleet (birthday bound ~2^48 namespaces).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+SCHEME = "kvt1"
+
+
+class Keyspace:
+    """The tier keys of one namespace."""
+
+    __slots__ = ("identity", "prefix")
+
+    def __init__(self, identity: bytes):
+        if not isinstance(identity, (bytes, bytearray)) or not identity:
+            raise ValueError("a keyspace needs the namespace's identity as non-empty bytes")
+        self.identity = bytes(identity)
+        self.prefix = f"{SCHEME}/{hashlib.blake2b(self.identity, digest_size=12).hexdigest()}/"
+
+    def names(self, keys: list[bytes]) -> list[str]:
+        """The tier key of each block key (C-level passes: jobs carry thousands of keys)."""
+        return list(map(self.prefix.__add__, map(bytes.hex, keys)))
+
+    def __repr__(self) -> str:
+        return f"Keyspace({self.prefix!r})"

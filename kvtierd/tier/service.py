@@ -1,0 +1,236 @@
+"""The tier companion: the process the daemon owns that talks to the second-tier engine.
+
+Why a process (docs/tier.md): the daemon's loop must never block, and an engine client can — a
+C++ client with threads of its own (Mooncake) may take seconds to fail when its master dies and
+cannot be interrupted; a process boundary keeps its crashes, its threads and its GIL time out of
+the daemon, and killing it is the one way to *prove* that an abandoned call no longer touches
+the region's pages (the page fence).
+
+It maps the daemon's region file (the data area: ``--offset``/``--length``), attaches it to the
+backend (Mooncake registers it: zero-copy), connects a DEALER socket to the daemon's endpoint
+and says ``ready`` (or ``failed`` with a typed error, then exits 1). Requests are msgpack maps
+``{"op", "id", ...}`` and each gets exactly one reply ``{"id", "ok": True, ...}`` or
+``{"id", "ok": False, "error": code, "message"}``:
+
+``exists``  ns, keys                → present: one byte (0/1) per key
+``put``     ns, keys, pages, length → done: one byte per key (the block is in the tier)
+``get``     ns, keys, pages, length → done: one byte per key (the whole block landed in its pages)
+``remove``  ns, keys                → removed
+``clear``   ns                      → removed (every key of the namespace)
+``health``                          → the engine answered (an error reply otherwise)
+``stats``                           → guards' states and counters, engine info
+``stop``                            → replies, then the process exits
+
+``ns`` is the namespace's identity (bytes, ``keys.Keyspace``); ``pages`` the blocks' pages as
+little-endian uint32, ``len(keys) × pages_per_block``; ``length`` a block's bytes. Two lanes,
+each a thread with its own guard: ``meta`` (exists, remove, clear, health) and ``data`` (put,
+get), so a lookup's existence check never queues behind a batch of block transfers. A reply to
+a ``put``/``get`` means the backend call returned: the pages are no longer touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import mmap
+import os
+import queue
+import sys
+import threading
+import time
+from collections import Counter, OrderedDict
+
+import msgpack
+import numpy as np
+import zmq
+
+from .backend import Backend, TierError, open_backend, page_extents
+from .guard import Guard
+from .keys import Keyspace
+
+log = logging.getLogger("kvtierd.tier")
+
+LANES = {"exists": "meta", "remove": "meta", "clear": "meta", "health": "meta", "put": "data", "get": "data"}
+KEYSPACES = 1024          # identities remembered (a daemon rarely serves more than a few namespaces)
+
+
+class Service:
+    def __init__(self, data: memoryview, page_size: int, backend: Backend, meta_backend: Backend,
+                 timeout: float, data_timeout: float, failures: int, cooldown: float):
+        self.page_size = page_size
+        self.data_bytes = data.nbytes
+        self.backend = backend
+        self.guards = {"meta": Guard(meta_backend, timeout, failures, cooldown),
+                       "data": Guard(backend, data_timeout, failures, cooldown)}
+        self.keyspaces: OrderedDict[bytes, Keyspace] = OrderedDict()
+        self.counters: Counter = Counter()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake_r, self.wake_w = os.pipe()
+        self.lanes = {name: queue.SimpleQueue() for name in self.guards}
+        for name in self.lanes:
+            threading.Thread(target=self._lane, args=(name,), name=f"lane-{name}", daemon=True).start()
+
+    def keyspace(self, identity: bytes) -> Keyspace:
+        ks = self.keyspaces.get(identity)
+        if ks is None:
+            ks = self.keyspaces[identity] = Keyspace(identity)
+            if len(self.keyspaces) > KEYSPACES:
+                self.keyspaces.popitem(last=False)
+        else:
+            self.keyspaces.move_to_end(identity)
+        return ks
+
+    # ------------------------------------------------------------------ lanes
+    def _lane(self, name: str) -> None:
+        guard, work = self.guards[name], self.lanes[name]
+        while True:
+            request = work.get()
+            started = time.perf_counter()
+            try:
+                reply = {"ok": True, **self._run(guard, request)}
+            except TierError as exc:
+                reply = {"ok": False, "error": exc.code, "message": str(exc)}
+            except (KeyError, TypeError, ValueError) as exc:
+                reply = {"ok": False, "error": "rejected", "message": f"bad {request.get('op')} request: {exc!r}"}
+            reply["id"] = request.get("id")
+            reply["seconds"] = time.perf_counter() - started
+            self.outbox.put(reply)
+            os.write(self.wake_w, b"x")
+
+    def _extents(self, request: dict, n: int) -> list:
+        pages = np.frombuffer(request["pages"], "<u4")
+        if n == 0 or len(pages) % n:
+            raise ValueError(f"{len(pages)} pages for {n} keys")
+        pages = pages.reshape(n, -1)
+        if pages.size and int(pages.max()) * self.page_size >= self.data_bytes:
+            raise ValueError("a page lies outside the region's data area")
+        return page_extents(pages, self.page_size, int(request["length"]))
+
+    def _run(self, guard: Guard, request: dict) -> dict:
+        op = request["op"]
+        if op == "health":
+            guard.call("health")
+            return {}
+        if op == "clear":
+            return {"removed": guard.call("clear", self.keyspace(request["ns"]).prefix)}
+        keys = self.keyspace(request["ns"]).names(request["keys"])
+        if op == "exists":
+            present = guard.call("exists", keys)
+            self.counters["exists_keys"] += len(keys)
+            self.counters["exists_hits"] += sum(present)
+            return {"present": bytes(present)}
+        if op == "remove":
+            return {"removed": guard.call("remove", keys)}
+        if not keys:
+            return {"done": b""}
+        extents = self._extents(request, len(keys))
+        done = guard.call(op, keys, extents)
+        self.counters[f"{op}_blocks"] += sum(done)
+        self.counters[f"{op}_bytes"] += sum(done) * int(request["length"])
+        self.counters[f"{op}_failed_blocks"] += len(done) - sum(done)
+        return {"done": bytes(done)}
+
+    # ------------------------------------------------------------------ loop
+    def stats(self) -> dict:
+        return {"ok": True, "guards": {name: g.snapshot() for name, g in self.guards.items()},
+                "counters": dict(self.counters), "info": self.backend.info()}
+
+    def serve(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.wake_r, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(1000))
+            if self.wake_r in events:
+                os.read(self.wake_r, 1 << 16)
+            while True:                       # replies the lanes finished
+                try:
+                    reply = self.outbox.get_nowait()
+                except queue.Empty:
+                    break
+                sock.send(msgpack.packb(reply, use_bin_type=True))
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    request = msgpack.unpackb(frame, raw=False)
+                    op = request["op"]
+                except Exception as exc:
+                    sock.send(msgpack.packb({"id": None, "ok": False, "error": "rejected",
+                                             "message": f"undecodable request: {exc!r}"}, use_bin_type=True))
+                    continue
+                if op == "stop":
+                    sock.send(msgpack.packb({"id": request.get("id"), "ok": True}, use_bin_type=True))
+                    return
+                if op == "stats":
+                    sock.send(msgpack.packb({"id": request.get("id"), **self.stats()}, use_bin_type=True))
+                    continue
+                lane = LANES.get(op)
+                if lane is None:
+                    sock.send(msgpack.packb({"id": request.get("id"), "ok": False, "error": "rejected",
+                                             "message": f"unknown op {op!r}"}, use_bin_type=True))
+                    continue
+                self.lanes[lane].put(request)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtierd.tier.service", description="the kvtierd tier companion "
+                                     "(started by the daemon, not by hand)")
+    parser.add_argument("--endpoint", required=True, help="the daemon's tier socket (ipc://...)")
+    parser.add_argument("--region", required=True, help="the region file")
+    parser.add_argument("--offset", type=int, required=True, help="byte offset of the data area in the region")
+    parser.add_argument("--length", type=int, required=True, help="bytes of the data area")
+    parser.add_argument("--page-size", type=int, required=True)
+    parser.add_argument("--backend", required=True, help="mooncake | redis")
+    parser.add_argument("--settings", default="{}", help="the backend's settings as JSON")
+    parser.add_argument("--timeout", type=float, default=1.0, help="deadline of an exists/remove/health call (s)")
+    parser.add_argument("--data-timeout", type=float, default=10.0, help="deadline of a put/get batch (s)")
+    parser.add_argument("--failures", type=int, default=3, help="consecutive failures that open the breaker")
+    parser.add_argument("--cooldown", type=float, default=5.0, help="seconds the breaker stays open")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tier %(levelname)s %(message)s")
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(args.endpoint)
+
+    def say(message: dict) -> None:
+        sock.send(msgpack.packb({"id": None, "pid": os.getpid(), **message}, use_bin_type=True))
+
+    try:
+        fd = os.open(args.region, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, args.offset + args.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        data = memoryview(mapping)[args.offset:args.offset + args.length]
+        settings = json.loads(args.settings)
+        backend = open_backend(args.backend, **settings)
+        backend.attach(data)
+        meta = backend if getattr(backend, "concurrent", False) else open_backend(args.backend, **settings)
+    except TierError as exc:
+        say({"op": "failed", "error": exc.code, "message": str(exc)})
+        return 1
+    except (OSError, ValueError, TypeError) as exc:
+        say({"op": "failed", "error": "rejected", "message": f"{type(exc).__name__}: {exc}"})
+        return 1
+    service = Service(data, args.page_size, backend, meta, args.timeout, args.data_timeout, args.failures,
+                      args.cooldown)
+    say({"op": "ready", "info": backend.info()})
+    log.info("serving %s for %s", args.backend, args.region)
+    service.serve(sock)
+    for guard in service.guards.values():
+        guard.close()
+    sock.close()
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

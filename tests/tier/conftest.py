@@ -1,0 +1,119 @@
+"""Fixtures for the second-tier tests: real engines on loopback, and regions to move blocks from.
+
+Each engine fixture starts a real engine in its own fresh directory (``kvtierd.tier.engines``:
+free loopback ports, every process started and stopped by its own pid) and stops it and removes
+the directory at teardown. A test skips, with the reason, only when the engine's programs are not
+installed here (``make test-tier`` installs them: tools/install-tier.sh).
+
+``Region`` stands in for the daemon's region file: a file under /dev/shm of fixed pages after a
+header, mapped by the test (the "engine" writing and checking blocks) and by a companion process
+(``kvtierd.tier.service``), exactly the way the daemon's region is mapped by both.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import mmap
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
+
+BACKENDS = ("mooncake", "redis")
+
+
+def start_engine(kind: str, **kwargs):
+    try:
+        engine = (MooncakeCluster if kind == "mooncake" else RedisCluster)(**kwargs)
+    except EngineUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        engine.start()
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
+
+
+def settings_for(kind: str, engine, **extra) -> dict:
+    """The backend settings that reach ``engine``."""
+    if kind == "mooncake":
+        return {"master": engine.address, **extra}
+    return {"nodes": engine.address, **extra}
+
+
+@pytest.fixture(params=BACKENDS)
+def engine(request):
+    """(kind, a started real engine) for each backend."""
+    e = start_engine(request.param)
+    yield request.param, e
+    e.stop()
+
+
+def block_bytes(key: bytes, n: int) -> np.ndarray:
+    """A block's content derived from its key: any mix-up of keys, pages or offsets shows."""
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+class Region:
+    """A region-like file: ``header`` bytes, then ``pages`` pages of ``page_size``."""
+
+    def __init__(self, pages: int = 256, page_size: int = 16 << 10, header: int = 2 << 20):
+        self.dir = tempfile.mkdtemp(prefix="kvt-tier-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+        self.path = os.path.join(self.dir, "node.region")
+        self.page_size, self.pages, self.offset = page_size, pages, header
+        self.data_bytes = pages * page_size
+        with open(self.path, "wb") as f:
+            f.truncate(header + self.data_bytes)
+        fd = os.open(self.path, os.O_RDWR)
+        self.map = mmap.mmap(fd, header + self.data_bytes)
+        os.close(fd)
+        self.data = np.frombuffer(self.map, np.uint8, self.data_bytes, header)
+
+    @property
+    def memory(self) -> memoryview:
+        """The data area, as the companion attaches it."""
+        return memoryview(self.map)[self.offset:self.offset + self.data_bytes]
+
+    def write(self, key: bytes, pages: list[int], length: int) -> None:
+        content = block_bytes(key, length)
+        for i, p in enumerate(pages):
+            chunk = content[i * self.page_size:(i + 1) * self.page_size]
+            self.data[p * self.page_size:p * self.page_size + len(chunk)] = chunk
+
+    def read(self, pages: list[int], length: int) -> np.ndarray:
+        return np.concatenate([self.data[p * self.page_size:(p + 1) * self.page_size] for p in pages])[:length]
+
+    def holds(self, key: bytes, pages: list[int], length: int) -> bool:
+        return np.array_equal(self.read(pages, length), block_bytes(key, length))
+
+    def scrub(self) -> None:
+        self.data[:] = 0
+
+    def close(self) -> None:
+        del self.data
+        gc.collect()
+        try:
+            self.map.close()
+        except BufferError:     # a view is still held (a traceback's frame): the mapping goes with it
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def make_region():
+    made: list[Region] = []
+
+    def make(**kwargs) -> Region:
+        made.append(Region(**kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
