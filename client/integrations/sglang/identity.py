@@ -1,0 +1,142 @@
+"""Who an SGLang scheduler process is to kvtierd: its namespace and its kvtier engine.
+
+**Namespace.** ``Layout(model, dtype, page_size tokens, page bytes per rank, kind)`` where
+``model`` is ``<name>|sglang-<mha|mla>-<page byte order>[-pp<r>of<n>]|<fingerprint>``:
+
+- ``name``: ``--served-model-name``, else the model path (or ``kvtier_namespace``);
+- the page byte order of the host layout (pages.ORDERS) and, with pipeline parallelism, the stage
+  (stages hold different layers);
+- ``fingerprint`` (kvtier.integrations.fingerprint): model path, revision, a digest of the
+  checkpoint's configs and sampled weight files, weight dtype, quantization (and its KV scales
+  file), load format, model overrides, KV-cache dtype, page size, layout. With
+  ``kvtier_namespace`` set, the operator vouches for the weights: the fingerprint keeps only the
+  KV format (KV dtype, page size, layout), so engines serving the same weights from different
+  paths share.
+
+``kind``: *replicated* for rank-replicated KV (MLA, where SGLang's ``is_mla_model`` is set),
+*sharded* otherwise (each TP rank holds its heads; kvtierd keys the namespace by TP size too).
+
+**Engines.** Sharded (MHA): the TP ranks of one SGLang instance are the ranks of one kvtier
+engine (world size = TP size); every rank writes its shard and a page becomes visible only when
+every rank voted. Replicated (MLA): SGLang 0.5.23 calls ``set`` on the storage writer rank only
+(``HiCacheStorageConfig.is_storage_writer``, TP rank 0) and skips backup on the others, so a
+vote of every rank can never come. Each TP rank is therefore a kvtier engine of its own (world
+size 1) in the one replicated namespace: the writer's commit alone makes a page ready, after its
+copy from its own host pool completed; the other ranks only look up and load (docs/sglang.md
+explains why this is safe).
+
+The default engine id is ``sglang-<pid of the parent process>``: SGLang starts the TP scheduler
+processes of one instance from one parent, so they agree on it without talking, and two
+instances on a node differ. ``-dp<r>`` (attention data parallelism), ``-pp<r>`` (pipeline
+stage) and, for replicated namespaces, ``-tp<r>`` are appended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvtierd import protocol as P
+
+from ...api import Layout
+from ..fingerprint import fingerprint, weights_digest
+from .pages import HostPages
+from .settings import KvtierSettings
+
+logger = logging.getLogger("sglang.kvtier")
+
+
+@dataclass(frozen=True)
+class Identity:
+    layout: Layout
+    engine_id: str
+    rank: int
+    world_size: int
+    fingerprint_parts: dict
+
+
+def _short(text: str, limit: int) -> str:
+    """``text`` if it fits, else a prefix plus a hash of the whole (stays unique)."""
+    if len(text.encode()) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return text.encode()[: limit - 17].decode(errors="ignore") + "~" + digest
+
+
+def _file_digest(path: str | None) -> str | None:
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def server_args() -> Any | None:
+    """SGLang's published server arguments (the operator's input), or None outside a server."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return get_server_args()
+    except Exception:
+        return None
+
+
+def fingerprint_parts(args: Any | None, pages: HostPages, settings: KvtierSettings) -> dict:
+    """What determines the KV bytes, from SGLang's server arguments and host pool."""
+    parts: dict[str, Any] = {"kv_dtype": pages.dtype, "kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
+                             "page_size": pages.page_size, "page_order": pages.order, "kind": pages.kind}
+    if settings.namespace is not None:
+        return parts
+    model_path = getattr(args, "model_path", None)
+    revision = getattr(args, "revision", None)
+    digest = weights_digest(model_path, revision) if model_path else None
+    if digest is None:
+        logger.warning("kvtier: no local copy of %r found to fingerprint its weights; the namespace keys on "
+                       "its path and revision only", model_path)
+    scales = getattr(args, "quantization_param_path", None)
+    parts.update(model_path=model_path, revision=revision, weights=digest,
+                 dtype=getattr(args, "dtype", None), quantization=getattr(args, "quantization", None),
+                 quantization_param_path=scales,
+                 kv_scales=_file_digest(scales),
+                 load_format=getattr(args, "load_format", None),
+                 json_model_override_args=getattr(args, "json_model_override_args", None))
+    return parts
+
+
+def identify(config, pages: HostPages, settings: KvtierSettings, args: Any | None = None) -> Identity:
+    """The namespace and engine of this scheduler process (``config``: SGLang's HiCacheStorageConfig).
+
+    Raises ValueError for topologies kvtier does not store (docs/sglang.md, "Not supported").
+    """
+    if getattr(config, "dcp_size", 1) > 1:
+        raise ValueError("kvtier does not support decode context parallelism (DCP) with HiCache storage")
+    if getattr(config, "attn_cp_size", 1) > 1:
+        raise ValueError("kvtier does not support attention context parallelism with HiCache storage: "
+                         "its ranks hold disjoint slices of every page")
+    if getattr(config, "should_split_heads", False):
+        raise ValueError("kvtier does not support tp_lcm_size head splitting (heterogeneous TP); drop tp_lcm_size")
+    if getattr(args, "nnodes", 1) and int(getattr(args, "nnodes", 1) or 1) > 1:
+        raise ValueError("kvtier serves the ranks of one node; SGLang runs on --nnodes "
+                         f"{getattr(args, 'nnodes')}: use a storage backend that spans nodes")
+    replicated = bool(config.is_mla_model)
+    parts = fingerprint_parts(args, pages, settings)
+    name = settings.namespace or getattr(args, "served_model_name", None) or config.model_name \
+        or getattr(args, "model_path", None) or "unknown-model"
+    tag = f"sglang-{pages.kind}-{pages.order}"
+    if config.pp_size > 1:
+        tag += f"-pp{config.pp_rank}of{config.pp_size}"
+    model = f"{_short(name, 160)}|{tag}|{fingerprint(parts)}"
+    layout = Layout(model=_short(model, P.MAX_STR_BYTES), dtype=_short(pages.dtype, 32), block_tokens=pages.page_size,
+                    block_bytes=pages.page_bytes, kind="replicated" if replicated else "sharded")
+    engine = settings.engine_id or f"sglang-{os.getppid()}"
+    if getattr(config, "dp_rank", 0):
+        engine += f"-dp{config.dp_rank}"
+    if config.pp_size > 1:
+        engine += f"-pp{config.pp_rank}"
+    if replicated:
+        engine += f"-tp{config.tp_rank}"
+        rank, world = 0, 1
+    else:
+        rank, world = config.tp_rank, config.tp_size
+    return Identity(layout, _short(engine, P.MAX_STR_BYTES), rank, world, parts)
