@@ -196,17 +196,19 @@ class Rank:
             time.sleep(0.005)
         return {"slots": len(slots)}
 
-    def evict_all(self) -> None:
+    def evict_all(self) -> dict:
         """Drop everything from L1 and L2 (it stays in L3): the tree's own eviction."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-        self.cache.evict(EvictParams(num_tokens=self.spec.device_tokens))
-        self.cache.evict_host(self.host.size)
+        device = self.cache.evict(EvictParams(num_tokens=self.spec.device_tokens))
+        host = self.cache.evict_host(self.host.size)
+        return {"device": device.num_tokens_evicted, "host": host}
 
     # --- L3 -> L2 -> L1
     def fetch(self, tokens: list[int], timeout: float = 60.0) -> dict:
-        """A new request with ``tokens``: match, prefetch from storage (SGLang's prefetch and
-        io-aux threads), load back to the device; returns the tokens served from L3 and how many
-        of them hold the expected bytes."""
+        """A new request with ``tokens``: match, prefetch what L1 and L2 lack from storage (SGLang's
+        prefetch and io-aux threads), load back to the device. Returns the tokens that came from
+        L3 (``host_hit``), the device prefix after loading, and how many of its tokens hold the
+        bytes the model wrote (``correct``: variant 0, ``correct_own``: this rank's variant)."""
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -214,7 +216,11 @@ class Rank:
         match = self.cache.match_prefix(MatchPrefixParams(key=key))
         self._requests += 1
         handle = CacheRequestHandle(f"req-{self._requests}", 0)
-        self.cache.prefetch_from_storage(handle, match.last_host_node, array("q", tokens))
+        matched = match.device_prefix_len + match.host_hit_length      # as SGLang's scheduler does
+        anchor = match.last_host_node
+        self.cache.prefetch_from_storage(handle, anchor, array("q", tokens[matched:]),
+                                         self.cache.get_last_hash_value(anchor),
+                                         matched_prefix_tokens=array("q", tokens[:matched]))
         deadline = time.monotonic() + timeout
         while True:
             self.cache.drain_storage_control_queues()
