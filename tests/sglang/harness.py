@@ -116,12 +116,13 @@ class Rank:
         r, n = spec.tp_rank, spec.tp_size
         get_parallel().override_permanently(tp_size=n, tp_rank=r, attn_tp_size=n, attn_tp_rank=r, pp_size=1,
                                             pp_rank=0, attn_dcp_size=1, attn_dcp_rank=0, attn_cp_size=1,
-                                            attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0)
-        self.server_args = get_context().override_server_args(
-            device="cpu", page_size=ps, enable_hierarchical_cache=True, hicache_mem_layout=spec.layout,
-            hicache_io_backend="direct", hicache_write_policy="write_through", hicache_ratio=2.0,
-            hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend="dynamic",
-            hicache_storage_backend_extra_config=json.dumps(spec.extra_config()), **spec.server).install()
+                                            attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, moe_tp_size=n,
+                                            moe_ep_size=1, moe_dp_size=1)
+        server = dict(device="cpu", page_size=ps, enable_hierarchical_cache=True, hicache_mem_layout=spec.layout,
+                      hicache_io_backend="direct", hicache_write_policy="write_through", hicache_ratio=2.0,
+                      hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend="dynamic",
+                      hicache_storage_backend_extra_config=json.dumps(spec.extra_config()))
+        self.server_args = get_context().override_server_args(**{**server, **spec.server}).install()
         if spec.kind == "mha":
             self.kv = MHATokenToKVPool(size=spec.device_tokens, page_size=ps, dtype=torch.bfloat16, head_num=2,
                                        head_dim=8, layer_num=LAYERS, device="cpu", enable_memory_saver=False)

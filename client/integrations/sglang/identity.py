@@ -73,38 +73,45 @@ def _file_digest(path: str | None) -> str | None:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def server_args() -> Any | None:
-    """SGLang's published server arguments (the operator's input), or None outside a server."""
+MODEL_FIELDS = ("model_path", "revision", "dtype", "quantization", "quantization_param_path", "kv_cache_dtype",
+                "load_format", "json_model_override_args")
+
+
+def server_args() -> dict:
+    """The server arguments in effect that bear on the KV bytes (SGLang's config bags, i.e. the
+    resolved values); empty outside an SGLang server."""
+    out: dict[str, Any] = {}
     try:
-        from sglang.srt.runtime_context import get_server_args
-        return get_server_args()
-    except Exception:
-        return None
+        from sglang.srt.runtime_context import get_model, get_parallel, get_serving
+    except ImportError:
+        return out
+    for bag, names in ((get_model, MODEL_FIELDS), (get_serving, ("served_model_name",)),
+                       (get_parallel, ("nnodes",))):
+        for name in names:
+            try:
+                out[name] = getattr(bag(), name)
+            except Exception:            # not published in this process (e.g. outside a server)
+                pass
+    return out
 
 
-def fingerprint_parts(args: Any | None, pages: HostPages, settings: KvtierSettings) -> dict:
+def fingerprint_parts(args: dict, pages: HostPages, settings: KvtierSettings) -> dict:
     """What determines the KV bytes, from SGLang's server arguments and host pool."""
-    parts: dict[str, Any] = {"kv_dtype": pages.dtype, "kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
+    parts: dict[str, Any] = {"kv_dtype": pages.dtype, "kv_cache_dtype": args.get("kv_cache_dtype"),
                              "page_size": pages.page_size, "page_order": pages.order, "kind": pages.kind}
     if settings.namespace is not None:
         return parts
-    model_path = getattr(args, "model_path", None)
-    revision = getattr(args, "revision", None)
+    model_path, revision = args.get("model_path"), args.get("revision")
     digest = weights_digest(model_path, revision) if model_path else None
     if digest is None:
         logger.warning("kvtier: no local copy of %r found to fingerprint its weights; the namespace keys on "
                        "its path and revision only", model_path)
-    scales = getattr(args, "quantization_param_path", None)
-    parts.update(model_path=model_path, revision=revision, weights=digest,
-                 dtype=getattr(args, "dtype", None), quantization=getattr(args, "quantization", None),
-                 quantization_param_path=scales,
-                 kv_scales=_file_digest(scales),
-                 load_format=getattr(args, "load_format", None),
-                 json_model_override_args=getattr(args, "json_model_override_args", None))
+    parts.update({name: args.get(name) for name in MODEL_FIELDS}, weights=digest,
+                 kv_scales=_file_digest(args.get("quantization_param_path")))
     return parts
 
 
-def identify(config, pages: HostPages, settings: KvtierSettings, args: Any | None = None) -> Identity:
+def identify(config, pages: HostPages, settings: KvtierSettings, args: dict | None = None) -> Identity:
     """The namespace and engine of this scheduler process (``config``: SGLang's HiCacheStorageConfig).
 
     Raises ValueError for topologies kvtier does not store (docs/sglang.md, "Not supported").
@@ -116,13 +123,14 @@ def identify(config, pages: HostPages, settings: KvtierSettings, args: Any | Non
                          "its ranks hold disjoint slices of every page")
     if getattr(config, "should_split_heads", False):
         raise ValueError("kvtier does not support tp_lcm_size head splitting (heterogeneous TP); drop tp_lcm_size")
-    if getattr(args, "nnodes", 1) and int(getattr(args, "nnodes", 1) or 1) > 1:
-        raise ValueError("kvtier serves the ranks of one node; SGLang runs on --nnodes "
-                         f"{getattr(args, 'nnodes')}: use a storage backend that spans nodes")
+    args = args or {}
+    if int(args.get("nnodes") or 1) > 1:
+        raise ValueError(f"kvtier serves the ranks of one node; SGLang runs on --nnodes {args['nnodes']}: use a "
+                         "storage backend that spans nodes")
     replicated = bool(config.is_mla_model)
     parts = fingerprint_parts(args, pages, settings)
-    name = settings.namespace or getattr(args, "served_model_name", None) or config.model_name \
-        or getattr(args, "model_path", None) or "unknown-model"
+    name = settings.namespace or args.get("served_model_name") or config.model_name or args.get("model_path") \
+        or "unknown-model"
     tag = f"sglang-{pages.kind}-{pages.order}"
     if config.pp_size > 1:
         tag += f"-pp{config.pp_rank}of{config.pp_size}"
