@@ -59,6 +59,7 @@ class RankSpec:
     page_size: int = 4
     device_tokens: int = 256
     variant: int = 0               # which bytes this rank's "model" writes
+    device: str = "cpu"            # "cuda": SGLang's own CUDA L1<->L2 ops, pinned host pool (GPU tests)
     extra: dict = field(default_factory=dict)
     server: dict = field(default_factory=dict)   # more server arguments (model_path, ...)
 
@@ -110,7 +111,8 @@ class Rank:
         from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
         from sglang.srt.runtime_context import get_context, get_parallel
 
-        _shim_cpu()
+        if spec.device == "cpu":
+            _shim_cpu()
         self.spec = spec
         ps = spec.page_size
         r, n = spec.tp_rank, spec.tp_size
@@ -118,22 +120,22 @@ class Rank:
                                             pp_rank=0, attn_dcp_size=1, attn_dcp_rank=0, attn_cp_size=1,
                                             attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, moe_tp_size=n,
                                             moe_ep_size=1, moe_dp_size=1)
-        server = dict(device="cpu", page_size=ps, enable_hierarchical_cache=True, hicache_mem_layout=spec.layout,
+        server = dict(device=spec.device, page_size=ps, enable_hierarchical_cache=True, hicache_mem_layout=spec.layout,
                       hicache_io_backend="direct", hicache_write_policy="write_through", hicache_ratio=2.0,
                       hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend="dynamic",
                       hicache_storage_backend_extra_config=json.dumps(spec.extra_config()))
         self.server_args = get_context().override_server_args(**{**server, **spec.server}).install()
         if spec.kind == "mha":
             self.kv = MHATokenToKVPool(size=spec.device_tokens, page_size=ps, dtype=torch.bfloat16, head_num=2,
-                                       head_dim=8, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+                                       head_dim=8, layer_num=LAYERS, device=spec.device, enable_memory_saver=False)
             self.buffers = list(self.kv.k_buffer) + list(self.kv.v_buffer)
         else:
             self.kv = MLATokenToKVPool(size=spec.device_tokens, page_size=ps, dtype=torch.bfloat16, kv_lora_rank=16,
-                                       qk_rope_head_dim=8, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+                                       qk_rope_head_dim=8, layer_num=LAYERS, device=spec.device, enable_memory_saver=False)
             self.buffers = list(self.kv.kv_buffer)
         self.alloc = PagedTokenToKVPoolAllocator(size=spec.device_tokens, page_size=ps, dtype=torch.bfloat16,
-                                                 device="cpu", kvcache=self.kv, need_sort=False)
-        requests = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
+                                                 device=spec.device, kvcache=self.kv, need_sort=False)
+        requests = ReqToTokenPool(size=4, max_context_len=1024, device=spec.device, enable_memory_saver=False)
         params = CacheInitParams(disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=self.alloc,
                                  page_size=ps)
 
@@ -147,7 +149,8 @@ class Rank:
             tp_size=n, tp_rank=r, tp_group=None))
         self.controller = self.cache.cache_controller
         self.host = self.controller.storage_host_pool
-        self.host.pin_memory = False     # CPU torch cannot allocate pinned pages
+        if spec.device == "cpu":
+            self.host.pin_memory = False     # CPU torch cannot allocate pinned pages
         self.backend = self.controller.storage_backend
         self._requests = 0
 
@@ -159,7 +162,7 @@ class Rank:
             for part, buffer in enumerate(self.buffers):
                 row = buffer[slot].view(torch.uint8).reshape(-1)
                 row.copy_(torch.frombuffer(bytearray(token_bytes(prefix, part, 0, self.spec.variant, row.numel())),
-                                           dtype=torch.uint8))
+                                           dtype=torch.uint8).to(row.device))
 
     def _check(self, tokens: list[int], slots, variant: int) -> int:
         """How many leading tokens' device KV holds what the model wrote for them (``variant``)."""
@@ -168,7 +171,7 @@ class Rank:
             prefix = tuple(tokens[: i + 1])
             for part, buffer in enumerate(self.buffers):
                 row = buffer[slot].view(torch.uint8).reshape(-1)
-                if bytes(row.numpy()) != token_bytes(prefix, part, 0, variant, row.numel()):
+                if bytes(row.cpu().numpy()) != token_bytes(prefix, part, 0, variant, row.numel()):
                     return i
         return len(slots)
 
