@@ -223,3 +223,24 @@ def test_every_host_layout_through_sglangs_controller_threads(daemon, kind, layo
 
 def test_token_bytes_differ_by_rank_variant():
     assert token_bytes((1, 2), 0, 0, 0, 64) != token_bytes((1, 2), 0, 0, 1, 64)
+
+
+def test_the_documented_launch_line_loads_this_backend_through_sglangs_factory():
+    """docs/sglang.md's extra config, parsed by SGLang's own parser, makes SGLang's dynamic factory
+    build a KvtierStorage with the documented settings."""
+    import re
+    from pathlib import Path
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    line = re.search(r"--hicache-storage-backend dynamic \\\n\s*--hicache-storage-backend-extra-config '([^']*)'",
+                     doc).group(1)
+    extra, *_ = HybridCacheController.parse_storage_backend_extra_config(line)
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
+                                  model_name=None, extra_config=extra)
+    backend = StorageBackendFactory.create_backend("dynamic", config, None)
+    assert isinstance(backend, integration.KvtierStorage)
+    assert backend.settings.socket == "/dev/shm/kvtierd/kvtierd.sock" and backend.settings.interface_v1

@@ -158,8 +158,8 @@ class KvtierStorage(HiCacheStorage):
             except KvtierError as exc:
                 self._down_locked(exc, "cannot attach")
                 return None
-            logger.info("kvtier: attached to kvtierd (%s, writer=%s)", self._rank.info.get("namespace"),
-                        self._rank.is_writer)
+            logger.info("kvtier: attached to kvtierd (%s, SGLang storage writer=%s)", self._rank.info.get("namespace"),
+                        self.config.is_storage_writer)
             return self._rank, self._lookup
 
     def _down(self, exc: BaseException, what: str) -> None:
