@@ -4,8 +4,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 
 VLLM_VENV ?= .venv-vllm
+SGLANG_VENV ?= .venv-sglang
 
-.PHONY: install run test test-unit test-integration vllm-install test-vllm tier-install test-tier bench-tier tier-up soak bench bench-docs nvcc-check bench-loop docs clean
+.PHONY: install run test test-unit test-integration vllm-install test-vllm sglang-install test-sglang tier-install test-tier bench-tier tier-up soak bench bench-docs nvcc-check bench-loop docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +43,18 @@ vllm-install: $(VLLM_VENV)/.installed
 # The vLLM plugin against vLLM's own Scheduler and OffloadingConnector and a real kvtierd (CPU only).
 test-vllm: vllm-install
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/pytest -q tests/vllm
+
+# SGLang 0.5.23 for the HiCache storage backend's tests, in its own venv (CPU torch, SGLang --no-deps +
+# the pinned packages its imports need: tools/sglang-0.5.23-cpu-requirements.txt).
+$(SGLANG_VENV)/.installed: pyproject.toml tools/install-sglang-cpu.sh tools/sglang-0.5.23-cpu-requirements.txt
+	PYTHON=$(PYTHON) bash tools/install-sglang-cpu.sh $(SGLANG_VENV)
+	touch $@
+
+sglang-install: $(SGLANG_VENV)/.installed
+
+# The backend against SGLang's own radix tree, HiCache controller and storage factory and a real kvtierd (CPU only).
+test-sglang: sglang-install
+	$(SGLANG_VENV)/bin/pytest -q tests/sglang
 
 # The second tier's engines: Debian's libibverbs1 and redis-server/redis-tools (root: apt-get), the
 # Mooncake Store wheel and redis-py (the benchmark's floor) into the venv.
@@ -90,7 +103,7 @@ bench-loop: install
 	$(BIN)/python bench/loop_choice.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .hypothesis
 
 # Regenerate the settings reference and the example config from kvtierd/config.py.
 docs: install

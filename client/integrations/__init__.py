@@ -5,4 +5,8 @@ Each adapter lives in its own module or package and imports its engine only when
 
 - ``kvtier.integrations.vllm``: an out-of-tree offloading spec for vLLM's ``OffloadingConnector``
   (see docs/vllm.md).
+- ``kvtier.integrations.sglang``: a HiCache storage backend (SGLang's L3 tier), loaded through
+  SGLang's ``dynamic`` storage backend (see docs/sglang.md).
+- ``kvtier.integrations.fingerprint``: an engine-agnostic fingerprint of a model's weights for
+  the namespace (cache identity).
 """

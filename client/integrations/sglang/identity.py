@@ -1,0 +1,151 @@
+"""Who an SGLang scheduler process is to kvtierd: its namespace and its kvtier engine.
+
+**Namespace.** ``NamespaceId(model, dtype, page_size tokens, page bytes per rank, sharding)`` where
+``model`` is ``<name>|sglang-<mha|mla>-<page byte order>[-pp<r>of<n>]|<fingerprint>``:
+
+- ``name``: ``--served-model-name``, else the model path (or ``kvtier_namespace``);
+- the page byte order of the host layout (pages.ORDERS) and, with pipeline parallelism, the stage
+  (stages hold different layers);
+- ``fingerprint`` (kvtier.integrations.fingerprint): model path, revision, a digest of the
+  checkpoint's configs and sampled weight files, weight dtype, quantization (and its KV scales
+  file), load format, model overrides, KV-cache dtype, page size, layout. With
+  ``kvtier_namespace`` set, the operator vouches for the weights: the fingerprint keeps only the
+  KV format (KV dtype, page size, layout), so engines serving the same weights from different
+  paths share.
+
+``sharding``: *replicated* for rank-replicated KV (MLA, where SGLang's ``is_mla_model`` is set),
+*sharded* otherwise (each TP rank holds its heads; kvtierd keys the namespace by TP size too).
+
+**Engines.** Sharded (MHA): the TP ranks of one SGLang instance are the ranks of one kvtier
+engine (world size = TP size); every rank writes its shard and a page becomes visible only when
+every rank voted. Replicated (MLA): SGLang 0.5.23 calls ``set`` on the storage writer rank only
+(``HiCacheStorageConfig.is_storage_writer``, TP rank 0) and skips backup on the others, so a
+vote of every rank can never come. Each TP rank is therefore a kvtier engine of its own (world
+size 1) in the one replicated namespace: the writer's commit alone makes a page ready, after its
+copy from its own host pool completed; the other ranks only look up and load (docs/sglang.md
+explains why this is safe).
+
+The default engine id is ``sglang-<pid of the parent process>``: SGLang starts the TP scheduler
+processes of one instance from one parent, so they agree on it without talking, and two
+instances on a node differ. ``-dp<r>`` (attention data parallelism), ``-pp<r>`` (pipeline
+stage) and, for replicated namespaces, ``-tp<r>`` are appended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, NamespaceId, Sharding
+from kvtierd.contract.protocol import MAX_STR_BYTES
+
+from ..fingerprint import fingerprint, weights_digest
+from .pages import HostPages
+from .settings import KvtierSettings
+
+logger = logging.getLogger("sglang.kvtier")
+
+
+@dataclass(frozen=True)
+class Identity:
+    namespace: NamespaceId
+    engine_id: str
+    rank: int
+    world_size: int
+    fingerprint_parts: dict
+
+
+def _short(text: str, limit: int) -> str:
+    """``text`` if it fits, else a prefix plus a hash of the whole (stays unique)."""
+    if len(text.encode()) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return text.encode()[: limit - 17].decode(errors="ignore") + "~" + digest
+
+
+def _file_digest(path: str | None) -> str | None:
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+MODEL_FIELDS = ("model_path", "revision", "dtype", "quantization", "quantization_param_path", "kv_cache_dtype",
+                "load_format", "json_model_override_args")
+
+
+def server_args() -> dict:
+    """The server arguments in effect that bear on the KV bytes (SGLang's config bags, i.e. the
+    resolved values); empty outside an SGLang server."""
+    out: dict[str, Any] = {}
+    try:
+        from sglang.srt.runtime_context import get_model, get_parallel, get_serving
+    except ImportError:
+        return out
+    for bag, names in ((get_model, MODEL_FIELDS), (get_serving, ("served_model_name",)),
+                       (get_parallel, ("nnodes",))):
+        for name in names:
+            try:
+                out[name] = getattr(bag(), name)
+            except Exception:            # not published in this process (e.g. outside a server)
+                pass
+    return out
+
+
+def fingerprint_parts(args: dict, pages: HostPages, settings: KvtierSettings) -> dict:
+    """What determines the KV bytes, from SGLang's server arguments and host pool."""
+    parts: dict[str, Any] = {"kv_dtype": pages.dtype, "kv_cache_dtype": args.get("kv_cache_dtype"),
+                             "page_size": pages.page_size, "page_order": pages.order, "kind": pages.kind}
+    if settings.namespace is not None:
+        return parts
+    model_path, revision = args.get("model_path"), args.get("revision")
+    digest = weights_digest(model_path, revision) if model_path else None
+    if digest is None:
+        logger.warning("kvtier: no local copy of %r found to fingerprint its weights; the namespace keys on "
+                       "its path and revision only", model_path)
+    parts.update({name: args.get(name) for name in MODEL_FIELDS}, weights=digest,
+                 kv_scales=_file_digest(args.get("quantization_param_path")))
+    return parts
+
+
+def identify(config, pages: HostPages, settings: KvtierSettings, args: dict | None = None) -> Identity:
+    """The namespace and engine of this scheduler process (``config``: SGLang's HiCacheStorageConfig).
+
+    Raises ValueError for topologies kvtier does not store (docs/sglang.md, "Not supported").
+    """
+    if getattr(config, "dcp_size", 1) > 1:
+        raise ValueError("kvtier does not support decode context parallelism (DCP) with HiCache storage")
+    if getattr(config, "attn_cp_size", 1) > 1:
+        raise ValueError("kvtier does not support attention context parallelism with HiCache storage: "
+                         "its ranks hold disjoint slices of every page")
+    if getattr(config, "should_split_heads", False):
+        raise ValueError("kvtier does not support tp_lcm_size head splitting (heterogeneous TP); drop tp_lcm_size")
+    args = args or {}
+    if int(args.get("nnodes") or 1) > 1:
+        raise ValueError(f"kvtier serves the ranks of one node; SGLang runs on --nnodes {args['nnodes']}: use a "
+                         "storage backend that spans nodes")
+    replicated = bool(config.is_mla_model)
+    parts = fingerprint_parts(args, pages, settings)
+    name = settings.namespace or args.get("served_model_name") or config.model_name or args.get("model_path") \
+        or "unknown-model"
+    tag = f"sglang-{pages.kind}-{pages.order}"
+    if config.pp_size > 1:
+        tag += f"-pp{config.pp_rank}of{config.pp_size}"
+    model = f"{_short(name, 160)}|{tag}|{fingerprint(parts)}"
+    namespace = NamespaceId(model=_short(model, MAX_MODEL_BYTES), dtype=_short(pages.dtype, MAX_DTYPE_BYTES),
+                            block_tokens=pages.page_size, block_bytes=pages.page_bytes,
+                            sharding=Sharding.REPLICATED if replicated else Sharding.SHARDED)
+    engine = settings.engine_id or f"sglang-{os.getppid()}"
+    if getattr(config, "dp_rank", 0):
+        engine += f"-dp{config.dp_rank}"
+    if config.pp_size > 1:
+        engine += f"-pp{config.pp_rank}"
+    if replicated:
+        engine += f"-tp{config.tp_rank}"
+        rank, world = 0, 1
+    else:
+        rank, world = config.tp_rank, config.tp_size
+    return Identity(namespace, _short(engine, MAX_STR_BYTES), rank, world, parts)
