@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -146,6 +148,26 @@ class Context:
     def close(self) -> None:
         if self.big is not None:
             self.big.stop()
+
+
+@contextmanager
+def huge_tmpfs(directory: str, size: int, huge: str = "always") -> Iterator[str]:
+    """A tmpfs mounted ``huge=<huge>`` (always: 2 MiB pages) of ``size`` bytes at ``directory``
+    for the block, unmounted after it. Needs root (CAP_SYS_ADMIN): raises OSError saying why it
+    could not mount. Whatever the block leaves in it goes with the unmount."""
+    os.makedirs(directory, exist_ok=True)
+    size = -(-size // (2 * MiB)) * 2 * MiB
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge={huge},size={size},mode=0700", "tmpfs", directory],
+                       check=True, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        raise OSError(f"cannot mount a huge tmpfs at {directory}: {detail.strip()}") from None
+    try:
+        yield directory
+    finally:
+        if subprocess.run(["umount", directory], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", directory], capture_output=True, timeout=30)   # busy: detach it
 
 
 def workdir_base() -> str:
