@@ -186,7 +186,8 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
            f"The run took {result['seconds'] / 60:.1f} minutes ({'--quick' if result['quick'] else 'full plan'}).",
            "## Targets", targets_text(result), MISSES]
     titles = {"control": "Control plane", "data": "CPU data plane", "capacity": "Capacity and traffic",
-              "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis"}
+              "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis",
+              "attach": "Client attach and first touch (4 KiB vs 2 MiB pages)"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
                  "data": ["bench-gbps-vs-block.png"]}
     for name in kvtierbench.SECTIONS:
@@ -287,6 +288,15 @@ answering a ping. `Store()` is the store's recovery alone (scan of the tables + 
 timed in the bench process on the stopped daemon's region.""",
     "redis": """A real `redis-server` (Debian package) on loopback, no persistence, driven by redis-py, stores and
 loads the same blocks from the same KV-cache memory as kvtierd's client does.""",
+    "attach": """What a client pays to start using the region. Attach + populate: `Client(...)` (hello, mapping the
+region, and the background populate of the whole mapping on the client's 2 threads, waited for),
+seconds per GiB of mapping. Cold vs warm: the same client stores, in turns, a job into pages it
+never wrote (cold) and, after evicting its oldest entries, a job of the same size into pages it
+wrote before (warm); "cold x warm" is the warm job's time over the cold one's (1.0: the first
+touch costs nothing). With the populate (what a client does now) and without it
+(`populate_threads=0`, what every client paid before: one page fault per page on the copy's
+path). 4 KiB pages: a region created with `hugepages=off`; 2 MiB pages: `hugepages=on`, on a
+tmpfs the bench mounts itself (`huge=always`) when its directory gives none and it runs as root.""",
 }
 
 OPTIMISATIONS = """## Optimisations (issue 6)
