@@ -8,7 +8,8 @@ and this process (one TP=1 rank, CPU copier):
 - then, as one client, stores in turns a job into pages it never wrote (cold: fresh pages of the
   region) and, after evicting its K oldest entries (admin ``evict``; the allocator hands the
   freed pages out first), a job of the same size into pages it wrote before (warm): median job
-  time each, store request to commit, as an engine sees them. Once with the client's background populate
+  time each, store request to commit, as an engine sees them, and the median over the pairs of
+  warm time / cold time. Once with the client's background populate
   (waited for before the first job, as an engine's model load outlasts it) and once without it
   (``populate_threads=0``: what a client paid before it populated, one fault per page on the
   copy's path).
@@ -65,11 +66,12 @@ def attach_seconds(daemon, block: int, reps: int) -> tuple[float, int, int]:
     return statistics.median(times), size, huge
 
 
-def cold_warm(daemon, plan, populate_threads: int) -> tuple[float, float]:
-    """Median seconds of a cold and of a warm store job (K blocks of S bytes), taken in turns so
-    that both see the same machine: a job into fresh pages (cold), then the K least recently used
-    entries evicted (all written by this client) and a job into the pages they freed, which the
-    allocator hands out first (warm). The region holds exactly the ``reps`` cold jobs."""
+def cold_warm(daemon, plan, populate_threads: int) -> tuple[float, float, float]:
+    """Median seconds of a cold and of a warm store job (K blocks of S bytes), and the median of
+    warm / cold over the pairs. Taken in turns, so that both see the same machine: a job into
+    fresh pages (cold), then the K least recently used entries evicted (all written by this
+    client) and a job into the pages they freed, which the allocator hands out first (warm). The
+    region holds exactly the ``reps`` cold jobs."""
     import torch
     k, block = plan.attach_blocks, plan.attach_block
     kv = torch.empty((k, block), dtype=torch.uint8)
@@ -102,7 +104,7 @@ def cold_warm(daemon, plan, populate_threads: int) -> tuple[float, float]:
             warm.append(store(2000 + i))
     finally:
         client.close()
-    return statistics.median(cold), statistics.median(warm)
+    return statistics.median(cold), statistics.median(warm), statistics.median(w / c for w, c in zip(warm, cold))
 
 
 def backings(ctx: Context, region: int, stack: ExitStack, notes: list[str]) -> list[tuple[str, str, str]]:
@@ -143,13 +145,13 @@ def run(ctx: Context) -> dict:
                 stats = daemon.stats()
                 attach_s, mapped, client_huge = attach_seconds(daemon, plan.attach_block, plan.attach_reps)
                 for populate in (POPULATE_THREADS, 0):
-                    cold, warm = cold_warm(daemon, plan, populate)
+                    cold, warm, warm_vs_cold = cold_warm(daemon, plan, populate)
                     row = {"pages": label, "populate": "background" if populate else "none",
                            "daemon_hugepages": stats["hugepages"], "daemon_huge_bytes": stats["huge_bytes"],
                            "client_huge_bytes": client_huge, "region_bytes": mapped, "daemon_start_s": start_s,
                            "attach_populate_s_per_gib": attach_s * (1 << 30) / mapped if populate else None,
                            "job_bytes": job_bytes, "cold_ms": cold * 1e3, "warm_ms": warm * 1e3,
-                           "cold_vs_warm": ratio(warm, cold)}
+                           "cold_vs_warm": warm_vs_cold}
                     rows.append(row)
                     say(f"attach: {label:>6} populate {row['populate']:>10}: daemon {stats['hugepages']} "
                         f"({stats['huge_bytes'] // MiB} MiB huge), client {client_huge // MiB} MiB huge, "
@@ -172,6 +174,7 @@ def run(ctx: Context) -> dict:
         targets.append(target(f"attach + populate per GiB, {huge} pages vs 4 KiB", ratios[key], 0.25, "lower"))
     notes.append(f"{plan.attach_reps} cold and {plan.attach_reps} warm store jobs of {plan.attach_blocks} x "
                  f"{plan.attach_block // MiB} MiB per row (medians), region of {region / MiB:.0f} MiB in "
-                 f"{DATA_PAGE >> 10} KiB kvtierd pages; cold_vs_warm = warm job time / cold job time; the client "
+                 f"{DATA_PAGE >> 10} KiB kvtierd pages; cold x warm = the median over the (cold, warm) pairs of the warm "
+                 "job's time / the cold job's (jobs taken in turns, so a pair sees the same load); the client "
                  f"populates on {POPULATE_THREADS} threads")
     return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes}
