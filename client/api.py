@@ -27,11 +27,12 @@ jobs died with the old one. A session the daemon cannot watch through a pidfd (a
 namespace) gets a heartbeat thread with its own socket.
 
 First touch: a process's mapping of the region has no page-table entries until it touches each
-page, and a store into untouched pages took 3-4x as long as the same store once warm (13-15 ms
-vs 3.1-3.8 ms for 32 MiB with 4 KiB pages). So a rank session populates its mapping at attach
-(and again after a remap) on ``populate_threads`` background threads (``Client.populating``),
-logging its progress; ``close()`` cancels it. Registering a CUDA KV cache waits for it before
-pinning the mapping with cudaHostRegister, which then finds every page present.
+page, and a store into untouched 4 KiB pages ran at 0.35x the speed of the same store into pages
+the process had touched (32 MiB jobs, ``kvtierctl bench --only attach``). So a rank session
+populates its mapping at attach (and again after a remap) on ``populate_threads`` background
+threads (``Client.populating``; 0: none), logging its progress; ``close()`` cancels it.
+Registering a CUDA KV cache waits for it before pinning the mapping with cudaHostRegister, which
+then finds every page present.
 """
 
 from __future__ import annotations
