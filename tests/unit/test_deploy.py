@@ -68,7 +68,8 @@ def snapshot(pinned: str) -> P.StatsReply:
     hist = Histogram()
     hist.observe(1e-4)
     return P.StatsReply(
-        region="/dev/shm/kvtierd/kvtierd.region", pinned=pinned, generation=0xABC,
+        region="/dev/shm/kvtierd/kvtierd.region", pinned=pinned, generation=0xABC, hugepages="thp",
+        huge_page_size=2 << 20, huge_bytes=1 << 30,
         page_size=65536, capacity_bytes=1 << 30, used_bytes=1 << 29,
         pages_total=16384, pages_free=8192, pages_used=8192, pages_quarantined=16,
         entries_ready=100, entries_writing=3, entries_pinned=7, evictable=93, namespaces=1,
