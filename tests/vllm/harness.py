@@ -1,12 +1,14 @@
 """Drive vLLM's own Scheduler and worker-role OffloadingConnector against a real kvtierd, on the CPU.
 
-What is real: vLLM 0.33's ``VllmConfig``/``ModelConfig`` (from a tiny local config.json, no
-weights), its KV-cache planning (``get_kv_cache_configs``), its KV-cache allocation
+What is real: vLLM 0.33's ``VllmConfig``/``ModelConfig`` (from a tiny local config.json, with or
+without weight files), its KV-cache planning (``get_kv_cache_configs``), its KV-cache allocation
 (``allocate_kv_cache``, with ``device="cpu"``), its ``Scheduler`` (with the scheduler-role
-``OffloadingConnector`` loading ``kvtier.integrations.vllm`` through ``spec_module_path``), one
-worker-role ``OffloadingConnector`` per rank process (which registers the KV cache and calls the
-plugin's worker), vLLM's ``KVOutputAggregator`` merging the ranks' connector outputs, and the
-kvtierd daemon.
+connector that ``kv_transfer_config`` names: ``KvtierOffloadingConnector`` from
+``kvtier.integrations.vllm``, or vLLM's plain ``OffloadingConnector`` loading the spec through
+``spec_module_path``), one worker-role connector per rank process (which registers the KV cache
+and calls the plugin's worker), the connector outputs collected as vLLM's model runner collects
+them (transfer results, load errors, worker metadata), vLLM's ``KVOutputAggregator`` merging the
+ranks' outputs, and the kvtierd daemon.
 
 The seams (what a GPU engine has that this harness replaces, and why each is the narrowest):
 
@@ -45,16 +47,23 @@ BLOCK_TOKENS = 16
 class EngineRecipe:
     """Everything that decides one engine's configuration; every process builds it the same way."""
 
-    model: str                    # directory name under tests/vllm/models
+    model: str                    # directory name under tests/vllm/models, or an absolute path
     tp: int
     socket: str
     engine_id: str
     extra: dict = field(default_factory=dict)
     num_blocks_memory: int = 1 << 20   # KV-cache bytes per rank handed to vLLM's planner
+    connector: str = "KvtierOffloadingConnector"     # or "OffloadingConnector": the plain spec path
+    failure_policy: str = "recompute"                 # kv_load_failure_policy
 
     def extra_config(self) -> dict:
         return {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
                 "kvtier_socket": self.socket, "kvtier_timeout_s": 20, **self.extra}
+
+    def transfer_config(self) -> dict:
+        module = {} if self.connector == "OffloadingConnector" else {"kv_connector_module_path": "kvtier.integrations.vllm"}
+        return {"kv_connector": self.connector, **module, "kv_role": "kv_both", "engine_id": self.engine_id,
+                "kv_load_failure_policy": self.failure_policy, "kv_connector_extra_config": self.extra_config()}
 
 
 def build(recipe: EngineRecipe, rank: int = 0):
@@ -71,9 +80,7 @@ def build(recipe: EngineRecipe, rank: int = 0):
         model_config=model_config,
         cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
         parallel_config=ParallelConfig(tensor_parallel_size=recipe.tp, distributed_executor_backend="mp"),
-        kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                            engine_id=recipe.engine_id,
-                                            kv_connector_extra_config=recipe.extra_config()),
+        kv_transfer_config=KVTransferConfig(**recipe.transfer_config()),
     )
     vllm_config.scheduler_config.async_scheduling = False
     vllm_config.parallel_config.rank = rank
@@ -114,8 +121,8 @@ class RankWorker:
     def __init__(self, recipe: EngineRecipe, rank: int, rank_variant: bool = False):
         import torch
         from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
         from vllm.v1.worker.utils import allocate_kv_cache
 
         self.rank = rank
@@ -125,7 +132,8 @@ class RankWorker:
             layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
             # vLLM's own allocation, on the CPU instead of a GPU.
             self.kv = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
-            self.connector = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            connector_cls = KVConnectorFactory.get_connector_class(self.vllm_config.kv_transfer_config)
+            self.connector = connector_cls(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             self.connector.register_kv_caches(self.kv)
         self.layers = list(self.kv)
         self.spec = self.connector.connector_worker.spec
@@ -151,9 +159,11 @@ class RankWorker:
                 content = block_content(token_ids, layer, row.numel(), self.variant)
                 row.copy_(torch.frombuffer(bytearray(content), dtype=torch.uint8))
         connector.wait_for_save()
-        results = connector.get_transfer_results(finished)
+        results = connector.get_transfer_results(finished)          # as vLLM's model runner collects them
         output = KVConnectorOutput(finished_sending=results.finished_sending,
                                    finished_recving=results.finished_recving,
+                                   failed_recving=results.failed_recving,
+                                   invalid_block_ids=connector.get_block_ids_with_load_errors(),
                                    kv_connector_worker_meta=connector.build_connector_worker_meta())
         connector.clear_connector_metadata()
         return pickle.dumps(output)
@@ -181,7 +191,7 @@ class RankWorker:
 
     def info(self) -> dict:
         client = self.worker.client
-        return {"writer": client.is_writer, "namespace": client.info["namespace"],
+        return {"writer": client.is_writer, "namespace": client.info["namespace"], "connector": type(self.connector).__name__,
                 "kind": self.spec.layout.kind, "block_bytes": self.spec.layout.block_bytes,
                 "replicated_gate": self.spec.config.replicated_layout, "pid": os.getpid()}
 
