@@ -32,6 +32,7 @@ import hashlib
 import os
 import pickle
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,9 +192,16 @@ class RankWorker:
 
     def info(self) -> dict:
         client = self.worker.client
-        return {"writer": client.is_writer, "namespace": client.info["namespace"], "connector": type(self.connector).__name__,
+        return {"writer": client.is_writer, "namespace": client.info["namespace"],
+                "connector": type(self.connector).__name__,
                 "kind": self.spec.layout.kind, "block_bytes": self.spec.layout.block_bytes,
                 "replicated_gate": self.spec.config.replicated_layout, "pid": os.getpid()}
+
+    @staticmethod
+    def optimize() -> int:
+        """This process's -O level (``assert`` statements are compiled out from 1 on)."""
+        import sys
+        return sys.flags.optimize
 
     def close(self) -> None:
         self.connector.shutdown()
@@ -288,6 +296,30 @@ class Engine:
                    for kv in kv_outputs]
         self.scheduler.update_from_output(output, self.aggregator.aggregate(outputs))
 
+    def serve(self, request_id: str, prompt: list[int], max_tokens: int = 2, timeout: float = 60.0):
+        """Add a request and step until it finished and every transfer completed. Returns vLLM's
+        Request (its status tells how it ended) and the GPU blocks that last held its full prompt
+        blocks (their bytes stay until the blocks are reused)."""
+        request = self.add_request(request_id, prompt, max_tokens)
+        full = len(prompt) // BLOCK_TOKENS
+        blocks: list[int] = []
+        deadline = time.monotonic() + timeout
+        while request_id in self.scheduler.requests:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"request {request_id} still {request.status} after {timeout}s")
+            ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+            if len(ids) >= full:
+                blocks = list(ids[:full])
+            self.step()
+        self.run(timeout)
+        return request, blocks
+
+    def forget_prefix_cache(self) -> None:
+        """vLLM's reset_prefix_cache(): a later request finds nothing on the "GPU". (Not an
+        ``assert``: this also runs under ``python -O``.)"""
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+
     def run(self, timeout: float = 60.0) -> None:
         """Step until no request is left and every transfer of the connector completed."""
         deadline = time.monotonic() + timeout
@@ -301,3 +333,59 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+
+
+def prompt_blocks(prompt: list[int]) -> list[tuple[int, ...]]:
+    """The token ids of each full block of a prompt."""
+    return [tuple(prompt[i:i + BLOCK_TOKENS]) for i in range(0, len(prompt) - BLOCK_TOKENS + 1, BLOCK_TOKENS)]
+
+
+def holds(ranks: list[RankProcess], blocks: list[int], prompt: list[int]) -> bool:
+    """Whether every rank's GPU blocks ``blocks`` hold what rank 0's model computes for the prompt's
+    full blocks (for MLA, every rank loads rank 0's copy)."""
+    expected = [ranks[0].call("expected", token_ids=t) for t in prompt_blocks(prompt)]
+    return all(digests == expected for digests in all_call(ranks, "digests", block_ids=blocks))
+
+
+def before_next_load(engine: Engine, action) -> None:
+    """Run ``action()`` once, inside the scheduler step that loads next: after its lookup said HIT,
+    before its prepare_load (the window a lease will close)."""
+    manager = engine.manager
+    original = manager.prepare_load
+
+    def prepare_load(keys, req_context):
+        del manager.prepare_load                       # back to the class's method
+        action()
+        return original(keys, req_context)
+
+    manager.prepare_load = prepare_load
+
+
+def serve_twice(engine: Engine, ranks: list[RankProcess], prompt: list[int], action=None):
+    """Serve ``prompt`` (its blocks go to kvtierd); forget vLLM's prefix cache and zero the KV
+    caches; serve it again, running ``action`` in that second request's load window. Returns the
+    second Request and whether its blocks hold the right bytes."""
+    engine.serve("stored", prompt)
+    engine.forget_prefix_cache()
+    all_call(ranks, "zero")
+    if action is not None:
+        before_next_load(engine, action)
+    request, blocks = engine.serve("again", prompt)
+    return request, holds(ranks, blocks, prompt)
+
+
+@contextmanager
+def running(recipe: EngineRecipe, rank_variant: bool = False):
+    """An Engine of the recipe with its rank processes; stopped and reaped on exit."""
+    ranks = [RankProcess(recipe, r, rank_variant) for r in range(recipe.tp)]
+    engine = None
+    try:
+        for r in ranks:
+            r.ready()
+        engine = Engine(recipe, ranks)
+        yield engine, ranks
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        for r in ranks:
+            r.stop()

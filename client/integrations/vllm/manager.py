@@ -228,11 +228,11 @@ class KvtierOffloadingManager(OffloadingManager):
         known = self._known(state, key, positions)
         if known is not None:
             return known
-        if state.pending is not None:
-            return self._retry(state, key)
-        if not self._link.up or self._stalled():
+        if not self._link.up or self._stalled():    # away, or hung since a wait ran out: no waiting
             self.stats.down += 1
             return _MISS
+        if state.pending is not None:
+            return self._retry(state, key)
         if positions is None:
             return self._collect(state, key)
         return self._batch(state, key, positions)
