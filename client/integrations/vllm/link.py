@@ -6,9 +6,13 @@ restart, and while kvtierd is unreachable retries every ``retry_s``. The schedul
 through a queue (``submit``: a ``Call`` it may wait on with its own bound; ``send``: fire and
 forget) and reads two plain attributes the thread alone writes:
 
-- ``up``: attached and the last request got an answer. While False the scheduler does no I/O.
+- ``up``: attached and the connection stands. While False the scheduler does no I/O.
 - ``replies``: how many answers the thread has had; a scheduler that gave up waiting remembers
   the count and waits again only once it moved (a hung daemon costs one wait, not one per call).
+
+A daemon that dies closes its end of the IPC connection; the thread watches for that (a ZMQ
+socket monitor, checked every ``WATCH_INTERVAL_S`` while idle) and marks the link down at once,
+where a request would only find out after ``kvtier_timeout_s``.
 
 The thread never takes vLLM's ``manager.lock`` (which vLLM holds for a whole ``schedule()``), and
 the scheduler never blocks on the thread except inside ``Call.wait``.
@@ -22,10 +26,17 @@ import threading
 import time
 from typing import Any, Callable
 
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
 from ...api import Client
 from ...errors import DaemonUnavailable, KvtierError, NotAttached
 
 logger = logging.getLogger("vllm.kvtier")
+
+# How often an idle link thread looks for a dropped connection (measured: a killed kvtierd's
+# disconnect shows within microseconds; a request to it fails only after kvtier_timeout_s).
+WATCH_INTERVAL_S = 0.05
 
 # Errors after which the session is gone: the link drops it and attaches afresh.
 LOST = (DaemonUnavailable, NotAttached)
@@ -88,6 +99,8 @@ class Link:
         self.replies = 0
         self.requests = 0                     # requests sent to kvtierd (the thread counts them)
         self.client: Client | None = None     # the link thread's; others only read it for logging
+        self._watch: zmq.Socket | None = None
+        self._watched = None                  # the client's channel that _watch watches
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._first = threading.Event()
         self._stopping = threading.Event()
@@ -121,16 +134,55 @@ class Link:
                     self._refuse_until(time.monotonic() + self.retry_s)
                     continue
                 self._first.set()
-                item = self._queue.get()
+                try:
+                    item = self._queue.get(timeout=WATCH_INTERVAL_S)
+                except queue.Empty:
+                    item = None
                 if item is _STOP:
                     break
-                self._serve(item)
+                if self._dropped():
+                    self._lose(DaemonUnavailable("kvtierd closed the connection"))
+                    if item is not None:
+                        item._finish(None, DaemonUnavailable(f"{self.what}: kvtierd is unreachable"))
+                elif item is not None:
+                    self._serve(item)
         finally:
             self._first.set()
             self.up = False
-            client, self.client = self.client, None
-            if client is not None:
+            self._drop_client()
+
+    def _dropped(self) -> bool:
+        """Whether the daemon closed the connection of the client's (current) channel. (The
+        channel's ZMQ socket is private to it; this thread owns the client and so the socket.)"""
+        channel = self.client.channel
+        if channel is None or channel._sock is None:
+            return True
+        if channel is not self._watched:      # attached, or the client re-attached by itself
+            self._unwatch()
+            self._watch = channel._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._watched = channel
+        dropped = False
+        while self._watch.poll(0):
+            dropped |= recv_monitor_message(self._watch)["event"] == zmq.EVENT_DISCONNECTED
+        return dropped
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            try:
+                self._watched._sock.disable_monitor()
+            except (zmq.ZMQError, AttributeError):
+                pass
+            self._watch.close(linger=0)
+            self._watch, self._watched = None, None
+
+    def _drop_client(self) -> None:
+        self._unwatch()
+        client, self.client = self.client, None
+        if client is not None:
+            try:
                 client.close()
+            except KvtierError:
+                pass
 
     def _attach(self) -> bool:
         try:
@@ -192,8 +244,4 @@ class Link:
         logger.warning("kvtier: %s lost kvtierd (%s); the engine serves without it (every lookup a miss, nothing "
                        "stored) and re-attaches within %gs", self.what, exc, self.retry_s)
         self._said_down = True
-        client, self.client = self.client, None
-        try:
-            client.close()
-        except KvtierError:
-            pass
+        self._drop_client()
