@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install run test test-unit test-integration vllm-install test-vllm soak bench bench-docs nvcc-check bench-loop docs clean
+.PHONY: install run test test-unit test-integration vllm-install test-vllm bench-vllm soak bench bench-docs nvcc-check bench-loop docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ vllm-install: $(VLLM_VENV)/.installed
 # The vLLM plugin against vLLM's own Scheduler and OffloadingConnector and a real kvtierd (CPU only).
 test-vllm: vllm-install
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/pytest -q tests/vllm
+
+# vLLM's real Scheduler with the kvtier plugin against vLLM's native CPU offloading, same run (docs/vllm.md).
+bench-vllm: vllm-install
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python bench/vllm_scheduler.py
 
 # The long soak: 16 client processes (4 engines x TP=4, two namespaces) for 5 minutes under
 # constant eviction; every loaded block verified by hash; prints its figures. CI runs an 8 s one.

@@ -109,6 +109,7 @@ class ManagerStats:
 
     batches: int = 0                  # batched lookups sent
     late: int = 0                     # lookup waits that ran out (answered next step)
+    waited_s: float = 0.0             # time the scheduler thread spent waiting for kvtierd
     retries: int = 0                  # RETRY answers
     down: int = 0                     # lookups answered MISS without asking (kvtierd away or slow)
     stores_skipped: int = 0           # prepare_store answered "not stored" without asking
@@ -222,15 +223,17 @@ class KvtierOffloadingManager(OffloadingManager):
     def _lookup(self, key: OffloadKey, req_context: ReqContext, state: _Request) -> LookupResult:
         if state.load_failed:
             return _MISS
+        if not self._link.up or self._stalled():
+            # kvtierd away, or hung since a wait ran out: no waiting, and no HIT from an earlier
+            # answer either (its load could not be served)
+            self.stats.down += 1
+            return _MISS
         positions = self._key_positions(req_context)
         if state.pending is not None and state.pending.done:
             self._absorb(state)
         known = self._known(state, key, positions)
         if known is not None:
             return known
-        if not self._link.up or self._stalled():    # away, or hung since a wait ran out: no waiting
-            self.stats.down += 1
-            return _MISS
         if state.pending is not None:
             return self._retry(state, key)
         if positions is None:
@@ -287,7 +290,10 @@ class KvtierOffloadingManager(OffloadingManager):
             if position >= start:
                 groups.setdefault(k[-4:], []).append(k)
         self._send_batch(state, (start, len(positions), False, list(groups.values())))
-        if state.pending.wait(self._wait_s):
+        waiting = time.perf_counter()
+        answered = state.pending.wait(self._wait_s)
+        self.stats.waited_s += time.perf_counter() - waiting
+        if answered:
             self._absorb(state)
             return self._known(state, key, positions) or _MISS
         self._stalled_at = self._link.replies
