@@ -197,8 +197,8 @@ def tier(start_daemon):
     layout = Layout("unit", "bfloat16", 16, BLOCK, "sharded")
     made = []
 
-    def manager(**changes):
-        m = KvtierOffloadingManager(replace(settings, **changes), "unit-engine", 1, layout)
+    def manager(num_groups: int = 1, **changes):
+        m = KvtierOffloadingManager(replace(settings, **changes), "unit-engine", 1, layout, num_groups=num_groups)
         made.append(m)
         return m
 
@@ -277,6 +277,35 @@ def test_one_batched_lookup_answers_every_lookup_of_a_request(tier):
     # vLLM's GPU prefix cache held the first 4 blocks: its scan starts later, same answer.
     assert prefix_lookup(manager, ks[4:], ctx) == [LookupResult.HIT] * 5 + [LookupResult.MISS]
     assert manager.link.requests - before == 1
+
+
+def test_each_kv_cache_group_is_a_prefix_of_its_own(tier):
+    _, make_manager, make_worker = tier
+    worker, _ = make_worker()
+    full, window = keys("g", 6, group=0), keys("g", 6, group=1)
+    store(make_manager(), worker, full + window[:3], 1, range(9))
+
+    def request_of_both(manager, req_id):
+        ctx = ReqContext(req_id=req_id)
+        manager.on_new_request(ctx)
+        for group in (full, window):                   # vLLM records them group after group
+            for i, k in enumerate(group):
+                ctx.set_offload_key_position(k, (i + 1) * 16)
+        return ctx
+
+    manager = make_manager(num_groups=2)
+    before = manager.link.requests
+    ctx = request_of_both(manager, "hybrid")
+    assert prefix_lookup(manager, full, ctx) == [LookupResult.HIT] * 6
+    assert prefix_lookup(manager, window, ctx) == [LookupResult.HIT] * 3 + [LookupResult.MISS]
+    assert manager.stats.batches == 1 and manager.link.requests - before == 2     # one request per group
+
+    # A late answer: RETRY for the first key of *each* group (a group answered MISS first would
+    # make vLLM drop the request's whole hit), MISS after it.
+    late = make_manager(num_groups=2, lookup_wait_ms=0)
+    ctx = request_of_both(late, "late")
+    assert [late.lookup(k, ctx) for k in (full[0], full[1], window[0], window[1])] == [
+        LookupResult.RETRY, LookupResult.MISS, LookupResult.RETRY, LookupResult.MISS]
 
 
 def test_the_public_path_collects_retried_keys_into_one_batch(tier):
@@ -390,6 +419,25 @@ def until(condition, timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.05)
+
+
+def test_a_hung_kvtierd_costs_the_scheduler_one_wait(tier):
+    daemon, make_manager, make_worker = tier
+    manager = make_manager(timeout_s=30.0)
+    worker, _ = make_worker()
+    ks = keys("h", 3)
+    store(manager, worker, ks, 1, range(3))
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert prefix_lookup(manager, ks, request(manager, ks, "first")) == [LookupResult.RETRY, LookupResult.MISS]
+        for i in range(5):          # no more waiting: deferred at once, and misses once it stays silent
+            assert prefix_lookup(manager, ks, request(manager, ks, f"next{i}"))[0] in (LookupResult.RETRY,
+                                                                                       LookupResult.MISS)
+        until(lambda: prefix_lookup(manager, ks, request(manager, ks, "later")) == [LookupResult.MISS])
+        assert manager.stats.late == 1
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    until(lambda: prefix_lookup(manager, ks, request(manager, ks, "resumed")) == [LookupResult.HIT] * 3)
 
 
 def test_manager_serves_misses_while_kvtierd_is_away_and_reattaches(tier):

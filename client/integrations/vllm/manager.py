@@ -59,6 +59,11 @@ PART_KEYS = min(4096, P.MAX_KEYS_PER_REQUEST)
 # once a second also keeps a waiting request's blocks young in kvtierd's LRU.
 LOOKUP_RESULTS_TTL_S = 1.0
 
+# After a wait for kvtierd ran out, the scheduler does not wait again until the link has an answer
+# (a hung daemon costs one wait); requests asked meanwhile are deferred (RETRY), and after this
+# long without an answer they are answered MISS instead, so that they do not wait for kvtierd.
+GIVE_UP_S = 0.1
+
 # After a store found no room for any of its keys (every entry pinned or being written), the
 # manager answers "not stored" without asking kvtierd for this long.
 FULL_REGION_BACKOFF_S = 1.0
@@ -127,8 +132,10 @@ class KvtierOffloadingManager(OffloadingManager):
       keys (from that key on, per KV-cache group) and waits for it at most
       ``kvtier_lookup_wait_ms``; later lookups, including every step while the request waits
       for GPU blocks, are dict lookups. An answer that comes later is used next step (this
-      step: RETRY once, then MISS, so that vLLM defers the request without scanning on). MISS
-      at once while kvtierd is unreachable or slow, and for a request whose load failed.
+      step: RETRY once per KV-cache group, then MISS, so that vLLM defers the request without
+      scanning on). After a wait ran out, no request waits until kvtierd answered again (they
+      are deferred), and after ``GIVE_UP_S`` without an answer they get MISS. MISS at once
+      while kvtierd is unreachable, and for a request whose load failed.
       Where vLLM's key positions are not readable (another vLLM series): RETRY for every key,
       which lets vLLM show all of them, and one batch per request at ``on_schedule_end``.
     - ``prepare_store(keys)``: never waits. Returns every offered key in kvtier store jobs, which
@@ -153,17 +160,19 @@ class KvtierOffloadingManager(OffloadingManager):
     """
 
     def __init__(self, settings: KvtierSettings, engine_id: str, world_size: int, layout: Layout,
-                 connect: Callable[..., Client] = Client, clock: Callable[[], float] = time.monotonic):
+                 num_groups: int = 1, connect: Callable[..., Client] = Client,
+                 clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.engine_id = engine_id
         self.world_size = world_size
         self.layout = layout
+        self.num_groups = num_groups                   # offloaded KV-cache groups
         self.stats = ManagerStats()
         self.use_key_positions = key_positions_readable()
         self._clock = clock
         self._wait_s = settings.lookup_wait_ms / 1000
         self._step = 0
-        self._stalled_at: int | None = None            # link.replies when a wait last ran out
+        self._stalled_at: tuple[int, float] | None = None   # (link.replies, when) as a wait last ran out
         self._next_job = 1
         self._requests: dict[str, _Request] = {}
         self._collecting: list[_Request] = []
@@ -188,10 +197,14 @@ class KvtierOffloadingManager(OffloadingManager):
         """A wait ran out and the link has had no answer since: do not wait again."""
         if self._stalled_at is None:
             return False
-        if self._stalled_at != self._link.replies:
+        if self._stalled_at[0] != self._link.replies:
             self._stalled_at = None
             return False
         return True
+
+    def _given_up(self) -> bool:
+        """Stalled for GIVE_UP_S: kvtierd looks hung; answer MISS rather than defer requests."""
+        return self._stalled() and self._clock() - self._stalled_at[1] >= GIVE_UP_S
 
     def _track(self, req_context: ReqContext) -> _Request:
         state = _Request(req_context.req_id)
@@ -223,9 +236,9 @@ class KvtierOffloadingManager(OffloadingManager):
     def _lookup(self, key: OffloadKey, req_context: ReqContext, state: _Request) -> LookupResult:
         if state.load_failed:
             return _MISS
-        if not self._link.up or self._stalled():
-            # kvtierd away, or hung since a wait ran out: no waiting, and no HIT from an earlier
-            # answer either (its load could not be served)
+        if not self._link.up or self._given_up():
+            # kvtierd away, or silent for GIVE_UP_S: no HIT from an earlier answer either (its
+            # load could not be served)
             self.stats.down += 1
             return _MISS
         positions = self._key_positions(req_context)
@@ -285,19 +298,25 @@ class KvtierOffloadingManager(OffloadingManager):
         start = positions.get(key)
         if start is None:
             return _MISS
-        groups: dict[bytes, list] = {}
-        for k, position in positions.items():
-            if position >= start:
-                groups.setdefault(k[-4:], []).append(k)
-        self._send_batch(state, (start, len(positions), False, list(groups.values())))
-        waiting = time.perf_counter()
-        answered = state.pending.wait(self._wait_s)
-        self.stats.waited_s += time.perf_counter() - waiting
-        if answered:
-            self._absorb(state)
-            return self._known(state, key, positions) or _MISS
-        self._stalled_at = self._link.replies
-        self.stats.late += 1
+        if self.num_groups == 1:                    # positions grow with insertion order: a C-level cut
+            keys = list(positions)
+            batch = [keys[keys.index(key):]]
+        else:
+            groups: dict[bytes, list] = {}
+            for k, position in positions.items():
+                if position >= start:
+                    groups.setdefault(k[-4:], []).append(k)
+            batch = list(groups.values())
+        self._send_batch(state, (start, len(positions), False, batch))
+        if not self._stalled():
+            waiting = time.perf_counter()
+            answered = state.pending.wait(self._wait_s)
+            self.stats.waited_s += time.perf_counter() - waiting
+            if answered:
+                self._absorb(state)
+                return self._known(state, key, positions) or _MISS
+            self._stalled_at = (self._link.replies, self._clock())
+            self.stats.late += 1
         return self._retry(state, key)
 
     def _send_batch(self, state: _Request, batch: tuple) -> None:
@@ -330,10 +349,14 @@ class KvtierOffloadingManager(OffloadingManager):
             logger.debug("kvtier: lookup of request %s failed: %s", state.req_id, exc)
             prefixes = [0] * len(groups)
         now = self._clock()
-        verdict = state.verdict if merge and state.verdict is not None and now < state.expires else {}
+        verdict = state.verdict if merge and state.verdict is not None and now < state.expires else None
         for keys, hits in zip(groups, prefixes):
+            if verdict is None:
+                verdict = dict.fromkeys(keys[:hits], True)
+            else:
+                verdict.update(dict.fromkeys(keys[:hits], True))
             verdict.update(dict.fromkeys(keys[hits:], False))
-            verdict.update(dict.fromkeys(keys[:hits], True))
+        verdict = {} if verdict is None else verdict
         state.verdict, state.start, state.npos, state.expires = verdict, start, npos, now + LOOKUP_RESULTS_TTL_S
         state.valid_step = -1
 
@@ -372,7 +395,7 @@ class KvtierOffloadingManager(OffloadingManager):
         keys = list(dict.fromkeys(keys))            # kvtierd refuses duplicate keys in one job
         if not keys:
             return _nothing_stored()
-        if not self._link.up or self._stalled() or self._clock() < self._full_until:
+        if not self._link.up or self._given_up() or self._clock() < self._full_until:
             self.stats.stores_skipped += 1
             return _nothing_stored()
         parts = self._parts(keys)

@@ -55,7 +55,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = KvtierOffloadingManager(self.settings, self.engine_id, self.config.parallel.world_size,
-                                                    self.layout)
+                                                    self.layout, num_groups=len(self.config.groups))
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
