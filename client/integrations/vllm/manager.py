@@ -339,13 +339,16 @@ class KvtierOffloadingManager(OffloadingManager):
         return out
 
     def _absorb(self, state: _Request) -> None:
-        """Turn the finished batch into the request's verdict (all MISS if it failed)."""
+        """Turn the finished batch into the request's verdict (all MISS if kvtierd refused it)."""
         call, state.pending = state.pending, None
         start, npos, merge, groups = state.pending_batch
         state.pending_batch = ()
         try:
             prefixes = call.result()
-        except Exception as exc:              # kvtierd lost or refused: these keys are misses
+        except LOST:                          # asked again once the link is back
+            state.verdict, state.valid_step = None, -1
+            return
+        except Exception as exc:              # kvtierd refused: these keys are misses (for a while)
             logger.debug("kvtier: lookup of request %s failed: %s", state.req_id, exc)
             prefixes = [0] * len(groups)
         now = self._clock()
