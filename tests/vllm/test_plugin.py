@@ -198,6 +198,9 @@ def tier(start_daemon):
     made = []
 
     def manager(num_groups: int = 1, **changes):
+        # Answers are awaited without a practical bound (the tests assert on behaviour, also on a
+        # loaded machine); the tests of late answers set kvtier_lookup_wait_ms themselves.
+        changes.setdefault("lookup_wait_ms", 60_000)
         m = KvtierOffloadingManager(replace(settings, **changes), "unit-engine", 1, layout, num_groups=num_groups)
         made.append(m)
         return m
@@ -423,7 +426,7 @@ def until(condition, timeout: float = 60.0) -> None:
 
 def test_a_hung_kvtierd_costs_the_scheduler_one_wait(tier):
     daemon, make_manager, make_worker = tier
-    manager = make_manager(timeout_s=30.0)
+    manager = make_manager(timeout_s=30.0, lookup_wait_ms=200)
     worker, _ = make_worker()
     ks = keys("h", 3)
     store(manager, worker, ks, 1, range(3))
