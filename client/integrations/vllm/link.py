@@ -45,15 +45,13 @@ LOST = (DaemonUnavailable, NotAttached)
 class Call:
     """One piece of work for the link thread: ``fn(client)``; its value or error once done."""
 
-    __slots__ = ("fn", "value", "error", "_done", "_lock", "_late")
+    __slots__ = ("fn", "value", "error", "_done")
 
     def __init__(self, fn: Callable[[Client], Any]):
         self.fn = fn
         self.value: Any = None
         self.error: BaseException | None = None
         self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._late: Callable[[Client, Any], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -68,21 +66,9 @@ class Call:
             raise self.error
         return self.value
 
-    def abandon(self, late: Callable[[Client, Any], None]) -> bool:
-        """The caller stops waiting: if the call still succeeds, the link thread runs
-        ``late(client, value)`` (e.g. to abort jobs nobody will carry out). False if it is
-        already done (then use its result)."""
-        with self._lock:
-            if self.done:
-                return False
-            self._late = late
-            return True
-
-    def _finish(self, value: Any, error: BaseException | None) -> Callable[[Client, Any], None] | None:
-        with self._lock:
-            self.value, self.error = value, error
-            self._done.set()
-            return self._late if error is None else None
+    def _finish(self, value: Any, error: BaseException | None) -> None:
+        self.value, self.error = value, error
+        self._done.set()
 
 
 _STOP = object()
@@ -232,12 +218,7 @@ class Link:
             call._finish(None, exc)
             return
         self.replies += 1
-        late = call._finish(value, None)
-        if late is not None:
-            try:
-                late(self.client, value)
-            except KvtierError as exc:
-                logger.debug("kvtier: %s: cleaning up after a late answer: %s", self.what, exc)
+        call._finish(value, None)
 
     def _lose(self, exc: BaseException) -> None:
         self.up = False

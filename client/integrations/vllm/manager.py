@@ -7,7 +7,7 @@ class docstring gives the contract per vLLM method.
 
 Two rules shape it (docs/vllm.md has the measurements):
 
-- **One kvtierd request per request and scheduling step, not one per block.** vLLM asks
+- **One kvtierd request per request, not one per block.** vLLM asks
   ``lookup`` one key at a time, thousands of times for a long prompt, and again every step while
   the request waits for GPU blocks. The manager answers from one batched ``lookup`` of all the
   request's keys and keeps the answer (per request, in vLLM's ``ReqContext``) for
@@ -40,19 +40,15 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
-from kvtierd import protocol as P
-
+from ... import StoreOutcome
 from ...api import Client, Layout
 from ...errors import KvtierError
 from .link import LOST, Call, Link
-from .settings import KvtierSettings, kvtier_keys
+from .settings import PART_KEYS, KvtierSettings, kvtier_keys
 from .transfer import JobPart, KvtierLoadStoreSpec
 
 # A child of vLLM's logger, so that these lines go where vLLM's own go.
 logger = logging.getLogger("vllm.kvtier")
-
-# Keys per kvtier request: a vLLM transfer or lookup with more keys is split.
-PART_KEYS = min(4096, P.MAX_KEYS_PER_REQUEST)
 
 # How long a request's batched lookup answers its later lookups. Without a lease a block may be
 # evicted in the meantime (the load then fails and is reported, see connector.py); asking again
@@ -427,8 +423,8 @@ class KvtierOffloadingManager(OffloadingManager):
             except KvtierError as exc:                  # e.g. the ranks were faster and finished it
                 logger.debug("kvtier: store job %d: %s", part.job, exc)
                 continue
-            written += int(np.count_nonzero(outcomes == P.StoreOutcome.WRITE))
-            no_space += int(np.count_nonzero(outcomes == P.StoreOutcome.NO_SPACE))
+            written += int(np.count_nonzero(outcomes == StoreOutcome.WRITE))
+            no_space += int(np.count_nonzero(outcomes == StoreOutcome.NO_SPACE))
         if no_space and not written:
             self._full_until = self._clock() + FULL_REGION_BACKOFF_S
 

@@ -79,6 +79,10 @@ class KvtierSettings:
         return cls(**values)
 
 
+# Keys per kvtier request: a vLLM transfer or lookup with more keys is split.
+PART_KEYS = min(4096, P.MAX_KEYS_PER_REQUEST)
+
+
 def kvtier_key(key: bytes) -> bytes:
     """The kvtier key of a vLLM OffloadKey: the key itself when it fits kvtierd's limit, else
     sha256(block hash) ‖ group index (4 bytes), which keeps keys of different groups apart."""
