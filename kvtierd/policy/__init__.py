@@ -69,7 +69,8 @@ class Policy(ABC):
 def policies() -> dict[str, Callable[[], Policy]]:
     """Every policy by name (imported here, not at the top: each module imports this one)."""
     from .lru import LRUPolicy
-    return {cls.name: cls for cls in (LRUPolicy,)}
+    from .slru import SLRUPolicy
+    return {cls.name: cls for cls in (LRUPolicy, SLRUPolicy)}
 
 
 def make(name: str) -> Policy:
