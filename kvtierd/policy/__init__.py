@@ -69,8 +69,10 @@ class Policy(ABC):
 def policies() -> dict[str, Callable[[], Policy]]:
     """Every policy by name (imported here, not at the top: each module imports this one)."""
     from .lru import LRUPolicy
+    from .s3fifo import S3FIFOPolicy
     from .slru import SLRUPolicy
-    return {cls.name: cls for cls in (LRUPolicy, SLRUPolicy)}
+    from .tinylfu import TinyLFUPolicy
+    return {cls.name: cls for cls in (LRUPolicy, SLRUPolicy, S3FIFOPolicy, TinyLFUPolicy)}
 
 
 def make(name: str) -> Policy:

@@ -35,7 +35,6 @@ WIDTH_PER_ENTRY = 16
 MIN_WIDTH_BITS = 10
 _ODD = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
                 dtype=np.uint64)[:ROWS, None]
-_U4 = np.uint64(4)
 _ONE = np.uint64(1)
 
 
@@ -49,6 +48,10 @@ class FrequencySketch:
         self._bits = MIN_WIDTH_BITS
         self._table = np.zeros((ROWS, (1 << self._bits) // 2), dtype=np.uint8)   # two counters a byte
         self._added = 0
+        self._row_base = self._bases()
+
+    def _bases(self) -> np.ndarray:
+        return (np.arange(ROWS, dtype=np.uint64) * np.uint64(self._table.shape[1]))[:, None]
 
     @property
     def width(self) -> int:
@@ -71,14 +74,15 @@ class FrequencySketch:
             wide[:, 1::2] = high | (high << 4)      # counter 2j+1 -> 4j+2, 4j+3 (byte 2j+1)
             self._table = wide
             self._bits += 1
+            self._row_base = self._bases()
 
     def _locate(self, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(byte index into the flat table, bit shift of the counter) for each row x key."""
-        at = (fps[None, :] * _ODD) >> np.uint64(64 - self._bits)
-        shift = (at & _ONE) * _U4
+        at = (fps * _ODD) >> np.uint64(64 - self._bits)
+        shift = (at.astype(np.uint8) & 1) << 2
         at >>= _ONE
-        at += (np.arange(ROWS, dtype=np.uint64) * np.uint64(self._table.shape[1]))[:, None]
-        return at, shift.astype(np.uint8)
+        at += self._row_base
+        return at, shift
 
     def estimate(self, fps: np.ndarray) -> np.ndarray:
         """How often each key was counted (an upper estimate), without counting it."""
