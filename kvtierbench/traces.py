@@ -185,7 +185,8 @@ def belady(trace: Trace, capacity: int, bypass: bool = True) -> Result:
     """Prefix hits of the offline optimum at ``capacity`` blocks (module docstring).
 
     ``bypass=False`` is the weaker demand-paging variant (every block of a request is cached
-    after it, evicting the farthest-used others), kept to show what admission is worth.
+    after it — as much of it as fits — evicting the farthest-used others), kept to show what
+    admission is worth.
     """
     hits = refs = 0
     cached: dict[int, tuple[int, int]] = {}             # id -> (next use, depth)
@@ -201,7 +202,7 @@ def belady(trace: Trace, capacity: int, bypass: bool = True) -> Result:
         for depth, (i, use) in enumerate(zip(ids, uses)):
             cached[i] = (use, depth)
             heapq.heappush(heap, (-use, -depth, i))
-        held = [] if bypass else set(ids)
+        held = () if bypass else set(ids)
         skipped = []
         while len(cached) > capacity and heap:
             use, depth, i = heapq.heappop(heap)
@@ -211,8 +212,11 @@ def belady(trace: Trace, capacity: int, bypass: bool = True) -> Result:
                 skipped.append((use, depth, i))
                 continue
             del cached[i]
-        for item in skipped:
-            heapq.heappush(heap, item)
+        for item in skipped:      # a request longer than the cache: not all of it stays
+            if len(cached) <= capacity:
+                heapq.heappush(heap, item)
+            else:
+                del cached[item[2]]
     return Result(hits, refs)
 
 
