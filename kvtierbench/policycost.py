@@ -9,8 +9,16 @@ adds) is driven with jobs of ``batch`` keys, as the daemon's index drives it:
 
 Each round times every policy once per operation, in turn (so that all of them see the same
 machine load), with the thread's CPU time; the figure is the median over rounds, in ns per key,
-and its ratio to LRU's. It is the policy's own share of a request: the daemon's per-key work
-(decoding, validating, the index, the tick stamps) comes on top and is the same for all.
+and its ratio to LRU's. The lookups pick slots uniformly, so about half of them are in a
+segmented policy's probation: its slow path, the worst case.
+
+``trace_cost`` measures the same on a trace: the hook calls of a replay (``kvtierbench.traces``)
+are recorded, then played again on a fresh policy and timed, minus the loop's own cost; the
+figure is ns of policy CPU per block reference of the trace (the same denominator for every
+policy, whatever its hits). Job sizes and the mix of segments are then the trace's own.
+
+Either way it is the policy's own share of a request: the daemon's per-key work (decoding,
+validating, the index, the tick stamps) comes on top and is the same for all policies.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+from itertools import islice
 from typing import Callable, Sequence
 
 OPS = ("lookup", "load", "store")
@@ -80,13 +89,75 @@ def measure(factories: dict[str, Callable[[], object]], entries: int = 100_000, 
     return {n: {op: statistics.median(v) for op, v in ops.items()} for n, ops in samples.items()}
 
 
+class _Recorder:
+    """Passes the hooks through to a policy and logs them (victims: the exclude set and how many
+    the caller took, logged when the walk is closed, before the caller frees them)."""
+
+    def __init__(self, policy):
+        self.policy, self.log = policy, []
+
+    def __getattr__(self, hook):
+        method = getattr(self.policy, hook)
+        if hook not in ("inserted", "accessed", "pinned", "unpinned", "removed"):
+            return method
+
+        def logged(*args, **kw):
+            self.log.append((hook, [list(a) if isinstance(a, list) else a for a in args], kw))
+            return method(*args, **kw)
+        return logged
+
+    def __contains__(self, slot):
+        return slot in self.policy
+
+    def victims(self, exclude=frozenset()):
+        taken = 0
+        try:
+            for slot in self.policy.victims(exclude):
+                taken += 1
+                yield slot
+        finally:
+            self.log.append(("victims", [exclude, taken], {}))
+
+
+class _Null:
+    def __getattr__(self, hook):
+        return lambda *a, **kw: None
+
+    def victims(self, exclude=frozenset()):
+        return iter(())
+
+
+def _play(policy, log) -> int:
+    clock = time.thread_time_ns
+    t0 = clock()
+    for hook, args, kw in log:
+        if hook == "victims":
+            list(islice(policy.victims(args[0]), args[1]))
+        else:
+            getattr(policy, hook)(*args, **kw)
+    return clock() - t0
+
+
+def trace_cost(trace, factory: Callable[[], object], capacity: int, repeats: int = 3) -> float:
+    """ns of policy CPU per block reference, replaying ``trace`` at ``capacity`` blocks."""
+    from .traces import replay
+    recorder = _Recorder(factory())
+    replay(trace, recorder, capacity)
+    spent = min(_play(factory(), recorder.log) for _ in range(repeats))
+    loop = min(_play(_Null(), recorder.log) for _ in range(repeats))
+    return max(0, spent - loop) / trace.references
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from kvtierd.policy import policies
+    from .traces import TraceError, capacity, load
     known = policies()
     ap = argparse.ArgumentParser(prog="python -m kvtierbench.policycost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--trace", action="append", default=[], help="also time a replay of this trace")
+    ap.add_argument("--capacity", default="0.05,0.2", help="for --trace: fractions of its distinct blocks")
     args = ap.parse_args(argv)
     result = measure(known, args.entries, args.batch, args.rounds)
     base = result["lru"]
@@ -94,6 +165,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'policy':>8} " + " ".join(f"{op:>8} {'x lru':>6}" for op in OPS))
     for name, ops in result.items():
         print(f"{name:>8} " + " ".join(f"{ops[op]:>8.0f} {ops[op] / base[op]:>6.2f}" for op in OPS))
+    for path in args.trace:
+        try:
+            trace = load(path)
+        except TraceError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        for fraction in map(float, args.capacity.split(",")):
+            cap = capacity(trace, fraction)
+            costs = {name: trace_cost(trace, f, cap) for name, f in known.items()}
+            print(f"{trace.name} at {fraction:g} ({cap} blocks), ns per block reference: " +
+                  ", ".join(f"{n} {c:.0f} ({c / costs['lru']:.2f}x)" for n, c in costs.items()))
     return 0
 
 

@@ -291,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvtierd.policy import policies
     known = policies()
     ap = argparse.ArgumentParser(prog="python -m kvtierbench.traces",
-                                 description="Prefix hit rate of each policy vs Belady, replayed in-process.")
+                                 description="Prefix hit rate of each policy vs Belady, replayed in-process; "
+                                             "prints a Markdown table.")
     ap.add_argument("trace", nargs="+", help="Mooncake-format JSON-lines file(s)")
     ap.add_argument("--capacity", default=",".join(map(str, DEFAULT_CAPACITIES)),
                     help="fractions of the distinct blocks, comma-separated")
@@ -304,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown policy {', '.join(unknown)}; known: {', '.join(known)}")
     fractions = [float(c) for c in args.capacity.split(",")]
+    print("| trace | capacity | blocks | Belady | " + " | ".join(names) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(names))
     for path in args.trace:
         try:
             trace = load(path)
@@ -315,17 +318,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except TraceError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        print(f"{trace.name}: {len(trace.requests)} requests, {trace.references} block references, "
-              f"{trace.distinct} distinct blocks")
-        print(f"{'capacity':>8} {'blocks':>7} {'belady':>7} " + " ".join(f"{n:>13}" for n in names))
         for fraction in fractions:
             cap = capacity(trace, fraction)
             best = belady(trace, cap).hit_rate
+            rates = {name: replay(trace, known[name](), cap).hit_rate for name in names}
             cells = []
             for name in names:
-                rate = replay(trace, known[name](), cap).hit_rate
-                cells.append(f"{rate:.3f} ({rate / best if best else 0:.2f}x)")
-            print(f"{fraction:>8} {cap:>7} {best:>7.3f} " + " ".join(f"{c:>13}" for c in cells))
+                rate = rates[name]
+                cell = f"{rate:.3f} ({rate / best if best else 0:.2f}"
+                if "lru" in rates and name != "lru":
+                    cell += f", {rate / rates['lru'] if rates['lru'] else 0:.2f}x LRU"
+                cells.append(cell + ")")
+            print(f"| {trace.name} | {fraction:g} | {cap} | {best:.3f} | " + " | ".join(cells) + " |")
     return 0
 
 

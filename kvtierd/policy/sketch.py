@@ -1,26 +1,30 @@
-"""A compact memory of the keys a policy has seen: a count-min sketch of 4-bit counters, with aging.
+"""A compact memory of the keys a policy has seen: a count-min sketch with aging.
 
 Slots are reused, so what a policy remembers about keys it no longer holds (did this key come
 before? how often?) has to be keyed by the key itself. A ghost list of evicted keys costs a hash
-table entry per key (~100 bytes in CPython); this sketch costs 32-64 bytes per tracked entry and
-answers for every key seen within the last few turnovers of the cache.
+table entry per key (~100 bytes in CPython) for each key it remembers; this sketch costs 64-128
+bytes per tracked entry and answers for every key seen within the last 4-8 turnovers of the cache.
 
-Layout: ``ROWS`` rows of ``width`` 4-bit counters (two per byte, saturating at 15); a key's
-counter in row r is at the top bits of ``fingerprint * ODD[r]`` (multiply-shift hashing of
-Python's 64-bit ``hash`` of the key, cached on bytes objects). A key's count is the minimum over
-its rows: possibly too high (a collision in every row), never too low (two keys of one batch on
-the same counter add one, not two: the sketch is a little conservative within a batch).
-Every ``period`` counted keys all counters are halved (aging), so a key counted once is forgotten
-after one to two periods while a frequent one keeps a count.
+Layout: ``ROWS`` rows of ``width`` 8-bit counters saturating at ``MAX``; a key's counter in row r
+is at the top bits of ``fingerprint * ODD[r]`` (multiply-shift hashing of Python's 64-bit
+``hash`` of the key, cached on bytes objects). A key's count is the minimum over its rows:
+possibly too high (a collision in every row), never too low (two keys of one batch on the same
+counter add one, not two: the sketch is a little conservative within a batch). Every
+``period`` counted keys all counters are halved (aging), so a key counted once is forgotten after
+one to two periods while a frequent one keeps a count.
 
 Sizing: ``width`` is the power of two >= ``WIDTH_PER_ENTRY`` x the policy's entries (``fit``),
-doubling as it grows; doubling copies each counter into the two that the next hash bit chooses
-between, so nothing is forgotten. ``period`` is a quarter of the width (4-8 turnovers of the
-cache): each row is then at most a quarter full, and a key never seen reads as seen with
-probability below (1 - e^-1/4)^4 ≈ 0.25 %. A shorter memory (2-4 turnovers) measured worse at small
-capacities, and so did a fuller table (docs/policy.md).
+doubling as it grows; doubling repeats each counter into the two that the next hash bit chooses
+between, so nothing is forgotten. ``period`` is a quarter of the width: each row is then at
+most a quarter full, and a key never seen reads as seen with probability below
+(1 - e^-1/4)^4 ≈ 0.25 %. A shorter memory (2-4 turnovers) or a fuller table (false positives send
+one-time keys to a protected segment) measured worse at small capacities (docs/policy.md).
+Counters are bytes, not nibbles: packing two per byte halves the memory but doubles the NumPy
+calls per job, and for the small jobs a trace is made of the calls are the cost.
 
-Everything is vectorised over a job's keys (one NumPy pass per step, no Python loop per key).
+Everything is vectorised over a job's keys (a dozen NumPy calls per job, no Python loop per key).
+Python's ``hash`` is salted per process, so which keys collide, and with it a replay's hit rate
+in the third decimal, changes from one run to the next (``PYTHONHASHSEED`` fixes it).
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ WIDTH_PER_ENTRY = 16
 MIN_WIDTH_BITS = 10
 _ODD = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
                 dtype=np.uint64)[:ROWS, None]
-_ONE = np.uint64(1)
 
 
 def fingerprints(keys: Sequence[bytes]) -> np.ndarray:
@@ -46,12 +49,12 @@ def fingerprints(keys: Sequence[bytes]) -> np.ndarray:
 class FrequencySketch:
     def __init__(self) -> None:
         self._bits = MIN_WIDTH_BITS
-        self._table = np.zeros((ROWS, (1 << self._bits) // 2), dtype=np.uint8)   # two counters a byte
+        self._table = np.zeros((ROWS, 1 << self._bits), dtype=np.uint8)
         self._added = 0
-        self._row_base = self._bases()
+        self._rows = self._row_starts()
 
-    def _bases(self) -> np.ndarray:
-        return (np.arange(ROWS, dtype=np.uint64) * np.uint64(self._table.shape[1]))[:, None]
+    def _row_starts(self) -> np.ndarray:
+        return (np.arange(ROWS, dtype=np.uint64) << np.uint64(self._bits))[:, None]
 
     @property
     def width(self) -> int:
@@ -68,44 +71,34 @@ class FrequencySketch:
     def fit(self, entries: int) -> None:
         """Widen (never narrow) to at least ``WIDTH_PER_ENTRY`` counters per entry."""
         while WIDTH_PER_ENTRY * entries > self.width:
-            low, high = self._table & 15, self._table >> 4
-            wide = np.empty((ROWS, self._table.shape[1] * 2), dtype=np.uint8)
-            wide[:, 0::2] = low | (low << 4)        # counter 2j -> 4j, 4j+1 (byte 2j)
-            wide[:, 1::2] = high | (high << 4)      # counter 2j+1 -> 4j+2, 4j+3 (byte 2j+1)
-            self._table = wide
+            self._table = np.repeat(self._table, 2, axis=1)
             self._bits += 1
-            self._row_base = self._bases()
+            self._rows = self._row_starts()
 
-    def _locate(self, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(byte index into the flat table, bit shift of the counter) for each row x key."""
+    def _locate(self, fps: np.ndarray) -> np.ndarray:
+        """Index into the flat table of each key's counter in each row (ROWS x keys)."""
         at = (fps * _ODD) >> np.uint64(64 - self._bits)
-        shift = (at.astype(np.uint8) & 1) << 2
-        at >>= _ONE
-        at += self._row_base
-        return at, shift
+        at += self._rows
+        return at
 
     def estimate(self, fps: np.ndarray) -> np.ndarray:
         """How often each key was counted (an upper estimate), without counting it."""
         if not len(fps):
             return np.zeros(0, dtype=np.uint8)
-        at, shift = self._locate(fps)
-        return ((self._table.ravel()[at] >> shift) & 15).min(axis=0)
+        return self._table.ravel()[self._locate(fps)].min(axis=0)
 
     def count(self, fps: np.ndarray) -> np.ndarray:
         """Count each key once more; returns the estimates from before."""
         if not len(fps):
             return np.zeros(0, dtype=np.uint8)
         flat = self._table.ravel()
-        at, shift = self._locate(fps)
-        counters = (flat[at] >> shift) & 15
-        grow = counters < MAX
-        for nibble in (0, 4):          # low then high counters: two keys may share a byte
-            sel = grow & (shift == nibble)
-            cells = at[sel]
-            flat[cells] = flat[cells] + np.uint8(1 << nibble)
+        at = self._locate(fps)
+        counters = flat[at]
+        before = counters.min(axis=0)
+        counters += counters < MAX
+        flat[at] = counters
         self._added += len(fps)
         if self._added >= self.period:
             self._table >>= 1
-            self._table &= 0x77
             self._added = 0
-        return counters.min(axis=0)
+        return before

@@ -82,7 +82,7 @@ def test_size_follows_the_entries_and_never_shrinks():
     s.fit(1_000)
     width = s.width
     assert sketch.WIDTH_PER_ENTRY * 1_000 <= width < 2 * sketch.WIDTH_PER_ENTRY * 1_000
-    assert s.nbytes == sketch.ROWS * width // 2   # 4-bit counters
+    assert s.nbytes == sketch.ROWS * width        # a byte per counter
     s.fit(10)
     assert s.width == width
 

@@ -308,5 +308,5 @@ def test_command_line_prints_the_table(tmp_path, capsys):
     f = write(tmp_path / "talks.jsonl", conversations(0, 30))
     assert traces.main([str(f), "--capacity", "0.2", "--policy", "lru,slru"]) == 0
     out = capsys.readouterr().out
-    assert "talks.jsonl: 30 requests" in out and "belady" in out and "slru" in out
+    assert "| talks.jsonl | 0.2 |" in out and "Belady" in out and "x LRU" in out
     assert traces.main([str(tmp_path / "missing.jsonl")]) == 2
