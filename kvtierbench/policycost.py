@@ -3,14 +3,14 @@
 A policy holding ``entries`` evictable entries (a full cache: every store evicts as many as it
 adds) is driven with jobs of ``batch`` keys, as the daemon's index drives it:
 
-- lookup: ``accessed`` of ``batch`` cached slots (a request's hit prefix);
+- lookup: ``accessed`` of the slots of an earlier store job that are still cached (a request's
+  hit prefix: what one job stored, in its order), the job drawn uniformly;
 - load: ``pinned`` then ``unpinned`` of them;
 - store: ``victims`` for ``batch`` slots, ``removed`` of those, ``inserted`` of ``batch`` new keys.
 
 Each round times every policy once per operation, in turn (so that all of them see the same
 machine load), with the thread's CPU time; the figure is the median over rounds, in ns per key,
-and its ratio to LRU's. The lookups pick slots uniformly, so about half of them are in a
-segmented policy's probation: its slow path, the worst case.
+and its ratio to LRU's.
 
 ``trace_cost`` measures the same on a trace: the hook calls of a replay (``kvtierbench.traces``)
 are recorded, then played again on a fresh policy and timed, minus the loop's own cost; the
@@ -35,17 +35,16 @@ OPS = ("lookup", "load", "store")
 
 
 class _Driver:
-    """One policy with a full cache of ``entries`` slots and its key for each slot."""
+    """One policy with a full cache of ``entries`` slots, stored in jobs of ``batch``."""
 
     def __init__(self, factory: Callable[[], object], entries: int, batch: int, seed: int):
         self.policy = factory()
         self.batch = batch
         self.rng = random.Random(seed)
         self.next_key = 0
-        self.slots = list(range(entries))
-        for start in range(0, entries, batch):
-            chunk = self.slots[start:start + batch]
-            self.policy.inserted(chunk, self._keys(len(chunk)), chain=True)
+        self.jobs = [list(range(start, min(start + batch, entries))) for start in range(0, entries, batch)]
+        for job in self.jobs:
+            self.policy.inserted(job, self._keys(len(job)), chain=True)
 
     def _keys(self, n: int) -> list[bytes]:
         first, self.next_key = self.next_key, self.next_key + n
@@ -54,9 +53,14 @@ class _Driver:
     def prepare(self, op: str):
         if op == "store":
             return self._keys(self.batch)
-        return self.rng.sample(self.slots, self.batch)
+        while True:
+            job = self.rng.choice(self.jobs)
+            cached = [slot for slot in job if slot in self.policy]
+            if cached:
+                return cached
 
-    def run(self, op: str, arg) -> None:
+    def run(self, op: str, arg) -> int:
+        """Runs one job; returns its number of keys."""
         p = self.policy
         if op == "lookup":
             p.accessed(arg)
@@ -71,6 +75,11 @@ class _Driver:
                     break
             p.removed(victims)
             p.inserted(victims, arg, chain=True)
+            self.jobs.append(victims)
+            if len(self.jobs) > 4 * len(p) // self.batch:
+                del self.jobs[: len(self.jobs) // 2]
+            return len(victims)
+        return len(arg)
 
 
 def measure(factories: dict[str, Callable[[], object]], entries: int = 100_000, batch: int = 256,
@@ -84,8 +93,8 @@ def measure(factories: dict[str, Callable[[], object]], entries: int = 100_000, 
             for name, d in drivers.items():
                 arg = d.prepare(op)
                 t0 = clock()
-                d.run(op, arg)
-                samples[name][op].append((clock() - t0) / batch)
+                keys = d.run(op, arg)
+                samples[name][op].append((clock() - t0) / keys)
     return {n: {op: statistics.median(v) for op, v in ops.items()} for n, ops in samples.items()}
 
 

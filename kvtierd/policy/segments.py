@@ -2,8 +2,8 @@
 
 Each evictable entry is in exactly one *segment* (an OrderedDict of slots, oldest first); a
 pinned one is in none and sits in ``_pinned`` until it is released. ``removed`` and ``pinned``
-pop the slots from every segment with one C-level pass per segment, so no per-slot record of
-"which segment" is kept. The segments' total plus the pinned entries (``_tracked``) stands in
+pop the slots with C-level passes (one when they all sit in one segment), so no per-slot record
+of "which segment" is kept. The segments' total plus the pinned entries (``_tracked``) stands in
 for the cache's size: a policy never knows the region's capacity, only what it holds, which is
 the capacity once the region is full (the only time eviction happens).
 
@@ -41,14 +41,30 @@ class SegmentedPolicy(Policy):
         return len(self) + len(self._pinned)
 
     def pinned(self, slots: Slots) -> None:
-        for segment in self._segments:
-            deque(map(segment.pop, slots, repeat(None)), 0)
+        self._drop(slots)
         self._pinned.update(slots)
 
     def removed(self, slots: Slots) -> None:
+        self._drop(slots)
+        if self._pinned:
+            self._pinned.difference_update(slots)
+
+    def _drop(self, slots: Slots) -> None:
+        """Take the slots out of their segments. One pass when they are all in the segment of
+        the first (a load pins what its lookup just moved together; victims come from one end);
+        otherwise, from the first one elsewhere, a pass per segment."""
+        rest = slots
         for segment in self._segments:
-            deque(map(segment.pop, slots, repeat(None)), 0)
-        self._pinned.difference_update(slots)
+            if slots and slots[0] in segment:
+                rest = iter(slots)
+                try:
+                    deque(map(segment.pop, rest), 0)
+                    return
+                except KeyError as exc:
+                    rest = [exc.args[0], *rest]
+                break
+        for segment in self._segments:
+            deque(map(segment.pop, rest, repeat(None)), 0)
 
     def _place(self, slots: Slots, keys: Sequence[bytes], chain: bool, known_into: "OrderedDict[int, None]",
                new_into: "OrderedDict[int, None]", refused_into: "OrderedDict[int, None] | None" = None) -> list[bool]:
