@@ -16,14 +16,15 @@ Chains are stored tail first and a chain's unseen last key is the first victim
 (``SegmentedPolicy._place``).
 
 Cost: ``accessed`` is LRU's one C-level pass when every entry is protected; from the first one
-that is not, a set intersection finds those in probation and the pass goes on over the rest.
-``inserted`` adds the sketch's vectorised count. ``victims`` walks the two segments read-only.
+that is not, the rest not protected are marked (a dict update; the next walk promotes them in
+one batch) and the pass goes on over the protected ones. ``inserted`` adds the sketch's vectorised count. ``victims`` walks the
+two segments read-only.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from itertools import chain as chained, islice, repeat
+from itertools import chain as chained, filterfalse, islice, repeat
 from typing import Iterator, Sequence
 
 from . import Slots
@@ -41,6 +42,7 @@ class SLRUPolicy(SegmentedPolicy):
         self.protected_share = protected_share
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
+        self._marked: dict[int, None] = {}      # used since the last walk, in order of use
         super().__init__(self._probation, self._protected)
 
     def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True) -> None:
@@ -55,22 +57,23 @@ class SLRUPolicy(SegmentedPolicy):
             return
         except KeyError as exc:
             rest = [exc.args[0], *rest]                     # from the first one not protected
-        # Those in probation are promoted; pinned ones stay out. The slots before ``rest`` are
-        # at the young end already, in order; ``rest`` goes after them, in order.
-        promoted = self._probation.keys() & rest
-        if promoted:
-            deque(map(self._probation.pop, promoted), 0)
-            protected.update(zip(promoted, repeat(None)))
-            self._counts["promoted"] += len(promoted)
+        # Entries in probation (or pinned) are only marked here; the next victim walk promotes
+        # the marked ones still in probation, all at once (``_promote``). Only the walk tells
+        # the segments apart, so promoting earlier would change nothing it sees, and a lookup
+        # then costs a dict update instead of three OrderedDict moves per promoted entry.
+        self._marked.update(zip(filterfalse(protected.__contains__, rest), repeat(None)))
         deque(map(protected.move_to_end, filter(protected.__contains__, rest)), 0)
-        if promoted:
-            self._fit()
 
     def unpinned(self, slots: Slots) -> None:
         """A released load: the entries were just used, so they come back protected."""
         self._pinned.difference_update(slots)
         self._protected.update(zip(slots, repeat(None)))
         self._fit()
+
+    def removed(self, slots: Slots) -> None:
+        super().removed(slots)
+        if self._marked:                        # a freed slot's mark must not pass to its next entry
+            deque(map(self._marked.pop, slots, repeat(None)), 0)
 
     def recovered(self, slots_oldest_first: Slots, keys: Sequence[bytes]) -> None:
         self._remember(slots_oldest_first, keys, self._probation)
@@ -85,7 +88,21 @@ class SLRUPolicy(SegmentedPolicy):
             self._probation.update(zip(moved, repeat(None)))
 
     def victims(self, exclude: "set[int] | frozenset[int]" = frozenset()) -> Iterator[int]:
+        if self._marked:
+            self._promote()
         return (slot for slot in chained(self._probation, self._protected) if slot not in exclude)
+
+    def _promote(self) -> None:
+        """Probation entries used since the last walk move to protected's young end, in the
+        order of their first use; marks on entries elsewhere (protected, pinned, gone) lapse."""
+        marked, self._marked = self._marked, {}
+        probation = self._probation
+        promoted = list(filter(probation.__contains__, marked))
+        if promoted:
+            deque(map(probation.pop, promoted), 0)
+            self._protected.update(zip(promoted, repeat(None)))
+            self._counts["promoted"] += len(promoted)
+            self._fit()
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "probation": len(self._probation), "protected": len(self._protected)}

@@ -47,19 +47,32 @@ def test_a_key_stored_again_after_eviction_is_remembered_into_protected():
 def test_protected_is_capped_and_its_overflow_returns_to_probation_young_end():
     p = SLRUPolicy(protected_share=0.5)
     p.inserted(list(range(8)), keys(*range(8)), chain=False)
-    p.accessed([0, 1, 2, 3, 4, 5])                  # 6 used, at most 4 of 8 stay protected
-    stats = p.stats()
-    assert (stats["protected"], stats["probation"]) == (4, 4)
-    # probation: 6, 7 (never used), then 0, 1 (used least recently, demoted); protected: 2..5
+    p.accessed([0, 1, 2, 3, 4, 5])                  # marked; the next walk promotes them
+    assert p.stats()["protected"] == 0
+    # Promoted in order of use; at most int(0.5 x 8) = 4 stay protected, so 0 and 1 (the least
+    # recently used of them) go back to probation's young end, behind 6 and 7.
     assert list(p.victims()) == [6, 7, 0, 1, 2, 3, 4, 5]
+    stats = p.stats()
+    assert (stats["protected"], stats["probation"], stats["promoted"]) == (4, 4, 6)
 
 
 def test_access_order_decides_within_protected():
     p = SLRUPolicy(protected_share=1.0)
     p.inserted([1, 2, 3], keys(1, 2, 3), chain=False)
-    p.accessed([1, 2, 3])
-    p.accessed([1])
-    assert list(p.victims()) == [2, 3, 1]
+    p.accessed([3, 1, 2])
+    assert list(p.victims()) == [3, 1, 2]           # promoted in the order of use
+    p.accessed([3])                                 # protected: moved at once
+    assert list(p.victims()) == [1, 2, 3]
+
+
+def test_a_freed_slot_does_not_pass_its_mark_to_the_next_entry():
+    p = SLRUPolicy()
+    p.inserted([1, 2], keys(1, 2), chain=False)
+    p.accessed([1])                                 # marked
+    p.removed([1])                                  # evicted before any walk
+    p.inserted([1], keys(3), chain=False)           # the slot holds a new entry
+    assert list(p.victims()) == [2, 1]              # neither was used: both in probation
+    assert p.stats()["promoted"] == 0
 
 
 def test_pinned_entries_keep_out_until_released_then_come_back_protected():

@@ -98,9 +98,9 @@ def test_slices_full_blocks_and_capacity(tmp_path):
 # evicts 6 for 7, r7 evicts 2 for 8. r8 hits 1 only (1 hit). Total 3.
 #
 # SLRU (protected share 0.5: int(0.5 x 3) = 1 protected entry). r1: probation [2, 1] (the chain
-# goes in tail first; 2 is its new last key: first in line). r2 hits 2: both promoted, the
-# overflow (1, least recently used) demoted: probation [1], protected [2]; the load's release
-# does the same again. r3: probation [5, 1] (5 refused: first in line). r4 evicts 5:
+# goes in tail first; 2 is its new last key: first in line). r2 hits 2: the lookup marks them,
+# the load's release promotes both and the overflow (1, the older) goes back: probation [1],
+# protected [2]. r3: probation [5, 1] (5 refused: first in line). r4 evicts 5:
 # probation [6, 1]. r5 hits 1, 2 (2 hits): 1 promoted then demoted again, 2 stays protected.
 # r6 evicts 6, r7 evicts 7. r8 hits 2. Total 6.
 #
@@ -209,12 +209,13 @@ class ListLRU:
 
 class ListSLRU:
     """SLRU as two lists, written from kvtierd/policy/slru.py's docstring: probation then
-    protected; use promotes; a remembered key goes protected; protected keeps at most
+    protected; an entry used in probation is promoted when the next walk starts (in order of
+    first use), a released load at once; a remembered key goes protected; protected keeps at most
     int(share x tracked), its oldest overflow going to probation's young end; a chain goes in
-    tail first and its new last key goes first in line; a released load comes back protected."""
+    tail first and its new last key goes first in line."""
 
     def __init__(self, share):
-        self.share, self.p, self.q, self.pins, self.seen = share, [], [], set(), set()
+        self.share, self.p, self.q, self.pins, self.seen, self.marked = share, [], [], set(), set(), []
 
     def fit(self):
         while len(self.q) > int(self.share * (len(self.p) + len(self.q) + len(self.pins))):
@@ -233,16 +234,15 @@ class ListSLRU:
 
     def accessed(self, slots):
         for s in slots:
-            if s in self.p:
-                self.p.remove(s)
-                self.q.append(s)
-            elif s in self.q:
+            if s in self.q:
                 self.q.remove(s)
                 self.q.append(s)
-        self.fit()
+            elif s not in self.marked:
+                self.marked.append(s)
 
     def pinned(self, slots):
-        self.removed(slots)
+        self.p = [s for s in self.p if s not in slots]
+        self.q = [s for s in self.q if s not in slots]
         self.pins.update(slots)
 
     def unpinned(self, slots):
@@ -251,11 +251,17 @@ class ListSLRU:
         self.fit()
 
     def removed(self, slots):
-        self.p = [s for s in self.p if s not in slots]
-        self.q = [s for s in self.q if s not in slots]
+        self.pinned(slots)
         self.pins.difference_update(slots)
+        self.marked = [s for s in self.marked if s not in slots]
 
     def victims(self, exclude=frozenset()):
+        promoted = [s for s in self.marked if s in self.p]
+        self.marked = []
+        if promoted:
+            self.p = [s for s in self.p if s not in promoted]
+            self.q.extend(promoted)
+            self.fit()
         return iter([s for s in self.p + self.q if s not in exclude])
 
     def __contains__(self, s):
