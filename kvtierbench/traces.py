@@ -31,6 +31,9 @@ under prefixes: every cached block's prefix is cached, every block hit is a pref
 block-hit optimum (which bounds prefix hits from above) is reached with prefix hits. It is
 therefore the best any policy can do — including one that refuses blocks (admission); a policy
 that must keep every stored block gets at most the same.
+
+``python -m kvtierbench.traces FILE...`` prints each policy's hit rate beside Belady's as a
+Markdown table (docs/policy.md has the method and the results).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import sys
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -271,20 +274,6 @@ def replay(trace: Trace, policy, capacity: int, check: bool = False) -> Result:
                 key_at[slot] = key
             policy.inserted(slots, stored, chain=True)
     return Result(hits, refs, evictions, not_stored, policy.stats())
-
-
-def compare(trace: Trace, factories: dict[str, Callable[[], object]],
-            fractions: Iterable[float] = DEFAULT_CAPACITIES) -> list[dict]:
-    """One row per capacity: each policy's prefix hit rate and Belady's, from the same trace."""
-    rows = []
-    for fraction in fractions:
-        cap = capacity(trace, fraction)
-        row = {"trace": trace.name, "capacity": fraction, "blocks": cap,
-               "belady": belady(trace, cap).hit_rate}
-        for name, factory in factories.items():
-            row[name] = replay(trace, factory(), cap).hit_rate
-        rows.append(row)
-    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,14 +14,19 @@ this, so implementations use C-level passes over the list, not a Python loop per
   keys it no longer holds (a ghost list, a frequency sketch) needs them, since slots are reused.
   ``chain=True`` says the keys form a prefix chain (each extends the one before it — how vLLM and
   SGLang send a request's blocks), so the later ones are worth nothing without the earlier ones.
-- ``accessed(slots)``: looked up, loaded or stored again (only evictable slots count).
-- ``pinned(slots)`` / ``unpinned(slots)``: left / re-entered the evictable set (a load's pins).
-  A policy keeps what it knows about a pinned entry; it just never chooses it.
+- ``accessed(slots)``: READY entries looked up, loaded or stored again; pinned ones are ignored.
+- ``pinned(slots)`` / ``unpinned(slots)``: left / re-entered the evictable set (a load's first pin
+  / its last release). A policy keeps what it knows about a pinned entry; it never chooses it.
 - ``removed(slots)``: freed (evicted, cleared, aborted); slots it does not hold are ignored.
 - ``recovered(slots_oldest_first, keys)``: bulk rebuild after a restart, least recently used first.
 - ``victims(exclude)``: evictable slots not in ``exclude``, best victim first. A policy may
-  reorganise itself while walking (promote an entry it passes over), never drop an entry.
+  reorganise itself while walking (promote an entry it passes over), never drop an entry; the
+  caller frees what it took before or after it drops the iterator.
 - ``stats()``: the policy's own counters (admitted/refused, promotions, entries per segment).
+
+A policy never knows the region's capacity; segment sizes follow what it tracks (evictable and
+pinned entries), which is the capacity whenever eviction happens. docs/policy.md: how the default
+was chosen.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from abc import ABC, abstractmethod
 from typing import Callable, Iterator, Sequence
 
 Slots = Sequence[int]
+
+DEFAULT = "slru"        # chosen by replaying traces against LRU and Belady: docs/policy.md
 
 
 class Policy(ABC):

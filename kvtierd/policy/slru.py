@@ -4,8 +4,9 @@ Two LRU segments over the evictable entries:
 
 - *probation*: entries not used since they were stored. Victims come from here first, least
   recently stored first.
-- *protected*: entries used again (looked up, loaded, stored again) while cached, and entries
-  whose key the sketch remembers (stored before, evicted, now stored again: a second chance plain
+- *protected*: entries used again (looked up, loaded, stored again) while cached — promoted when
+  the next victim walk starts, or at once for a released load — and entries whose key the sketch
+  remembers (stored before, evicted, now stored again: a second chance plain
   LRU never gives). At most ``PROTECTED_SHARE`` of the tracked entries; the overflow (its least
   recently used) goes back to probation's young end. Victims come from here when probation is
   empty.
@@ -17,8 +18,8 @@ Chains are stored tail first and a chain's unseen last key is the first victim
 
 Cost: ``accessed`` is LRU's one C-level pass when every entry is protected; from the first one
 that is not, the rest not protected are marked (a dict update; the next walk promotes them in
-one batch) and the pass goes on over the protected ones. ``inserted`` adds the sketch's vectorised count. ``victims`` walks the
-two segments read-only.
+one batch) and the pass goes on over the protected ones. ``inserted`` adds the sketch's
+vectorised count. ``victims`` walks the two segments read-only.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from typing import Iterator, Sequence
 from . import Slots
 from .segments import SegmentedPolicy
 
-# Measured (docs/policy.md): 0.8 falls below LRU at 20 % capacity on the conversation trace,
-# 0.2 gives up most of the gain at 2-5 %; 0.5 is above LRU at every capacity and slice.
+# Measured (docs/policy.md): 0.7 and above fall to or below LRU at 20 % capacity on the
+# conversation trace, 0.3 gives up a third of the gain at 2 %; 0.5 is above LRU in every cell.
 PROTECTED_SHARE = 0.5
 
 
