@@ -1,0 +1,116 @@
+"""What the segmented policies (slru, s3fifo, tinylfu) share: queues of slots, pins, a key memory.
+
+Each evictable entry is in exactly one *segment* (an OrderedDict of slots, oldest first); a
+pinned one is in none and sits in ``_pinned`` until it is released. ``removed`` and ``pinned``
+pop the slots with C-level passes (one when they all sit in one segment), so no per-slot record
+of "which segment" is kept. The segments' total plus the pinned entries (``_tracked``) stands in
+for the cache's size: a policy never knows the region's capacity, only what it holds, which is
+the capacity once the region is full (the only time eviction happens).
+
+Stores go through ``_place``: it asks the sketch (``kvtierd.policy.sketch``) which keys were seen
+before, puts a chain in tail first (so the tail of a job is evicted before its head) and applies
+the admission rule shared by all three: the last key of a chain, never seen before, goes to the
+old end of the first segment victims come from — refused in all but name.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from itertools import compress, repeat
+from operator import not_
+from typing import Sequence
+
+from . import Policy, PolicyStats, Slots
+from .sketch import FrequencySketch, fingerprints
+
+
+class SegmentedPolicy(Policy):
+    def __init__(self, *segments: "OrderedDict[int, None]") -> None:
+        self._segments = segments
+        self._pinned: set[int] = set()
+        self._sketch = FrequencySketch()
+        self._counts = {"admitted": 0, "refused": 0, "remembered": 0, "promoted": 0}
+        self._evicted = dict.fromkeys(self.segments, 0)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._segments))
+
+    def __contains__(self, slot: int) -> bool:
+        return any(slot in segment for segment in self._segments)
+
+    def _tracked(self) -> int:
+        return len(self) + len(self._pinned)
+
+    def pinned(self, slots: Slots) -> None:
+        self._drop(slots)
+        self._pinned.update(slots)
+
+    def removed(self, slots: Slots) -> None:
+        before = list(map(len, self._segments))
+        self._drop(slots)
+        if self._pinned:
+            self._pinned.difference_update(slots)
+        self._count_evicted(before)
+
+    def _count_evicted(self, before: list[int]) -> None:
+        """Count what left each segment since its size was ``before`` (``PolicyStats.evicted``)."""
+        evicted = self._evicted
+        for name, segment, size in zip(self.segments, self._segments, before):
+            if size != len(segment):
+                evicted[name] += size - len(segment)
+
+    def _drop(self, slots: Slots) -> None:
+        """Take the slots out of their segments. One pass when they are all in the segment of
+        the first (a load pins what its lookup just moved together; victims come from one end);
+        otherwise, from the first one elsewhere, a pass per segment."""
+        rest = slots
+        for segment in self._segments:
+            if slots and slots[0] in segment:
+                rest = iter(slots)
+                try:
+                    deque(map(segment.pop, rest), 0)
+                    return
+                except KeyError as exc:
+                    rest = [exc.args[0], *rest]
+                break
+        for segment in self._segments:
+            deque(map(segment.pop, rest, repeat(None)), 0)
+
+    def _place(self, slots: Slots, keys: Sequence[bytes], chain: bool, known_into: "OrderedDict[int, None]",
+               new_into: "OrderedDict[int, None]", refused_into: "OrderedDict[int, None] | None" = None) -> list[bool]:
+        """Store ``slots`` at the young ends: keys seen before into ``known_into``, the others into
+        ``new_into``; a chain tail first; a chain's unseen last key at the old end of
+        ``refused_into`` (default ``new_into``): the first victim. Returns whether each key (in
+        ``slots`` order) was seen before."""
+        self._sketch.fit(self._tracked() + len(slots))
+        known = (self._sketch.count(fingerprints(keys)) > 0).tolist()
+        order, seen = (slots[::-1], known[::-1]) if chain else (slots, known)
+        remembered = list(compress(order, seen))
+        known_into.update(zip(remembered, repeat(None)))
+        new_into.update(zip(compress(order, map(not_, seen)), repeat(None)))
+        counts = self._counts
+        counts["remembered"] += len(remembered)
+        counts["admitted"] += len(slots) - len(remembered)
+        if chain and not known[-1]:
+            tail = slots[-1]
+            if refused_into is not None and refused_into is not new_into:
+                del new_into[tail]
+                refused_into[tail] = None
+            (refused_into if refused_into is not None else new_into).move_to_end(tail, last=False)
+            counts["refused"] += 1
+            counts["admitted"] -= 1
+        return known
+
+    def _remember(self, slots_oldest_first: Slots, keys: Sequence[bytes], into: "OrderedDict[int, None]") -> None:
+        """``recovered``: after a restart the sketch learns the keys; the entries go into one
+        segment in their recency order (nothing says which were used more than once)."""
+        self._sketch.fit(self._tracked() + len(slots_oldest_first))
+        self._sketch.count(fingerprints(keys))
+        into.update(zip(slots_oldest_first, repeat(None)))
+
+    def stats(self) -> PolicyStats:
+        counts = self._counts
+        return {"admitted": counts["admitted"], "refused": counts["refused"],
+                "segments": dict(zip(self.segments, map(len, self._segments))), "evicted": dict(self._evicted),
+                "extra": {**{k: v for k, v in counts.items() if k not in ("admitted", "refused")},
+                          "pinned": len(self._pinned), "sketch_bytes": self._sketch.nbytes}}
