@@ -18,8 +18,11 @@ index gives it for the same requests, with one block per entry slot:
 2. load of the hits (pin, copy, release) → ``pinned(hits)``, ``unpinned(hits)``;
 3. store job of the remaining keys: those already cached → ``accessed(present)``; room for the
    others from ``victims(exclude=present)`` (the index frees them → ``removed``); the new entries
-   become READY → ``inserted(new, keys, chain=True)``. When the job does not fit even after
+   become READY → ``inserted(new, keys, chain=True, cold)``. When the job does not fit even after
    evicting everything evictable, the keys past the room are not stored (the daemon's NO_SPACE).
+   The job says ``cold_tail`` 1 when the request's last block is partial (``Trace.cold_tails``):
+   what a client that knows its blocks' token counts can tell the daemon. ``job_keys`` splits
+   the store into jobs of at most that many keys (an engine storing a long prompt step by step).
 
 **Belady reference** (``belady``): the offline optimum for *prefix* hits. After each request the
 cache may keep any set of at most ``capacity`` blocks drawn from what it held and the request's
@@ -78,6 +81,14 @@ class Trace:
         lengths = self.input_lengths[start:stop] if self.input_lengths is not None else None
         return Trace(label or f"{self.name}[{start}:{stop}]", self.requests[start:stop], lengths)
 
+    def cold_tails(self, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+        """Per request, the ``cold_tail`` its store job carries: 1 when its last block is partial
+        (``input_length`` not a multiple of ``block_tokens``: a block no longer prompt extends,
+        which only an identical prompt reuses), else 0; all 0 without ``input_length``."""
+        if self.input_lengths is None:
+            return [0] * len(self.requests)
+        return [int(bool(ids) and n % block_tokens != 0) for ids, n in zip(self.requests, self.input_lengths)]
+
     def full_blocks(self, block_tokens: int = BLOCK_TOKENS) -> "Trace":
         """The trace without each prompt's partial last block (``input_length`` not a multiple
         of ``block_tokens``): engines store full blocks only."""
@@ -85,7 +96,8 @@ class Trace:
             raise TraceError(f"{self.name}: full_blocks needs input_length on every line")
         requests = [ids[: n // block_tokens] if n % block_tokens else ids
                     for ids, n in zip(self.requests, self.input_lengths)]
-        return Trace(f"{self.name} full blocks", requests, self.input_lengths)
+        return Trace(f"{self.name} full blocks", requests,
+                     [n - n % block_tokens for n in self.input_lengths])
 
 
 def load(path: str | Path) -> Trace:
@@ -223,15 +235,17 @@ def belady(trace: Trace, capacity: int, bypass: bool = True) -> Result:
     return Result(hits, refs)
 
 
-def replay(trace: Trace, policy, capacity: int, check: bool = False) -> Result:
-    """Prefix hits of ``policy`` at ``capacity`` blocks, driven like the daemon's index drives
-    it (module docstring). ``check`` asserts the policy's answers are admissible (tests)."""
+def replay(trace: Trace, policy, capacity: int, check: bool = False, job_keys: int | None = None) -> Result:
+    """Prefix hits of ``policy`` at ``capacity`` blocks, driven like the daemon's index drives it
+    (module docstring). ``job_keys``: store a request's missing keys in jobs of at most this many
+    (as an engine stores a long prompt over several scheduling steps); ``check`` asserts the
+    policy's answers are admissible (tests)."""
     keys = {i: key_of(i) for ids in trace.requests for i in ids}
     index: dict[bytes, int] = {}
     key_at: list[bytes | None] = [None] * capacity
     free = list(range(capacity - 1, -1, -1))
     hits = refs = evictions = not_stored = 0
-    for ids in trace.requests:
+    for ids, cold in zip(trace.requests, trace.cold_tails()):
         request = list(map(keys.__getitem__, ids))
         found = list(map(index.get, request))
         n = found.index(None) if None in found else len(found)
@@ -242,37 +256,41 @@ def replay(trace: Trace, policy, capacity: int, check: bool = False) -> Result:
             policy.accessed(hit)           # lookup
             policy.pinned(hit)             # load: pinned while the ranks copy, then released
             policy.unpinned(hit)
-        if n == len(request):
-            continue
-        rest = request[n:]
-        present = [s for s in found[n:] if s is not None]
-        if present:
-            policy.accessed(present)       # the store job's keys that are cached already
-        new = [k for k, s in zip(rest, found[n:]) if s is None]
-        need = len(new) - len(free)
-        if need > 0:
-            exclude = set(present)
-            victims = list(islice(policy.victims(exclude), need))
-            if check:
-                assert len(set(victims)) == len(victims), "a victim was chosen twice"
-                assert all(v in policy and v not in exclude and key_at[v] is not None for v in victims), \
-                    "a victim that is not evictable, excluded, or not cached"
-            policy.removed(victims)
-            for v in victims:
-                del index[key_at[v]]
-                key_at[v] = None
-            free.extend(victims)
-            evictions += len(victims)
-        fit = min(len(new), len(free))
-        not_stored += len(new) - fit
-        if fit:
-            slots = free[-fit:][::-1]
-            del free[-fit:]
-            stored = new[:fit]
-            index.update(zip(stored, slots))
-            for slot, key in zip(slots, stored):
-                key_at[slot] = key
-            policy.inserted(slots, stored, chain=True)
+        part = job_keys or len(request)
+        for start in range(n, len(request), part):
+            job = request[start:start + part]
+            found = list(map(index.get, job))
+            present = [s for s in found if s is not None]
+            if present:
+                policy.accessed(present)   # the store job's keys that are cached already
+            new = [k for k, s in zip(job, found) if s is None]
+            need = len(new) - len(free)
+            if need > 0:
+                exclude = set(present)
+                victims = list(islice(policy.victims(exclude), need))
+                if check:
+                    assert len(set(victims)) == len(victims), "a victim was chosen twice"
+                    assert all(v in policy and v not in exclude and key_at[v] is not None for v in victims), \
+                        "a victim that is not evictable, excluded, or not cached"
+                policy.removed(victims)
+                for v in victims:
+                    del index[key_at[v]]
+                    key_at[v] = None
+                free.extend(victims)
+                evictions += len(victims)
+            fit = min(len(new), len(free))
+            not_stored += len(new) - fit
+            if fit:
+                slots = free[-fit:][::-1]
+                del free[-fit:]
+                stored = new[:fit]
+                index.update(zip(stored, slots))
+                for slot, key in zip(slots, stored):
+                    key_at[slot] = key
+                # The request's cold tail is in its last job; the policy hears of the written keys
+                # among it (the daemon counts them the same way).
+                tail = set(job[-cold:]) if cold and start + part >= len(request) else ()
+                policy.inserted(slots, stored, True, sum(map(tail.__contains__, stored)) if tail else 0)
     return Result(hits, refs, evictions, not_stored, policy.stats())
 
 
@@ -288,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policy", default=",".join(known), help=f"comma-separated, of {', '.join(known)}")
     ap.add_argument("--slice", help="START:STOP: replay only these requests (replay order)")
     ap.add_argument("--full-blocks", action="store_true", help="drop each prompt's partial last block")
+    ap.add_argument("--job-keys", type=int, help="store a request's missing keys in jobs of at most this many")
     args = ap.parse_args(argv)
     names = args.policy.split(",")
     unknown = [n for n in names if n not in known]
@@ -310,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for fraction in fractions:
             cap = capacity(trace, fraction)
             best = belady(trace, cap).hit_rate
-            rates = {name: replay(trace, create(name), cap).hit_rate for name in names}
+            rates = {name: replay(trace, create(name), cap, job_keys=args.job_keys).hit_rate for name in names}
             cells = []
             for name in names:
                 rate = rates[name]

@@ -4,13 +4,16 @@ A policy only chooses; the index frees. It tracks the *evictable* entries — RE
 by a load (later: nor leased) — named by their entry-table slot, and hears of every change to
 that set through hooks named after what happened to the entries:
 
-``inserted(slots, keys, chain)``  the entries became READY (a store job's last vote), in the store
-                             request's key order. ``keys`` are their keys, same order: a policy
-                             that remembers keys it no longer holds (a frequency sketch) needs
-                             them, since slots are reused. ``chain``: those keys are one request's
-                             prefix chain, each extending the one before (how vLLM and SGLang send
-                             a request's blocks), so a later one is worth nothing without the
-                             earlier ones; a client whose jobs are not chains says so on the wire
+``inserted(slots, keys, chain, cold)``  the entries became READY (a store job's last vote), in
+                             the store request's key order. ``keys`` are their keys, same order: a
+                             policy that remembers keys it no longer holds (a frequency sketch)
+                             needs them, since slots are reused. ``chain``: those keys are one
+                             request's prefix chain, each extending the one before (how vLLM and
+                             SGLang send a request's blocks), so a later one is worth nothing
+                             without the earlier ones; a client whose jobs are not chains says so
+                             on the wire. ``cold``: the client expects no reuse of the last
+                             ``cold`` of them (the store request's ``cold_tail``); a policy may
+                             place them first in line for eviction (it counts them refused)
 ``accessed(slots)``          looked up, loaded or stored again (slots not in the set are ignored)
 ``pinned(slots)``            left the evictable set (a load's first pin)
 ``unpinned(slots)``          re-entered it (its last pin was released)
@@ -65,7 +68,7 @@ class Policy(ABC):
         """Whether the entry is evictable."""
 
     @abstractmethod
-    def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True) -> None: ...
+    def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True, cold: int = 0) -> None: ...
 
     @abstractmethod
     def accessed(self, slots: Slots) -> None: ...

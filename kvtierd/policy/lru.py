@@ -6,7 +6,7 @@ there when it is accessed, and leaves when it is pinned or freed; ``victims`` wa
 end. All of it is O(1) per entry, and each hook handles a whole job's slots with C-level loops
 (``deque(map(...), 0)`` drives the OrderedDict's own methods without a Python frame per entry):
 the daemon's per-request cost for a job of hundreds of keys is mostly per-key work like this.
-Keys and chains are not used: every stored key is admitted, into the one segment ``lru``.
+Keys, chains and cold tails are not used: every stored key is admitted, into the one segment ``lru``.
 
 The recency clock itself (ticks persisted in the entry table, from which a restarted daemon
 rebuilds this order) lives in the index.
@@ -36,7 +36,7 @@ class LRUPolicy(Policy):
     def __contains__(self, slot: int) -> bool:
         return slot in self._order
 
-    def inserted(self, slots: Slots, keys: Sequence[bytes] = (), chain: bool = True) -> None:
+    def inserted(self, slots: Slots, keys: Sequence[bytes] = (), chain: bool = True, cold: int = 0) -> None:
         """Each slot becomes the most recently used, in order (the last one youngest)."""
         self._admitted += len(slots)
         self.unpinned(slots)

@@ -11,8 +11,8 @@ Use counts are two sets (used at least once, twice), updated by ``accessed`` wit
 operations; nothing moves on an access, which is what makes FIFO cheap. The moves happen lazily
 in ``victims``: the walk moves the entries it passes over, takes each victim off its queue
 while the caller looks at it (``_held``: still evictable, still counted), and when the walk ends
-puts back at the old ends, in order, those the caller did not free. Chains go in tail first and a
-chain's unseen last key is the first victim (``SegmentedPolicy._place``).
+puts back at the old ends, in order, those the caller did not free. Chains go in tail first, and the
+unseen keys of a cold tail are the first victims (``SegmentedPolicy._place``).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ class S3FIFOPolicy(SegmentedPolicy):
     def __contains__(self, slot: int) -> bool:
         return slot in self._small or slot in self._main or slot in self._held
 
-    def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True) -> None:
+    def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True, cold: int = 0) -> None:
         if slots:
-            self._place(slots, keys, chain, self._main, self._small)
+            self._place(slots, keys, chain, cold, self._main, self._small)
 
     def accessed(self, slots: Slots) -> None:
         self._reused.update(filter(self._used.__contains__, slots))

@@ -13,8 +13,8 @@ Two LRU segments over the evictable entries:
 
 So the blocks seen once (most blocks of a real trace) pass through probation without flushing
 the ones that are used again, which is where LRU loses (docs/policy.md has the measurements).
-Chains are stored tail first and a chain's unseen last key is the first victim
-(``SegmentedPolicy._place``).
+Chains are stored tail first, and the unseen keys of a cold tail (the store request's
+``cold_tail``) are the first victims (``SegmentedPolicy._place``).
 
 Cost: ``accessed`` is LRU's one C-level pass when every entry is protected; from the first one
 that is not, the rest not protected are marked (a dict update; the next walk promotes them in
@@ -47,8 +47,8 @@ class SLRUPolicy(SegmentedPolicy):
         self._marked: dict[int, None] = {}      # used since the last walk, in order of use
         super().__init__(self._probation, self._protected)
 
-    def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True) -> None:
-        if slots and any(self._place(slots, keys, chain, self._protected, self._probation)):
+    def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True, cold: int = 0) -> None:
+        if slots and any(self._place(slots, keys, chain, cold, self._protected, self._probation)):
             self._fit()
 
     def accessed(self, slots: Slots) -> None:

@@ -11,7 +11,7 @@ that admits a key only if the frequency sketch says it is used more than what it
   "put the loser first in line".
 
 Victims: probation from its old end (the losers first), then the window, then protected.
-Chains go in tail first and a chain's unseen last key goes straight to probation's old end
+Chains go in tail first, and the unseen keys of a cold tail go straight to probation's old end
 (``SegmentedPolicy._place``). Counting every use costs a fingerprint per slot (``_fp``) and a
 sketch update per ``accessed``: the most expensive of the policies per looked-up key.
 """
@@ -51,12 +51,12 @@ class TinyLFUPolicy(SegmentedPolicy):
     def _fps(self, slots: Slots) -> np.ndarray:
         return np.fromiter(map(self._fp.__getitem__, slots), np.uint64, len(slots))
 
-    def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True) -> None:
+    def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True, cold: int = 0) -> None:
         if not slots:
             return
         self._fp.update(zip(slots, fingerprints(keys).tolist()))
         # Known keys skip the window (its admission test would pass them: their count is > 0).
-        self._place(slots, keys, chain, self._probation, self._window, refused_into=self._probation)
+        self._place(slots, keys, chain, cold, self._probation, self._window, refused_into=self._probation)
         self._fit()
 
     def accessed(self, slots: Slots) -> None:

@@ -45,6 +45,7 @@ class Index:
         self.pins: dict[int, int] = {}
         self.next_key = 0
         self.jobs = 0
+        self.evicted = 0                            # evictable entries freed (what stats() counts)
 
     def ready(self) -> list[int]:
         return sorted(self.evictable | set(self.pins))
@@ -66,6 +67,7 @@ class Index:
         if need > 0:
             victims = self.take_victims(need, frozenset(present) & frozenset(self.evictable))
             self.policy.removed(victims)
+            self.evicted += len(victims)
             self.evictable.difference_update(victims)
             self.free.extend(victims)
         if present:
@@ -85,7 +87,7 @@ class Index:
             keys = list(dict.fromkeys(keys))
             self.free.extend(slots[len(keys):])
             slots = slots[:len(keys)]
-        self.policy.inserted(slots, keys, chain=self.rng.random() < 0.8)
+        self.policy.inserted(slots, keys, self.rng.random() < 0.8, self.rng.choice([0, 0, 1, len(slots)]))
         self.evictable.update(slots)
 
     def abort(self) -> None:
@@ -124,6 +126,7 @@ class Index:
     def operator_evict(self) -> None:
         victims = self.take_victims(self.rng.randint(1, 4))
         self.policy.removed(victims)
+        self.evicted += len(victims)
         self.evictable.difference_update(victims)
         self.free.extend(victims)
 
@@ -162,6 +165,9 @@ class Index:
                 assert s not in p, f"WRITING entry {s} is evictable"
         for s in self.free:
             assert s not in p, f"freed entry {s} is evictable"
+        stats = p.stats()
+        assert sum(stats["segments"].values()) == len(p), "segment sizes do not add up"
+        assert sum(stats["evicted"].values()) == self.evicted, "evictions by segment do not add up"
         if full:
             walked = list(p.victims())
             assert sorted(walked) == sorted(self.evictable)

@@ -62,8 +62,11 @@ def test_removal_while_a_walk_is_suspended_is_not_undone():
     assert 1 not in p and list(p.victims()) == [2, 3]
 
 
-def test_a_chain_tail_is_first_and_the_chain_goes_in_tail_first():
+def test_a_chain_goes_in_tail_first_and_a_cold_tail_is_first():
     p = S3FIFOPolicy(small_share=0.0)
     p.inserted([1, 2, 3], keys(1, 2, 3), chain=True)
     assert list(p.victims()) == [3, 2, 1]
+    assert p.stats()["refused"] == 0
+    p.inserted([7, 8, 9], keys(7, 8, 9), chain=True, cold=1)
+    assert list(p.victims()) == [9, 3, 2, 1, 8, 7]
     assert p.stats()["refused"] == 1

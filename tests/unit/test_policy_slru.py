@@ -17,15 +17,26 @@ def test_unused_entries_go_before_used_ones():
     assert p.stats()["extra"]["promoted"] == 1
 
 
-def test_a_chain_goes_in_tail_first_and_its_new_last_key_is_the_first_victim():
+def test_a_chain_goes_in_tail_first_and_its_cold_tail_is_first_in_line():
     p = SLRUPolicy()
     p.inserted([10, 11], keys(100, 101), chain=False)
     p.inserted([1, 2, 3, 4], keys(1, 2, 3, 4), chain=True)
-    # 4 is the chain's last key: refused in all but name, before everything; then the older
-    # job; then the chain from its tail (3) to its head (1).
-    assert list(p.victims()) == [4, 10, 11, 3, 2, 1]
+    # A chain goes in from its tail (4) to its head (1), behind the older job.
+    assert list(p.victims()) == [10, 11, 4, 3, 2, 1]
+    # The client expects no reuse of the last two keys: never seen, they go first, the deepest first.
+    p.inserted([5, 6, 7], keys(5, 6, 7), chain=True, cold=2)
+    assert list(p.victims()) == [7, 6, 10, 11, 4, 3, 2, 1, 5]
     stats = p.stats()
-    assert (stats["refused"], stats["admitted"], stats["extra"]["remembered"]) == (1, 5, 0)
+    assert (stats["refused"], stats["admitted"], stats["extra"]["remembered"]) == (2, 7, 0)
+
+
+def test_a_cold_key_seen_before_is_not_refused():
+    p = SLRUPolicy()
+    p.inserted([1], keys(1), chain=False)
+    p.removed([1])
+    p.inserted([2, 3], keys(2, 1), chain=True, cold=1)      # key 1 came back: remembered, protected
+    assert list(p.victims()) == [2, 3]
+    assert p.stats()["refused"] == 0
 
 
 def test_not_a_chain_keeps_its_order_and_nothing_is_refused():

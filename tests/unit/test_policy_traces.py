@@ -82,6 +82,7 @@ def test_slices_full_blocks_and_capacity(tmp_path):
     t = load(write(tmp_path / "t.jsonl", [row(0, [0, 1, 2], 1100), row(1, [0, 1], 1024), row(2, [5], 3)]))
     full = t.full_blocks()
     assert full.requests == [[0, 1], [0, 1], []]     # 1100 and 3 tokens end in a partial block
+    assert (t.cold_tails(), full.cold_tails()) == ([1, 0, 1], [0, 0, 0])
     assert t.slice(1, 3).requests == [[0, 1], [5]]
     assert capacity(t, 0.5) == 2 and capacity(t, 0.0001) == 1
     no_lengths = Trace("x", [[1]])
@@ -97,8 +98,9 @@ def test_slices_full_blocks_and_capacity(tmp_path):
 # r5: 1 is gone, so 0 hits, although 2 is cached; the store touches 2 then evicts 5 for 1. r6
 # evicts 6 for 7, r7 evicts 2 for 8. r8 hits 1 only (1 hit). Total 3.
 #
-# SLRU (protected share 0.5: int(0.5 x 3) = 1 protected entry). r1: probation [2, 1] (the chain
-# goes in tail first; 2 is its new last key: first in line). r2 hits 2: the lookup marks them,
+# SLRU (protected share 0.5: int(0.5 x 3) = 1 protected entry); every request ends in a partial
+# block (its store says cold_tail 1). r1: probation [2, 1] (the chain goes in tail first; 2 is
+# its cold last key: first in line). r2 hits 2: the lookup marks them,
 # the load's release promotes both and the overflow (1, the older) goes back: probation [1],
 # protected [2]. r3: probation [5, 1] (5 refused: first in line). r4 evicts 5:
 # probation [6, 1]. r5 hits 1, 2 (2 hits): 1 promoted then demoted again, 2 stays protected.
@@ -109,8 +111,8 @@ TINY = [[1, 2], [1, 2], [5], [6], [1, 2], [7], [8], [1, 2]]
 
 
 def test_tiny_trace_by_hand():
-    t = Trace("tiny", TINY)
-    assert t.references == 12
+    t = Trace("tiny", TINY, [512 * len(ids) - 1 for ids in TINY])
+    assert t.references == 12 and t.cold_tails() == [1] * len(TINY)
     assert replay(t, LRUPolicy(), 3, check=True).hits == 3
     assert replay(t, SLRUPolicy(0.5), 3, check=True).hits == 6
     assert belady(t, 3).hits == 6
@@ -188,7 +190,7 @@ class ListLRU:
                 self.order.remove(s)
                 self.order.append(s)
 
-    inserted = lambda self, slots, keys, chain=True: self.order.extend(slots)
+    inserted = lambda self, slots, keys, chain=True, cold=0: self.order.extend(slots)
     accessed = touch
     unpinned = lambda self, slots: self.order.extend(slots)
 
@@ -212,7 +214,7 @@ class ListSLRU:
     protected; an entry used in probation is promoted when the next walk starts (in order of
     first use), a released load at once; a remembered key goes protected; protected keeps at most
     int(share x tracked), its oldest overflow going to probation's young end; a chain goes in
-    tail first and its new last key goes first in line."""
+    tail first; the never-seen keys among the last ``cold`` go first in line, the deepest first."""
 
     def __init__(self, share):
         self.share, self.p, self.q, self.pins, self.seen, self.marked = share, [], [], set(), set(), []
@@ -221,15 +223,16 @@ class ListSLRU:
         while len(self.q) > int(self.share * (len(self.p) + len(self.q) + len(self.pins))):
             self.p.append(self.q.pop(0))
 
-    def inserted(self, slots, keys, chain=True):
+    def inserted(self, slots, keys, chain=True, cold=0):
         known = [k in self.seen for k in keys]
         self.seen.update(keys)
         pairs = list(zip(slots, known))
         for s, k in (reversed(pairs) if chain else pairs):
             (self.q if k else self.p).append(s)
-        if chain and not known[-1]:
-            self.p.remove(slots[-1])
-            self.p.insert(0, slots[-1])
+        for s, k in pairs[len(pairs) - cold:] if cold else ():
+            if not k:
+                self.p.remove(s)
+                self.p.insert(0, s)
         self.fit()
 
     def accessed(self, slots):
@@ -292,12 +295,18 @@ def conversations(seed: int, requests: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_replay_matches_plain_lru_and_slru(tmp_path, seed):
+@pytest.mark.parametrize("variant", ["partial last blocks", "full blocks", "jobs of 2 keys"])
+def test_replay_matches_plain_lru_and_slru(tmp_path, seed, variant):
     t = load(write(tmp_path / "talks.jsonl", conversations(seed, 35)))
+    job_keys = 2 if variant == "jobs of 2 keys" else None
+    if variant == "full blocks":
+        t = t.full_blocks()
+    assert t.cold_tails() == [int(variant != "full blocks")] * len(t.requests)
     for cap in (4, 8, 16):
-        assert replay(t, LRUPolicy(), cap, check=True).hits == replay(t, ListLRU(), cap).hits
-        slru = replay(t, SLRUPolicy(0.5), cap, check=True)
-        assert slru.hits == replay(t, ListSLRU(0.5), cap).hits
+        assert replay(t, LRUPolicy(), cap, check=True, job_keys=job_keys).hits == \
+            replay(t, ListLRU(), cap, job_keys=job_keys).hits
+        slru = replay(t, SLRUPolicy(0.5), cap, check=True, job_keys=job_keys)
+        assert slru.hits == replay(t, ListSLRU(0.5), cap, job_keys=job_keys).hits
         # ListSLRU remembers every key: the same as the sketch until it first ages (256 keys)
         assert slru.stats["admitted"] + slru.stats["refused"] + slru.stats["extra"]["remembered"] < 256
 
