@@ -94,8 +94,9 @@ class Store:
         """How many leading keys are READY; touches them (they are about to be used)."""
         return self.index.lookup(session.engine.ns, keys)
 
-    def store(self, session: Session, job_id: int, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
-        return self.jobs.store(session, job_id, keys)
+    def store(self, session: Session, job_id: int, keys: list[bytes], chain: bool = True,
+              cold_tail: int = 0) -> tuple[list[int], list[bytes]]:
+        return self.jobs.store(session, job_id, keys, chain, cold_tail)
 
     def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
         self.jobs.commit(session, job_id, ok, checksums)
