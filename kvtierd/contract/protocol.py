@@ -165,7 +165,13 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "ping": {"session": _int(0, 1 << 63, required=False), "token": _int(0, 1 << 63, required=False)},
     "bye": {},
     "lookup": {"keys": KEYS},
-    "store": {"job": JOB, "keys": KEYS},
+    # chain (default true): the keys are a prefix chain in the order given, each extending the one
+    # before (the eviction policy evicts a chain's tail before its head); false for unrelated keys.
+    # cold_tail: how many of the last keys the client expects no reuse of (a partial last block,
+    # decode-phase blocks of a finished request): the policy may place them first in line for
+    # eviction. Only a job's first request sets them, as it sets the decision (invariant 4).
+    "store": {"job": JOB, "keys": KEYS, "chain": Field("bool", required=False),
+              "cold_tail": _int(0, MAX_KEYS_PER_REQUEST, required=False)},
     # checksums: with the daemon's checksums setting on, a writer sends the xxh64 of its shard of
     # each WRITE key (in key order) after its copy (region_format.shard_checksum).
     "commit": {"job": JOB, "ok": Field("bool"), "checksums": Field("ints", lo=0, hi=(1 << 64) - 1, required=False,
