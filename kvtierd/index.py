@@ -395,7 +395,14 @@ class Index:
             "entries_pinned": self.pinned_entries,
             "evictable": len(self.policy),
             "namespaces": len(self.namespaces),
+            **self.policy_stats(),
         }
+
+    def policy_stats(self) -> dict:
+        """The policy's counters under their ``StatsReply`` names."""
+        s = self.policy.stats()
+        return {"policy": self.policy.name, "policy_admitted_keys": s["admitted"], "policy_refused_keys": s["refused"],
+                "policy_segments": s["segments"], "policy_evictions": s["evicted"], "policy_extra": s["extra"]}
 
     def verify(self, quarantined: list[int]) -> None:
         """Check the index against itself and the entry table (tests, ``Store.verify``): every

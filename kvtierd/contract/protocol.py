@@ -503,6 +503,13 @@ class StatsReply(Reply):
     load_jobs_done: int
     evictions: int                    # entries evicted to make room for a store
     operator_evictions: int           # entries evicted by kvtierctl evict/clear
+    # the eviction policy (setting policy; kvtierd.policy.PolicyStats)
+    policy: str                       # its name
+    policy_admitted_keys: int         # stored keys that entered the policy as any other
+    policy_refused_keys: int          # stored keys placed first in line for eviction instead
+    policy_segments: dict             # segment -> evictable entries in it now
+    policy_evictions: dict            # segment -> entries evicted from it (room and operator)
+    policy_extra: dict                # the policy's own counters (promotions, sketch bytes, ...)
     bytes_written: int                # bytes copied into the region (D2H), all shards
     bytes_saved_dedup: int            # bytes replicated ranks did not have to copy
     # the server and the region
