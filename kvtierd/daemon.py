@@ -61,7 +61,7 @@ class Daemon:
         self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
                                   recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress)
         try:
-            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums)
+            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy)
             # The recovered index (up to millions of entries) lives as long as the daemon: keep it
             # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
             gc.freeze()
@@ -75,6 +75,7 @@ class Daemon:
                     # The tables were rebuilt: page numbers a client held may mean other entries now.
                     log.info("region rebuilt: new generation %x (clients remap on re-attach)",
                              self.region.new_generation())
+            log.info("eviction policy: %s", c.policy)
             self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
                                  drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
                                  region_check_interval=c.region_check_interval)

@@ -34,7 +34,7 @@ def test_capacity_replicated_holds_tp_times_sharded():
 
 # ---------------------------------------------------------------------------- eviction
 def test_lru_eviction_order_across_namespaces():
-    env = small(8)
+    env = small(8, policy="lru")
     st_ = env.store
     a = env.engine("a", 1, model="A")
     b = env.engine("b", 2, model="B")
@@ -63,7 +63,7 @@ def test_lru_eviction_order_across_namespaces():
 
 
 def test_pinned_entries_survive_eviction_pressure():
-    env = small(8)
+    env = small(8, policy="lru")
     st_ = env.store
     a = env.engine("a", 2)
     env.put(a, 1, keys("a", 8))
