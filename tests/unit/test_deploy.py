@@ -3,9 +3,9 @@
 The exported metric names and label values come from running the real collector
 (kvtierd.metrics.DaemonCollector) on a synthetic stats reply (every field of protocol.StatsReply),
 with the label-bearing dicts filled from the code that fills them in the daemon (error codes,
-request ops, abort causes, session roles, pin modes, eviction policy segments). The Prometheus expressions in alerts.yml and in the Grafana
-dashboard are then read with regexes, so those checks run without PyYAML; the structural checks of
-the YAML files need it and skip without it.
+request ops, abort causes, session roles, pin modes, eviction policy segments). The Prometheus
+expressions in alerts.yml and in the Grafana dashboard are then read with regexes, so those
+checks run without PyYAML; the structural checks of the YAML files need it and skip without it.
 """
 
 from __future__ import annotations
