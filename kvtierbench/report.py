@@ -36,6 +36,13 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row 
               ("kvt load", "kvtierd_load_blocks_per_s", "{:,.0f}"),
               ("redis load", "redis_load_blocks_per_s", "{:,.0f}"),
               ("x redis", "ratio", "{:.1f}"), ("x MSET/MGET", "ratio_vs_mset_mget", "{:.1f}")],
+    "policy": [("trace", "trace", "{}"), ("capacity", "capacity", "{:g}"), ("blocks", "blocks", "{:,}"),
+               ("policy", "policy", "{}"), ("hit rate", "hit_rate", "{:.3f}"), ("Belady", "belady", "{:.3f}"),
+               ("x Belady", "x_belady", "{:.2f}"), ("x LRU", "x_lru", "{:.2f}"), ("refused", "refused", "{:,}"),
+               ("CPU ns/ref", "cpu_ns_per_ref", "{:,.0f}"), ("CPU x LRU", "cpu_x_lru", "{:.2f}")],
+    # A section's further tables (its "more" map): "<section> <table>".
+    "policy cost": [("op", "op", "{}"), ("B", "keys", "{}"), ("policy", "policy", "{}"),
+                    ("CPU ns/key", "cpu_ns_per_key", "{:,.0f}"), ("x LRU", "x_lru", "{:.2f}")],
 }
 
 
@@ -67,6 +74,8 @@ def format_results(result: dict) -> str:
             lines.append(f"skipped: {section['skipped']}")
             continue
         lines += table(section["rows"], COLUMNS[name])
+        for title, rows in section.get("more", {}).items():
+            lines += ["", f"== {name}: {title}", *table(rows, COLUMNS[f"{name} {title}"])]
         lines += [f"note: {n}" for n in section["notes"]]
         targets += section["targets"]
     if targets:

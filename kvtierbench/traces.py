@@ -45,6 +45,7 @@ import argparse
 import heapq
 import json
 import math
+import random
 import sys
 from dataclasses import dataclass, field
 from itertools import islice
@@ -154,6 +155,31 @@ def _check_prefixes(path: Path, requests: list[list[int]]) -> None:
                     f"{'the start' if seen < 0 else seen}; hash_ids must stand for whole prefixes "
                     f"(equal id = equal prefix)")
             before = i
+
+
+def generate(requests: int, seed: int = 0, block_tokens: int = BLOCK_TOKENS) -> Trace:
+    """A chat-service-shaped trace, for runs given no trace file: a few shared system prompts;
+    conversations that come back with their history (earlier prompt, answer, new message) as the
+    prefix, most within a few hundred requests, some much later; one-time requests; every prompt
+    ending in a partial block."""
+    rng = random.Random(seed)
+    ids = iter(range(1, 1 << 62))
+    systems = [[next(ids) for _ in range(rng.randint(1, 4))] for _ in range(4)]
+    talks: list[list[int]] = []
+    out: list[list[int]] = []
+    lengths: list[int] = []
+    for _ in range(requests):
+        r = rng.random()
+        if talks and r < 0.45:                              # a conversation comes back
+            back = min(len(talks), int(rng.expovariate(1 / 150)) + 1)
+            talk = talks[-back]
+        else:
+            talk = list(rng.choice(systems)) if r < 0.9 else []
+            talks.append(talk)
+        talk.extend(next(ids) for _ in range(rng.randint(1, 12)))
+        out.append(talk + [next(ids)])                      # the partial last block: this prompt's own
+        lengths.append(len(out[-1]) * block_tokens - rng.randint(1, block_tokens - 1))
+    return Trace(f"generated chat trace ({requests} requests, seed {seed})", out, lengths)
 
 
 def capacity(trace: Trace, fraction: float) -> int:

@@ -255,7 +255,7 @@ COMMANDS: dict[str, tuple] = {
     "clients": ("attached sessions (admin socket)", None, fetch_clients,
                 lambda d, a: _table(d["clients"], ["session", "engine", "role", "pid", "world_size", "watched",
                                                    "namespace"]), None),
-    "evict": ("evict least recently used entries (admin socket)",
+    "evict": ("evict entries, the eviction policy's first victims first (admin socket)",
               lambda p: (p.add_argument("--count", type=int, required=True, help="how many entries"),
                          p.add_argument("--namespace", help="only from this namespace")),
               fetch_evict, lambda d, a: f"evicted {d['evicted']} entries", None),
