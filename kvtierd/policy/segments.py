@@ -28,7 +28,7 @@ from operator import not_
 from typing import Sequence
 
 from . import Policy, PolicyStats, Slots
-from .sketch import FrequencySketch, fingerprints
+from .sketch import FrequencySketch
 
 
 class SegmentedPolicy(Policy):
@@ -91,14 +91,19 @@ class SegmentedPolicy(Policy):
         deepest first: the first victims. Returns whether each key (in ``slots`` order) was seen
         before."""
         self._sketch.fit(self._tracked() + len(slots))
-        known = (self._sketch.count(fingerprints(keys)) > 0).tolist()
-        order, seen = (slots[::-1], known[::-1]) if chain else (slots, known)
-        remembered = list(compress(order, seen))
-        known_into.update(zip(remembered, repeat(None)))
-        new_into.update(zip(compress(order, map(not_, seen)), repeat(None)))
+        known = self._sketch.seen(keys)
+        order = slots[::-1] if chain else slots
         counts = self._counts
-        counts["remembered"] += len(remembered)
-        counts["admitted"] += len(slots) - len(remembered)
+        if True in known:
+            seen = known[::-1] if chain else known
+            remembered = list(compress(order, seen))
+            known_into.update(zip(remembered, repeat(None)))
+            new_into.update(zip(compress(order, map(not_, seen)), repeat(None)))
+            counts["remembered"] += len(remembered)
+            counts["admitted"] += len(slots) - len(remembered)
+        else:                           # the usual store: no key seen before
+            new_into.update(zip(order, repeat(None)))
+            counts["admitted"] += len(slots)
         if cold:
             refused = list(compress(slots[-cold:], map(not_, known[-cold:])))
             if refused:
@@ -115,7 +120,7 @@ class SegmentedPolicy(Policy):
         """``recovered``: after a restart the sketch learns the keys; the entries go into one
         segment in their recency order (nothing says which were used more than once)."""
         self._sketch.fit(self._tracked() + len(slots_oldest_first))
-        self._sketch.count(fingerprints(keys))
+        self._sketch.seen(keys)
         into.update(zip(slots_oldest_first, repeat(None)))
 
     def stats(self) -> PolicyStats:
