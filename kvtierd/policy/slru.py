@@ -53,12 +53,14 @@ class SLRUPolicy(SegmentedPolicy):
 
     def accessed(self, slots: Slots) -> None:
         protected = self._protected
-        rest = iter(slots)
-        try:
-            deque(map(protected.move_to_end, rest), 0)      # all protected: LRU's one pass
-            return
-        except KeyError as exc:
-            rest = [exc.args[0], *rest]                     # from the first one not protected
+        rest = slots
+        if slots and slots[0] in protected:     # (a lookup of a job not used before skips the raise)
+            rest = iter(slots)
+            try:
+                deque(map(protected.move_to_end, rest), 0)  # all protected: LRU's one pass
+                return
+            except KeyError as exc:
+                rest = [exc.args[0], *rest]                 # from the first one not protected
         # Entries in probation (or pinned) are only marked here; the next victim walk promotes
         # the marked ones still in probation, all at once (``_promote``). Only the walk tells
         # the segments apart, so promoting earlier would change nothing it sees, and a lookup
