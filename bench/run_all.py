@@ -1,9 +1,11 @@
 """The full benchmark run, and docs/benchmarks.md with its tables and plots, in one command.
 
-    python bench/run_all.py                     # full `kvtierctl bench` (minutes), then the docs
+    python bench/run_all.py --trace FILE ...    # full `kvtierctl bench` (minutes), then the docs
     python bench/run_all.py --from FILE         # the docs from a saved result, without running
     python bench/run_all.py --quick             # toy sizes: checks the pipeline in seconds
 
+``--trace`` (repeatable) gives the policy section its Mooncake-format traces (``make bench-docs``
+passes every file of ../shared/data/traces/); without one it replays a generated trace.
 Writes docs/bench/results.json (the run), docs/img/bench-*.png (matplotlib) and
 docs/benchmarks.md. The before/after table compares with docs/bench/baseline.json, the same
 bench run on the code before the optimisations of issue 6 (see "Optimisations" in the page for
@@ -37,6 +39,7 @@ MiB = 1 << 20
 def plots(result: dict) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
+    import matplotlib.ticker
     import matplotlib.pyplot as plt
     os.makedirs(IMG, exist_ok=True)
     made = []
@@ -89,6 +92,28 @@ def plots(result: dict) -> list[str]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         made.append(_save(fig, "bench-gbps-vs-block.png"))
+
+    replay = sections.get("policy", {}).get("rows", [])
+    if replay:
+        names = list(dict.fromkeys(r["trace"] for r in replay))
+        fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.2), squeeze=False)
+        for ax, name in zip(axes[0], names):
+            rows = [r for r in replay if r["trace"] == name]
+            caps = sorted({r["capacity"] for r in rows})
+            best = {r["capacity"]: r["belady"] for r in rows}
+            ax.plot(caps, [best[c] for c in caps], "k--", marker="s", label="Belady (offline optimum)")
+            for policy in dict.fromkeys(r["policy"] for r in rows):
+                mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["capacity"])
+                ax.plot([r["capacity"] for r in mine], [r["hit_rate"] for r in mine], "o-", label=policy)
+            ax.set(xscale="log", xlabel="capacity (share of the trace's distinct blocks)", ylabel="prefix hit rate",
+                   title=name)
+            ax.set_xticks(caps, [f"{c:.0%}" for c in caps])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_ylim(bottom=0)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        made.append(_save(fig, "bench-policy-hit-rate.png"))
     plt.close("all")
     return made
 
@@ -144,10 +169,44 @@ def section_text(name: str, section: dict) -> str:
         for clients in sorted({r["clients"] for r in rows}):
             parts.append(f"**{clients} client process{'es' if clients > 1 else ''}**\n\n"
                          + md_table([r for r in rows if r["clients"] == clients], COLUMNS[name]))
+    elif name == "policy":
+        parts += policy_tables(section)
     else:
         parts.append(md_table(rows, COLUMNS[name]))
     parts += [f"- {n}" for n in section["notes"]]
     return "\n\n".join(parts)
+
+
+def policy_tables(section: dict) -> list[str]:
+    """Per trace: capacity, Belady, then each policy's hit rate (x Belady, x LRU); then the cost."""
+    rows = section["rows"]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    parts = []
+    for trace in dict.fromkeys(r["trace"] for r in rows):
+        mine = [r for r in rows if r["trace"] == trace]
+        lines = [f"**{trace}** ({mine[0]['references']:,} block references): prefix hit rate (x Belady, x LRU)", "",
+                 "| capacity | blocks | Belady | " + " | ".join(policies) + " |",
+                 "|---:|---:|---:|" + "---:|" * len(policies)]
+        for cap in sorted({r["capacity"] for r in mine}):
+            at = {r["policy"]: r for r in mine if r["capacity"] == cap}
+            first = next(iter(at.values()))
+            cells = []
+            for p in policies:
+                r = at[p]
+                cell = f"{r['hit_rate']:.3f} ({r['x_belady']:.2f}"
+                cells.append(cell + (")" if p == "lru" else f", {r['x_lru']:.2f}x)"))
+            lines.append(f"| {cap:.0%} | {first['blocks']:,} | {first['belady']:.3f} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    cost = section.get("more", {}).get("cost", [])
+    if cost:
+        lines = ["**Daemon CPU per key** (least over the slices; x LRU)", "",
+                 "| op | B | " + " | ".join(policies) + " |", "|---|---:|" + "---:|" * len(policies)]
+        for op, b in dict.fromkeys((r["op"], r["keys"]) for r in cost):
+            at = {r["policy"]: r for r in cost if (r["op"], r["keys"]) == (op, b)}
+            lines.append(f"| {op} | {b} | " + " | ".join(
+                f"{at[p]['cpu_ns_per_key']:,.0f} ns ({at[p]['x_lru']:.2f}x)" for p in policies) + " |")
+        parts.append("\n".join(lines))
+    return parts
 
 
 # The figures the optimisations moved: (label, section, row filter, value key, format).
@@ -186,9 +245,10 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
            f"The run took {result['seconds'] / 60:.1f} minutes ({'--quick' if result['quick'] else 'full plan'}).",
            "## Targets", targets_text(result), MISSES]
     titles = {"control": "Control plane", "data": "CPU data plane", "capacity": "Capacity and traffic",
-              "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis"}
+              "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis",
+              "policy": "Eviction policy: hit rate against Belady, cost against LRU"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
-                 "data": ["bench-gbps-vs-block.png"]}
+                 "data": ["bench-gbps-vs-block.png"], "policy": ["bench-policy-hit-rate.png"]}
     for name in kvtierbench.SECTIONS:
         if name not in s:
             continue
@@ -287,6 +347,14 @@ answering a ping. `Store()` is the store's recovery alone (scan of the tables + 
 timed in the bench process on the stopped daemon's region.""",
     "redis": """A real `redis-server` (Debian package) on loopback, no persistence, driven by redis-py, stores and
 loads the same blocks from the same KV-cache memory as kvtierd's client does.""",
+    "policy": """`kvtierctl bench policy --trace FILE`: each Mooncake-format trace replayed, per policy and
+capacity, through a fresh daemon (`--policy NAME`, `PYTHONHASHSEED` fixed) whose region holds
+exactly that many one-page blocks: per request a lookup, a load of the hit prefix, a store of the
+rest (`cold_tail` 1 when the prompt's last block is partial). Capacity is a share of the trace's
+distinct blocks; Belady is the offline optimum of prefix hits at that capacity, computed from the
+same file. Then each policy's daemon, with a full region, under lookups, loads and stores of B
+keys, the policies taking turns: the daemon's CPU per key against LRU's. docs/policy.md has the
+method, the held-out variations and why `slru` is the default.""",
 }
 
 OPTIMISATIONS = """## Optimisations (issue 6)
@@ -331,12 +399,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from", dest="source", metavar="FILE", help="make the docs from this bench.json")
     ap.add_argument("--quick", action="store_true", help="toy sizes (checks the pipeline)")
+    ap.add_argument("--trace", action="append", default=[], metavar="FILE",
+                    help="a Mooncake-format trace for the policy section (repeatable)")
     args = ap.parse_args()
     if args.source:
         with open(args.source) as f:
             result = json.load(f)
     else:
-        result = kvtierbench.run(quick=args.quick)
+        result = kvtierbench.run(quick=args.quick, traces=tuple(args.trace))
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)

@@ -51,7 +51,7 @@ FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4,
             block_sizes=(MiB, 4 * MiB), blocks_per_job=(64, 256, 1024), reps=5, tp=(1, 2, 4, 8), budget=256 * MiB,
             capacity_block=256 << 10, entries=1_000_000, eviction_batches=(1, 1024), redis_blocks=64,
             capacities=(0.02, 0.05, 0.1, 0.2), generated_requests=3000, cost_entries=65536,
-            cost_batches=(1, 16, 256), cost_slices=5)
+            cost_batches=(1, 16, 256), cost_slices=9)
 QUICK = Plan(control_region=64 * MiB, batches=(1, 256, 1024), clients=(1, 4), duration=0.1, block_sizes=(MiB,),
              blocks_per_job=(64,), reps=2, tp=(1, 2, 4, 8), budget=16 * MiB, capacity_block=256 << 10,
              entries=20_000, eviction_batches=(1024,), redis_blocks=16, capacities=(0.05, 0.2),
