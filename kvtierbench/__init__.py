@@ -52,19 +52,19 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import import_module
 import shutil
 import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
 
-from . import capacity, control, data, eviction, policy, recovery, redis, report
-from . import traces as trace_files
+from . import report
 from .harness import FULL, QUICK, Context, machine, say, workdir_base
 
-# In the order they run (eviction fills the region that recovery then restarts).
-SECTIONS = {"control": control, "data": data, "capacity": capacity, "eviction": eviction, "recovery": recovery,
-            "redis": redis, "policy": policy}
+# In the order they run (eviction fills the region that recovery then restarts); each module is
+# imported when it runs (so ``python -m kvtierbench.traces`` runs a module not imported before).
+SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "redis", "policy")
 
 
 def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: str | None = None,
@@ -78,7 +78,7 @@ def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: 
     if unknown:
         raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     # A trace is read (and a bad one refused, naming its line) before any section runs.
-    loaded = tuple(map(trace_files.load, traces)) if "policy" in sections else ()
+    loaded = tuple(map(import_module(f"{__name__}.traces").load, traces)) if "policy" in sections else ()
     workdir = tempfile.mkdtemp(prefix="kvtbench-", dir=base or workdir_base())
     ctx = Context(plan, workdir, loaded, tuple(capacities), tuple(policies), job_keys)
     result: dict[str, Any] = {"machine": machine(), "quick": quick, "plan": asdict(plan), "workdir": workdir,
@@ -89,7 +89,7 @@ def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: 
             if name in sections:
                 say(f"--- {name}")
                 t0 = time.perf_counter()
-                section = SECTIONS[name].run(ctx)
+                section = import_module(f"{__name__}.{name}").run(ctx)
                 section["seconds"] = time.perf_counter() - t0
                 result["sections"][name] = section
     finally:

@@ -282,7 +282,7 @@ def replay(trace: Trace, policy, capacity: int, check: bool = False, job_keys: i
             policy.accessed(hit)           # lookup
             policy.pinned(hit)             # load: pinned while the ranks copy, then released
             policy.unpinned(hit)
-        part = job_keys or len(request)
+        part = job_keys or max(len(request), 1)
         for start in range(n, len(request), part):
             job = request[start:start + part]
             found = list(map(index.get, job))
