@@ -192,7 +192,7 @@ ADMIN_REQUESTS: dict[str, dict[str, Field]] = {
     "stats": {},
     "ping": {},
     "clients": {},
-    # Evict up to `count` least recently used evictable entries (of one namespace, or any).
+    # Evict up to `count` evictable entries (of one namespace, or any), the policy's first victims.
     "evict": {"namespace": _str(nullable=True, required=False), "count": _int(1, 1 << 40)},
     # Evict every evictable entry of a namespace (or of all); pinned and WRITING ones stay.
     "clear": {"namespace": _str(nullable=True, required=False)},
