@@ -1,8 +1,8 @@
 """The eviction policies through a real daemon: a trace replayed by ``kvtierbench.policy`` (the
 code of ``kvtierctl bench policy``) gets exactly the hits that plain re-implementations of LRU
-and SLRU (tests/policy_models.py) get on the same requests, replayed in-process; and
+and SLRU (tests/policy_models.py) get on the same requests, replayed in-process;
 ``kvtierctl bench policy --trace FILE`` prints the hit rates beside Belady's for a file it has
-never seen."""
+never seen; the client's store hints reach the policy, and kvtierctl stats shows what it did."""
 
 from __future__ import annotations
 
@@ -84,3 +84,25 @@ def test_a_bad_trace_is_refused_before_anything_runs(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "bad.jsonl:2: no 'hash_ids'" in out.stderr, out.stderr
     assert "[bench]" not in out.stderr                     # refused before any section started
+
+
+def test_client_store_hints_reach_the_policy_and_stats_show_them(start_daemon):
+    import torch
+
+    from kvtier import Client, NamespaceId
+    daemon = start_daemon(size="12MiB")
+    kv = torch.zeros((8, 4096), dtype=torch.uint8)
+    ns = NamespaceId(model="hints", dtype="uint8", block_tokens=16, block_bytes=4096)
+    with Client(daemon.socket, engine_id="hints", rank=0, world_size=1, namespace=ns, copier="cpu",
+                pin="off") as client:
+        client.register_kv_caches([kv])
+        client.store(1, [b"a%d" % i for i in range(4)], list(range(4)), cold_tail=1)
+        client.store(2, [b"b%d" % i for i in range(4)], list(range(4, 8)), chain=False)
+        assert all(r.ok for r in client.wait([1, 2]))
+        assert client.lookup([b"a0", b"a1"]) == 2
+    stats = daemon.stats()
+    assert (stats["policy"], stats["policy_admitted_keys"], stats["policy_refused_keys"]) == ("slru", 7, 1)
+    text = subprocess.run([os.path.join(BIN, "kvtierctl"), "--socket", daemon.socket, "stats"], capture_output=True,
+                          text=True, timeout=30).stdout
+    assert "lookup_hit_rate" in text and "1.000 of 2 keys" in text
+    assert "policy_segments" in text and "probation=8" in text
