@@ -39,7 +39,7 @@ class S3FIFOPolicy(SegmentedPolicy):
         self._held: dict[int, OrderedDict[int, None]] = {}   # taken off a queue by a running walk
         self._used: set[int] = set()
         self._reused: set[int] = set()
-        super().__init__(self._small, self._main)
+        super().__init__(self._small, self._main, used_into=self._main)
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main) + len(self._held)
@@ -54,11 +54,6 @@ class S3FIFOPolicy(SegmentedPolicy):
     def accessed(self, slots: Slots) -> None:
         self._reused.update(filter(self._used.__contains__, slots))
         self._used.update(slots)
-
-    def unpinned(self, slots: Slots) -> None:
-        """A released load: the entries were used; they re-enter at main's young end."""
-        self._pinned.difference_update(slots)
-        self._main.update(zip(slots, repeat(None)))
 
     def removed(self, slots: Slots) -> None:
         super().removed(slots)

@@ -32,8 +32,9 @@ from .sketch import FrequencySketch
 
 
 class SegmentedPolicy(Policy):
-    def __init__(self, *segments: "OrderedDict[int, None]") -> None:
+    def __init__(self, *segments: "OrderedDict[int, None]", used_into: "OrderedDict[int, None]") -> None:
         self._segments = segments
+        self._used_into = used_into             # where a released load's entries go (they were just used)
         self._pinned: set[int] = set()
         self._sketch = FrequencySketch()
         self._counts = {"admitted": 0, "refused": 0, "remembered": 0, "promoted": 0}
@@ -47,6 +48,16 @@ class SegmentedPolicy(Policy):
 
     def _tracked(self) -> int:
         return len(self) + len(self._pinned)
+
+    def unpinned(self, slots: Slots) -> None:
+        """A released load: the entries were just used; they come back at the young end of
+        ``used_into`` (slru and tinylfu: protected; s3fifo: main)."""
+        self._pinned.difference_update(slots)
+        self._used_into.update(zip(slots, repeat(None)))
+        self._fit()
+
+    def _fit(self) -> None:
+        """Bring the segments back to their shares (a policy that has shares overrides this)."""
 
     def pinned(self, slots: Slots) -> None:
         self._drop(slots)

@@ -45,7 +45,7 @@ class SLRUPolicy(SegmentedPolicy):
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
         self._marked: dict[int, None] = {}      # used since the last walk, in order of use
-        super().__init__(self._probation, self._protected)
+        super().__init__(self._probation, self._protected, used_into=self._protected)
 
     def inserted(self, slots: Slots, keys: Sequence[bytes], chain: bool = True, cold: int = 0) -> None:
         if slots and any(self._place(slots, keys, chain, cold, self._protected, self._probation)):
@@ -67,12 +67,6 @@ class SLRUPolicy(SegmentedPolicy):
         # then costs a dict update instead of three OrderedDict moves per promoted entry.
         self._marked.update(zip(filterfalse(protected.__contains__, rest), repeat(None)))
         deque(map(protected.move_to_end, filter(protected.__contains__, rest)), 0)
-
-    def unpinned(self, slots: Slots) -> None:
-        """A released load: the entries were just used, so they come back protected."""
-        self._pinned.difference_update(slots)
-        self._protected.update(zip(slots, repeat(None)))
-        self._fit()
 
     def removed(self, slots: Slots) -> None:
         super().removed(slots)

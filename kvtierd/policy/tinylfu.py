@@ -45,7 +45,7 @@ class TinyLFUPolicy(SegmentedPolicy):
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
         self._fp: dict[int, int] = {}          # slot -> its key's fingerprint (for counting uses)
-        super().__init__(self._window, self._probation, self._protected)
+        super().__init__(self._window, self._probation, self._protected, used_into=self._protected)
         self._counts.update(window_won=0, window_lost=0)
 
     def _fps(self, slots: Slots) -> np.ndarray:
@@ -69,12 +69,6 @@ class TinyLFUPolicy(SegmentedPolicy):
                 self._counts["promoted"] += len(promoted)
         for segment in (window, protected):
             deque(map(segment.move_to_end, filter(segment.__contains__, slots)), 0)
-        self._fit()
-
-    def unpinned(self, slots: Slots) -> None:
-        """A released load: the entries were just used, so they come back protected."""
-        self._pinned.difference_update(slots)
-        self._protected.update(zip(slots, repeat(None)))
         self._fit()
 
     def removed(self, slots: Slots) -> None:
