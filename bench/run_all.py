@@ -277,12 +277,14 @@ kvtierctl bench                       # every section, full sizes (minutes); tab
 kvtierctl bench --quick               # toy sizes, every section (CI: tests/integration/test_bench_smoke.py)
 kvtierctl bench --only control,data   # some sections
 kvtierctl bench --json --out DIR      # JSON on stdout; DIR/bench.json and DIR/bench.txt
+kvtierctl bench policy --trace FILE   # the eviction policies on a request trace (Mooncake format)
 make bench-docs                       # full run + this page and its plots (python bench/run_all.py)
 ```
 
 The bench starts its own daemons (`--pin off`, no metrics endpoint) in a fresh directory under
 /dev/shm and removes it at the end; the redis section starts and stops its own `redis-server`
-on 127.0.0.1. The docstrings of `kvtierbench/` (the package and one module per section) have the exact
+on 127.0.0.1. `make bench-docs` gives the policy section the request traces of
+../shared/data/traces. The docstrings of `kvtierbench/` (the package and one module per section) have the exact
 method of each section."""
 
 MISSES = """### Where a target is missed, and why
