@@ -98,9 +98,12 @@ bench: install
 	$(BIN)/kvtierctl bench
 
 # A full run, then docs/benchmarks.md and its plots regenerated from it.
+# The policy section replays the request traces of ../shared/data/traces (TRACES=... for others).
+TRACES ?= $(wildcard ../shared/data/traces/*.jsonl)
+
 bench-docs: install
 	$(BIN)/pip install -q -e '.[bench]'
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/run_all.py $(foreach t,$(TRACES),--trace $(t))
 
 bench-loop: install
 	$(BIN)/pip install -q uvloop

@@ -344,24 +344,42 @@ class Client:
         return JobsReply.from_wire(self._call("jobs", jobs=list(jobs))).jobs
 
     # ------------------------------------------------------------------ jobs
-    def open_store(self, job: int, keys: Sequence[bytes]) -> StoreDecision:
-        """Coordinator: fix a store job's decision; the ranks then store() the same job."""
-        reply = StoreReply.from_wire(self._call("store", job=job, keys=list(keys)))
+    @staticmethod
+    def _store_hints(chain: bool, cold_tail: int) -> dict:
+        """The store request's optional fields, sent only when they differ from the defaults."""
+        hints: dict = {} if chain else {"chain": False}
+        if cold_tail:
+            hints["cold_tail"] = cold_tail
+        return hints
+
+    def open_store(self, job: int, keys: Sequence[bytes], chain: bool = True, cold_tail: int = 0) -> StoreDecision:
+        """Coordinator: fix a store job's decision; the ranks then store() the same job.
+        ``chain`` and ``cold_tail``: as for ``store``."""
+        hints = self._store_hints(chain, cold_tail)
+        reply = StoreReply.from_wire(self._call("store", job=job, keys=list(keys), **hints))
         return StoreDecision([StoreOutcome(o) for o in reply.outcomes])
 
     def open_load(self, job: int, keys: Sequence[bytes]) -> int:
         """Coordinator: pin the cached prefix of ``keys`` for a load job; returns its length."""
         return LoadReply.from_wire(self._call("load", job=job, keys=list(keys))).hits
 
-    def store(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> StoreDecision:
+    def store(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int], chain: bool = True,
+              cold_tail: int = 0) -> StoreDecision:
         """Store KV-cache blocks ``block_ids`` under ``keys``. Returns the decision at once; the
-        copy (writer ranks) runs in the background and the job finishes in poll()/wait()."""
+        copy (writer ranks) runs in the background and the job finishes in poll()/wait().
+
+        Hints for the eviction policy (the job's first request sets them): ``chain`` — the keys
+        are one request's prefix chain in order, each extending the one before (so its tail is
+        evicted before its head); pass False for unrelated keys. ``cold_tail`` — how many of the
+        last keys you expect no reuse of (a partial last block, decode-phase blocks of a finished
+        request): the policy may place them first in line for eviction."""
         kv = self._need_kv()
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
         if job in self._pending:
             raise KvtierError(f"job {job} is still in flight on this rank")
-        reply = StoreReply.from_wire(self._call("store", job=job, keys=list(keys)))
+        hints = self._store_hints(chain, cold_tail)
+        reply = StoreReply.from_wire(self._call("store", job=job, keys=list(keys), **hints))
         outcomes = [StoreOutcome(o) for o in reply.outcomes]
         if not self.is_writer:            # the request was this rank's vote
             self._pending[job] = _Pending("store", CopyHandle(), vote=False)

@@ -37,6 +37,11 @@ each; ``harness`` holds what they share, ``report`` the tables:
               jobs against warm ones of the same size, with and without the populate, for 4 KiB and
               2 MiB pages (a huge tmpfs the bench mounts itself when run as root and its directory
               gives no huge pages; it says so, and unmounts it).
+``policy``    the eviction policies: a Mooncake-format request trace (``--trace FILE``; without
+              one a generated chat-shaped trace) replayed through a daemon per policy and
+              capacity (``--capacity``), the prefix hit rate against Belady's offline optimum from
+              the same file and against LRU's; and the daemon's CPU per key with each policy
+              against LRU's, in the same run (``kvtierbench.policy``).
 
 The region lives in a fresh directory under /dev/shm (its production home: a disk-backed /tmp
 would measure page-cache writeback) and the whole directory is removed at the end. Daemons run
@@ -51,29 +56,35 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import import_module
 import shutil
 import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
 
-from . import attach, capacity, control, data, eviction, recovery, redis, report
+from . import report
 from .harness import FULL, QUICK, Context, machine, say, workdir_base
 
-# In the order they run (eviction fills the region that recovery then restarts).
-SECTIONS = {"control": control, "data": data, "capacity": capacity, "eviction": eviction, "recovery": recovery,
-            "redis": redis, "attach": attach}
+# In the order they run (eviction fills the region that recovery then restarts); each module is
+# imported when it runs (so ``python -m kvtierbench.traces`` runs a module not imported before).
+SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "redis", "attach", "policy")
 
 
-def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: str | None = None) -> dict:
+def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: str | None = None,
+        traces: tuple[str, ...] = (), capacities: tuple[float, ...] = (), policies: tuple[str, ...] = (),
+        job_keys: int | None = None) -> dict:
     """Run ``sections`` and return the results: machine, plan, and per section rows, ratios,
-    targets and notes (or ``skipped`` with a reason)."""
+    targets and notes (or ``skipped`` with a reason). ``traces``, ``capacities``, ``policies``
+    and ``job_keys`` are the policy section's options (``kvtierbench.policy``)."""
     plan = QUICK if quick else FULL
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    # A trace is read (and a bad one refused, naming its line) before any section runs.
+    loaded = tuple(map(import_module(f"{__name__}.traces").load, traces)) if "policy" in sections else ()
     workdir = tempfile.mkdtemp(prefix="kvtbench-", dir=base or workdir_base())
-    ctx = Context(plan, workdir)
+    ctx = Context(plan, workdir, loaded, tuple(capacities), tuple(policies), job_keys)
     result: dict[str, Any] = {"machine": machine(), "quick": quick, "plan": asdict(plan), "workdir": workdir,
                               "sections": {}}
     started = time.perf_counter()
@@ -82,7 +93,7 @@ def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: 
             if name in sections:
                 say(f"--- {name}")
                 t0 = time.perf_counter()
-                section = SECTIONS[name].run(ctx)
+                section = import_module(f"{__name__}.{name}").run(ctx)
                 section["seconds"] = time.perf_counter() - t0
                 result["sections"][name] = section
     finally:
@@ -95,9 +106,20 @@ def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: 
 
 # ----------------------------------------------------------------------------------------------- kvtierctl bench
 def add_arguments(parser) -> None:
+    parser.add_argument("section", nargs="*", help=f"run only these sections (default: all): {', '.join(SECTIONS)}")
     parser.add_argument("--quick", action="store_true", help="toy sizes, a few seconds a section (CI smoke test)")
     parser.add_argument("--only", action="append", metavar="SECTION",
                         help=f"run only this section (repeatable, or comma-separated): {', '.join(SECTIONS)}")
+    parser.add_argument("--trace", action="append", default=[], metavar="FILE",
+                        help="policy: a Mooncake-format JSON-lines trace to replay (repeatable; default: a generated "
+                             "chat-shaped trace)")
+    parser.add_argument("--capacity", metavar="F,F,...",
+                        help="policy: region sizes as fractions of the trace's distinct blocks "
+                             f"(default {','.join(map(str, FULL.capacities))})")
+    parser.add_argument("--policies", metavar="NAME,...",
+                        help="policy: the policies to replay (default: every one; lru always, as the reference)")
+    parser.add_argument("--job-keys", type=int, metavar="N",
+                        help="policy: store a request's missing blocks in jobs of at most N keys (default: one job)")
     parser.add_argument("--out", metavar="DIR", help="also write bench.json and bench.txt into DIR")
     parser.add_argument("--workdir", metavar="DIR",
                         help="where the bench's temporary directory goes (default /dev/shm, else the temp dir)")
@@ -105,8 +127,21 @@ def add_arguments(parser) -> None:
 
 def fetch(args) -> dict:
     """kvtierctl bench: run the selected sections; write --out files."""
-    sections = tuple(s for item in (args.only or [",".join(SECTIONS)]) for s in item.split(",") if s)
-    result = run(sections, quick=args.quick, base=args.workdir)
+    chosen = [*args.section, *(args.only or [])] or [",".join(SECTIONS)]
+    sections = tuple(s for item in chosen for s in item.split(",") if s)
+    try:
+        capacities = tuple(float(c) for c in args.capacity.split(",")) if args.capacity else ()
+    except ValueError:
+        raise ValueError(f"--capacity {args.capacity!r}: give fractions, e.g. 0.02,0.05,0.1,0.2") from None
+    if any(not 0 < c <= 1 for c in capacities):
+        raise ValueError(f"--capacity {args.capacity!r}: each fraction must be in (0, 1]")
+    from kvtierd.policy import POLICIES
+    policies = tuple(p for p in (args.policies or "").split(",") if p)
+    if set(policies) - set(POLICIES):
+        raise ValueError(f"--policies: no policy {', '.join(sorted(set(policies) - set(POLICIES)))}; "
+                         f"known: {', '.join(POLICIES)}")
+    result = run(sections, quick=args.quick, base=args.workdir, traces=tuple(args.trace), capacities=capacities,
+                 policies=policies, job_keys=args.job_keys)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench.json"), "w") as f:

@@ -45,16 +45,23 @@ class Plan:
     attach_block: int                     # attach: bytes per block
     attach_blocks: int                    # attach: blocks per store job
     attach_reps: int                      # attach: cold jobs (= warm jobs) per client; attaches timed
+    capacities: tuple[float, ...]         # policy: region sizes, as fractions of a trace's distinct blocks
+    generated_requests: int               # policy: requests of the generated trace (when no trace is given)
+    cost_entries: int                     # policy: one-page entries of each cost daemon's region
+    cost_batches: tuple[int, ...]         # policy: keys per job of the cost measurement
+    cost_slices: int                      # policy: turns each policy takes per (op, B)
 
 
 FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4, 16), duration=0.5,
             block_sizes=(MiB, 4 * MiB), blocks_per_job=(64, 256, 1024), reps=5, tp=(1, 2, 4, 8), budget=256 * MiB,
             capacity_block=256 << 10, entries=1_000_000, eviction_batches=(1, 1024), redis_blocks=64,
-            attach_block=2 * MiB, attach_blocks=16, attach_reps=24)
+            attach_block=2 * MiB, attach_blocks=16, attach_reps=24,
+            capacities=(0.02, 0.05, 0.1, 0.2), generated_requests=3000, cost_entries=65536,
+            cost_batches=(1, 16, 256), cost_slices=9)
 QUICK = Plan(control_region=64 * MiB, batches=(1, 256, 1024), clients=(1, 4), duration=0.1, block_sizes=(MiB,),
              blocks_per_job=(64,), reps=2, tp=(1, 2, 4, 8), budget=16 * MiB, capacity_block=256 << 10,
              entries=20_000, eviction_batches=(1024,), redis_blocks=16, attach_block=MiB, attach_blocks=4,
-             attach_reps=4)
+             attach_reps=4, capacities=(0.05, 0.2), generated_requests=300, cost_entries=4096, cost_batches=(16,), cost_slices=2)
 
 CONTROL_PAGE = 4096                # control/eviction/recovery: 4 KiB pages, one-page blocks
 DATA_PAGE = 64 << 10               # data/capacity/redis: the default page size
@@ -139,11 +146,17 @@ def bench_namespace(name: str, block_bytes: int, sharding: str = "replicated") -
 
 
 class Context:
-    """What sections share: the plan, the work directory, and the full region of eviction/recovery."""
+    """What sections share: the plan, the work directory, the options of the policy section, and
+    the full region of eviction/recovery."""
 
-    def __init__(self, plan: Plan, workdir: str):
+    def __init__(self, plan: Plan, workdir: str, traces: tuple = (), capacities: tuple[float, ...] = (),
+                 policies: tuple[str, ...] = (), job_keys: int | None = None):
         self.plan = plan
         self.workdir = workdir
+        self.traces = traces                      # policy: the traces to replay (kvtierbench.traces.Trace)
+        self.capacities = capacities or plan.capacities
+        self.policies = policies                  # policy: which ones (all registered when empty)
+        self.job_keys = job_keys                  # policy: store a request in jobs of at most this many keys
         self.big: DaemonProcess | None = None    # the N-entry region (eviction, then recovery)
         self.big_fresh_start: float | None = None
 

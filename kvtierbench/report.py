@@ -40,6 +40,13 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row 
                ("client huge MiB", "client_huge_bytes", "MiB"),
                ("attach+populate s/GiB", "attach_populate_s_per_gib", "{:.4f}"), ("cold ms", "cold_ms", "{:.2f}"),
                ("warm ms", "warm_ms", "{:.2f}"), ("cold x warm", "cold_vs_warm", "{:.2f}")],
+    "policy": [("trace", "trace", "{}"), ("capacity", "capacity", "{:g}"), ("blocks", "blocks", "{:,}"),
+               ("policy", "policy", "{}"), ("hit rate", "hit_rate", "{:.3f}"), ("Belady", "belady", "{:.3f}"),
+               ("x Belady", "x_belady", "{:.2f}"), ("x LRU", "x_lru", "{:.2f}"), ("refused", "refused", "{:,}"),
+               ("CPU ns/ref", "cpu_ns_per_ref", "{:,.0f}"), ("CPU x LRU", "cpu_x_lru", "{:.2f}")],
+    # A section's further tables (its "more" map): "<section> <table>".
+    "policy cost": [("op", "op", "{}"), ("B", "keys", "{}"), ("policy", "policy", "{}"),
+                    ("CPU ns/key", "cpu_ns_per_key", "{:,.0f}"), ("x LRU", "x_lru", "{:.2f}")],
 }
 
 
@@ -71,6 +78,8 @@ def format_results(result: dict) -> str:
             lines.append(f"skipped: {section['skipped']}")
             continue
         lines += table(section["rows"], COLUMNS[name])
+        for title, rows in section.get("more", {}).items():
+            lines += ["", f"== {name}: {title}", *table(rows, COLUMNS[f"{name} {title}"])]
         lines += [f"note: {n}" for n in section["notes"]]
         targets += section["targets"]
     if targets:

@@ -192,8 +192,19 @@ def fetch_clear(args: argparse.Namespace) -> dict:
 
 
 # --- formatters ---------------------------------------------------------------------------------
+def _hit_rate(hits: int, misses: int) -> str:
+    return f"{hits / (hits + misses):.3f} of {hits + misses} keys" if hits + misses else "-"
+
+
 def format_stats(data: dict, args: argparse.Namespace) -> str:
-    text = _pairs(data, skip=("namespace_list", "latency", "vote_wait"))
+    # The hit rates (what the eviction policy is for) beside the counters they come from.
+    rows: dict[str, Any] = {}
+    for key, value in data.items():
+        rows[key] = value
+        if key in ("lookup_miss_keys", "load_miss_keys"):
+            op = key.split("_")[0]
+            rows[f"{op}_hit_rate"] = _hit_rate(data[f"{op}_hit_keys"], value)
+    text = _pairs(rows, skip=("namespace_list", "latency", "vote_wait"))
     if data.get("namespace_list"):
         text += "\n\n" + _table(data["namespace_list"], ["slot", "entries", "entry_pages", "name"])
     return text
@@ -244,7 +255,7 @@ COMMANDS: dict[str, tuple] = {
     "clients": ("attached sessions (admin socket)", None, fetch_clients,
                 lambda d, a: _table(d["clients"], ["session", "engine", "role", "pid", "world_size", "watched",
                                                    "namespace"]), None),
-    "evict": ("evict least recently used entries (admin socket)",
+    "evict": ("evict entries, the eviction policy's first victims first (admin socket)",
               lambda p: (p.add_argument("--count", type=int, required=True, help="how many entries"),
                          p.add_argument("--namespace", help="only from this namespace")),
               fetch_evict, lambda d, a: f"evicted {d['evicted']} entries", None),

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .contract.paths import DEFAULT_NAME, default_directory
+from .policy import DEFAULT as DEFAULT_POLICY
+from .policy import POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -146,6 +148,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("checksums", "bool", "false", "Writers hash each block (xxh64) after copying; the hash is kept in the "
             "entry table and verified when a restarted daemon recovers the region and by kvtierctl check "
             "--checksums.", ),
+    Setting("policy", "choice", DEFAULT_POLICY, "Eviction policy: slru (segmented LRU that keeps blocks used again "
+            "apart from blocks seen once, with a memory of evicted keys; the measured best), lru, s3fifo or tinylfu. "
+            "docs/operations.md says how to choose; kvtierctl stats shows its counters.", choices=tuple(POLICIES)),
     Setting("region_check_interval", "float", "5", "Seconds between checks that the region file is still the "
             "one mapped (not removed, replaced or truncated).", lo=0.1, hi=3600),
     Setting("drain_timeout", "float", "10", "On SIGTERM: seconds to let in-flight loads finish (new jobs are "

@@ -62,7 +62,7 @@ class Daemon:
                                   recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress,
                                   huge=c.hugepages)
         try:
-            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums)
+            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy)
             # The recovered index (up to millions of entries) lives as long as the daemon: keep it
             # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
             gc.freeze()
@@ -76,6 +76,7 @@ class Daemon:
                     # The tables were rebuilt: page numbers a client held may mean other entries now.
                     log.info("region rebuilt: new generation %x (clients remap on re-attach)",
                              self.region.new_generation())
+            log.info("eviction policy: %s", c.policy)
             self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
                                  drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
                                  region_check_interval=c.region_check_interval)

@@ -37,6 +37,7 @@ from .recovery import scan
 log = logging.getLogger(__name__)
 
 _SLOT = attrgetter("slot")
+_KEY = attrgetter("key")
 _STATE = attrgetter("state")
 _PAGES = attrgetter("pages")
 
@@ -159,7 +160,7 @@ class Index:
             for key, entry in zip(found.ready_keys, kept):
                 entry.ns.index[key] = entry
         deque(map(self.by_slot.__setitem__, slots, kept), 0)
-        self.policy.recovered(slots)
+        self.policy.recovered(slots, found.ready_keys)
         self.entry_count[EntryState.READY] = len(kept)
         self.pages = FreeStack(self.geometry.num_pages, np.flatnonzero(found.owner >= 0))
         self.slots = FreeStack(self.geometry.entry_slots, np.flatnonzero(states != EntryState.FREE))
@@ -311,9 +312,12 @@ class Index:
         self.entry_count[EntryState.WRITING] += n
         return entries
 
-    def make_ready(self, entries: list[Entry], shard_sums: list[list[int]] | None = None) -> None:
+    def make_ready(self, entries: list[Entry], shard_sums: list[list[int]] | None = None, chain: bool = True,
+                   cold: int = 0) -> None:
         """Every rank voted: the WRITING entries become READY (and evictable), in order.
-        ``shard_sums`` holds each writer's checksums of its shard of every entry, in rank order."""
+        ``shard_sums`` holds each writer's checksums of its shard of every entry, in rank order.
+        ``chain`` and ``cold`` tell the policy what the store request said: its keys are a prefix
+        chain; its last ``cold`` entries are expected not to be reused."""
         self.tick += 1
         slots = list(map(_SLOT, entries))
         for entry in entries:
@@ -323,7 +327,7 @@ class Index:
         self.view.entries["checksum"][slots] = [entry_checksum([sums[i] for sums in shard_sums])
                                                 for i in range(len(entries))] if shard_sums else 0
         self._states[slots] = EntryState.READY    # last: the records are complete before they say READY
-        self.policy.inserted(slots, chain=True)
+        self.policy.inserted(slots, list(map(_KEY, entries)), chain, cold)
         self.entry_count[EntryState.WRITING] -= len(entries)
         self.entry_count[EntryState.READY] += len(entries)
 
@@ -391,7 +395,14 @@ class Index:
             "entries_pinned": self.pinned_entries,
             "evictable": len(self.policy),
             "namespaces": len(self.namespaces),
+            **self.policy_stats(),
         }
+
+    def policy_stats(self) -> dict:
+        """The policy's counters under their ``StatsReply`` names."""
+        s = self.policy.stats()
+        return {"policy": self.policy.name, "policy_admitted_keys": s["admitted"], "policy_refused_keys": s["refused"],
+                "policy_segments": s["segments"], "policy_evictions": s["evicted"], "policy_extra": s["extra"]}
 
     def verify(self, quarantined: list[int]) -> None:
         """Check the index against itself and the entry table (tests, ``Store.verify``): every

@@ -35,7 +35,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from .contract.namespace import Sharding
-from .contract.protocol import AbortCause, ErrorCode, JobKind, JobState, RequestError
+from .contract.protocol import AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
 from .histogram import Histogram
 from .index import Index, Namespace
 from .sessions import Session, SessionEnd
@@ -87,6 +87,8 @@ class Job:
     copying: set = field(default_factory=set)       # writers that may still copy into them
     quarantine_deadline: float = 0.0
     opened: float = 0.0                             # clock() at the first request (vote-wait metric)
+    chain: bool = True                              # store: the keys are a prefix chain (the policy's hint)
+    cold: int = 0                                   # store: written keys the client expects no reuse of
     shard_sums: dict = field(default_factory=dict)  # writer rank → checksum of its shard per entry
 
 
@@ -159,15 +161,21 @@ class Jobs:
         return session.rank
 
     # ------------------------------------------------------------------ store
-    def store(self, session: Session, job_id: int, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
+    def store(self, session: Session, job_id: int, keys: list[bytes], chain: bool = True,
+              cold_tail: int = 0) -> tuple[list[int], list[bytes]]:
         """Open or join a store job. Returns (outcome per key, this rank's pages per WRITE key).
 
         A writer rank gets its shard's pages for each WRITE key (in key order) and must commit
         after copying; a non-writer rank's request is its vote; a coordinator gets no pages.
+        ``chain`` and ``cold_tail`` (how many of the last keys the client expects no reuse of) go
+        to the eviction policy when the entries become READY; the job's first request sets them.
         """
         job, new = self._job(session, job_id, JobKind.STORE, keys)
         if new:
             job.outcomes, job.entries = self.index.decide_store(job.engine.ns, keys, job)
+            job.chain = chain
+            if cold_tail:
+                job.cold = job.outcomes[max(0, len(keys) - cold_tail):].count(StoreOutcome.WRITE)
         rank = session.rank
         if rank is None:
             return job.outcomes, []
@@ -214,7 +222,7 @@ class Jobs:
         writers = sorted(engine.writers)
         sums = [job.shard_sums[r] for r in writers] if self.checksums and all(
             r in job.shard_sums for r in writers) else None
-        self.index.make_ready(job.entries, sums)
+        self.index.make_ready(job.entries, sums, job.chain, job.cold)
         n = len(job.entries)
         ns_id = engine.ns.id
         self.counters["bytes_written"] += n * ns_id.entry_bytes

@@ -79,7 +79,17 @@ class DaemonCollector:
         yield labelled(CounterMetricFamily, "jobs_completed", "Jobs every rank finished, by kind.", "kind",
                        {JobKind.STORE.value: s.store_jobs_done, JobKind.LOAD.value: s.load_jobs_done})
         yield labelled(CounterMetricFamily, "aborted_jobs", "Aborted jobs by cause.", "cause", s.aborted_jobs)
-        yield counter("evictions", "Entries evicted to make room.", s.evictions)
+        yield labelled(CounterMetricFamily, "evictions", "Entries evicted, by reason: room (a store needed the "
+                       "space), operator (kvtierctl evict/clear).", "reason",
+                       {"room": s.evictions, "operator": s.operator_evictions})
+        yield InfoMetricFamily("kvtierd_policy", "The eviction policy (setting policy).", value={"policy": s.policy})
+        yield labelled(CounterMetricFamily, "policy_keys", "Stored keys by the policy's admission: admitted, or "
+                       "refused (placed first in line for eviction).", "decision",
+                       {"admitted": s.policy_admitted_keys, "refused": s.policy_refused_keys})
+        yield labelled(GaugeMetricFamily, "policy_entries", "Evictable entries per segment of the eviction policy.",
+                       "segment", s.policy_segments)
+        yield labelled(CounterMetricFamily, "policy_evictions", "Entries evicted (room and operator) per segment "
+                       "of the eviction policy they were in.", "segment", s.policy_evictions)
         yield counter("written_bytes", "Bytes copied into the region by writer ranks (D2H).", s.bytes_written)
         yield counter("dedup_saved_bytes", "Bytes replicated-namespace ranks did not copy thanks to one-copy dedup.",
                       s.bytes_saved_dedup)

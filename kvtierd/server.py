@@ -315,7 +315,8 @@ class Server:
 
     def _store(self, identity: bytes, session: Session, msg: dict) -> P.StoreReply:
         self._refuse_if_stopping(session, msg["job"])
-        outcomes, pages = self.store.store(session, msg["job"], msg["keys"])
+        outcomes, pages = self.store.store(session, msg["job"], msg["keys"], msg.get("chain", True),
+                                           min(msg.get("cold_tail", 0), len(msg["keys"])))
         return P.StoreReply(bytes(outcomes), b"".join(pages))
 
     def _commit(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:

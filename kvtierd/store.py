@@ -18,13 +18,14 @@ from .index import COUNTERS as INDEX_COUNTERS
 from .index import Index
 from .jobs import COUNTERS as JOB_COUNTERS
 from .jobs import Engine, Jobs
+from .policy import DEFAULT as DEFAULT_POLICY
 from .policy import create as create_policy
 from .sessions import Session, SessionEnd
 
 
 class Store:
     def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
-                 checksums: bool = False, policy: str = "lru"):
+                 checksums: bool = False, policy: str = DEFAULT_POLICY):
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
         self.index = Index(view, create_policy(policy), verify_checksums=checksums)
         self.jobs = Jobs(self.index, job_timeout, clock, checksums)
@@ -94,8 +95,9 @@ class Store:
         """How many leading keys are READY; touches them (they are about to be used)."""
         return self.index.lookup(session.engine.ns, keys)
 
-    def store(self, session: Session, job_id: int, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
-        return self.jobs.store(session, job_id, keys)
+    def store(self, session: Session, job_id: int, keys: list[bytes], chain: bool = True,
+              cold_tail: int = 0) -> tuple[list[int], list[bytes]]:
+        return self.jobs.store(session, job_id, keys, chain, cold_tail)
 
     def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
         self.jobs.commit(session, job_id, ok, checksums)

@@ -165,7 +165,13 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "ping": {"session": _int(0, 1 << 63, required=False), "token": _int(0, 1 << 63, required=False)},
     "bye": {},
     "lookup": {"keys": KEYS},
-    "store": {"job": JOB, "keys": KEYS},
+    # chain (default true): the keys are a prefix chain in the order given, each extending the one
+    # before (the eviction policy evicts a chain's tail before its head); false for unrelated keys.
+    # cold_tail: how many of the last keys the client expects no reuse of (a partial last block,
+    # decode-phase blocks of a finished request): the policy may place them first in line for
+    # eviction. Only a job's first request sets them, as it sets the decision (invariant 4).
+    "store": {"job": JOB, "keys": KEYS, "chain": Field("bool", required=False),
+              "cold_tail": _int(0, MAX_KEYS_PER_REQUEST, required=False)},
     # checksums: with the daemon's checksums setting on, a writer sends the xxh64 of its shard of
     # each WRITE key (in key order) after its copy (region_format.shard_checksum).
     "commit": {"job": JOB, "ok": Field("bool"), "checksums": Field("ints", lo=0, hi=(1 << 64) - 1, required=False,
@@ -186,7 +192,7 @@ ADMIN_REQUESTS: dict[str, dict[str, Field]] = {
     "stats": {},
     "ping": {},
     "clients": {},
-    # Evict up to `count` least recently used evictable entries (of one namespace, or any).
+    # Evict up to `count` evictable entries (of one namespace, or any), the policy's first victims.
     "evict": {"namespace": _str(nullable=True, required=False), "count": _int(1, 1 << 40)},
     # Evict every evictable entry of a namespace (or of all); pinned and WRITING ones stay.
     "clear": {"namespace": _str(nullable=True, required=False)},
@@ -497,6 +503,13 @@ class StatsReply(Reply):
     load_jobs_done: int
     evictions: int                    # entries evicted to make room for a store
     operator_evictions: int           # entries evicted by kvtierctl evict/clear
+    # the eviction policy (setting policy; kvtierd.policy.PolicyStats)
+    policy: str                       # its name
+    policy_admitted_keys: int         # stored keys that entered the policy as any other
+    policy_refused_keys: int          # stored keys placed first in line for eviction instead
+    policy_segments: dict             # segment -> evictable entries in it now
+    policy_evictions: dict            # segment -> entries evicted from it (room and operator)
+    policy_extra: dict                # the policy's own counters (promotions, sketch bytes, ...)
     bytes_written: int                # bytes copied into the region (D2H), all shards
     bytes_saved_dedup: int            # bytes replicated ranks did not have to copy
     # the server and the region

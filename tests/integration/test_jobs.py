@@ -91,7 +91,9 @@ def test_no_space_stores_the_prefix_that_fits(start_daemon, ranks):
 
 
 def test_pinned_entries_survive_eviction_pressure(start_daemon, ranks):
-    daemon = start_daemon(size="12MiB")
+    # LRU: once unpinned, the entries are evicted by the flood below; slru would rightly keep them
+    # (they were loaded: used again), which tests/unit/test_policy_slru.py covers.
+    daemon = start_daemon("--policy", "lru", size="12MiB")
     procs = ranks(1)
     connect(procs, daemon, "pins", ONE_PAGE, "replicated", seeds=[1])
     pinned_keys = keys_for("pinned", 8)
@@ -114,7 +116,7 @@ def test_pinned_entries_survive_eviction_pressure(start_daemon, ranks):
 
 
 def test_lru_evicts_least_recently_used_first(start_daemon, ranks):
-    daemon = start_daemon(size="12MiB")
+    daemon = start_daemon("--policy", "lru", size="12MiB")
     capacity = daemon.stats()["pages_total"]
     procs = ranks(1)
     connect(procs, daemon, "lru", ONE_PAGE, "replicated", seeds=[1])

@@ -35,8 +35,10 @@ def ctl_json(daemon, *args: str, expect: int = 0):
 
 
 @pytest.fixture
-def populated(daemon, ranks):
-    """Two namespaces: 5 entries of model-a and 3 of model-b (larger blocks)."""
+def populated(start_daemon, ranks):
+    """Two namespaces: 5 entries of model-a and 3 of model-b (larger blocks). LRU, whose victims
+    (kvtierctl evict) are the least recently used."""
+    daemon = start_daemon("--policy", "lru")
     a, b = ranks(2)
     small, large = CacheSpec(num_blocks=8), CacheSpec(num_blocks=8, layers=6)
     connect([a], daemon, "eng-a", small, "replicated", seeds=[1], model="model-a")

@@ -16,6 +16,7 @@ import pytest
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
 from kvtierd.contract.region_format import CHAIN_END, EntryState, Geometry, RegionView
+from kvtierd.policy import DEFAULT as DEFAULT_POLICY
 from kvtierd.store import Store
 
 PAGE = 4096
@@ -61,10 +62,10 @@ def pages(p: bytes) -> list[int]:
 
 
 class Env:
-    def __init__(self, num_pages: int = 64):
+    def __init__(self, num_pages: int = 64, policy: str = DEFAULT_POLICY):
         self.clock = FakeClock()
         self.view = make_view(num_pages)
-        self.store = Store(self.view, job_timeout=TIMEOUT, clock=self.clock)
+        self.store = Store(self.view, job_timeout=TIMEOUT, clock=self.clock, policy=policy)
 
     def ranks(self, engine: str, world_size: int, layout: NamespaceId) -> list:
         return [self.store.attach(engine, r, world_size, layout) for r in range(world_size)]
@@ -100,8 +101,8 @@ class Env:
         return self.store.stats()
 
 
-def small(num_pages: int) -> Env:
-    return Env(num_pages)
+def small(num_pages: int, policy: str = DEFAULT_POLICY) -> Env:
+    return Env(num_pages, policy)
 
 
 @contextlib.contextmanager

@@ -3,9 +3,9 @@
 The exported metric names and label values come from running the real collector
 (kvtierd.metrics.DaemonCollector) on a synthetic stats reply (every field of protocol.StatsReply),
 with the label-bearing dicts filled from the code that fills them in the daemon (error codes,
-request ops, abort causes, session roles, pin modes). The Prometheus expressions in alerts.yml and in the Grafana
-dashboard are then read with regexes, so those checks run without PyYAML; the structural checks of
-the YAML files need it and skip without it.
+request ops, abort causes, session roles, pin modes, eviction policy segments). The Prometheus
+expressions in alerts.yml and in the Grafana dashboard are then read with regexes, so those
+checks run without PyYAML; the structural checks of the YAML files need it and skip without it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kvtierd import config
 from kvtierd.contract import protocol as P
 from kvtierd.histogram import Histogram
 from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
+from kvtierd.policy import POLICIES, create
 from kvtierd.sessions import SessionEnd
 
 if sys.version_info >= (3, 11):
@@ -63,6 +64,11 @@ def pin_results() -> set[str]:
     return set(config.BY_NAME["pin"].choices) - {"auto"}
 
 
+def policy_segments() -> set[str]:
+    """Every `segment` label value: the segments of every registered eviction policy."""
+    return {segment for name in POLICIES for segment in create(name).segments}
+
+
 def snapshot(pinned: str) -> P.StatsReply:
     """A whole stats reply, label-bearing dicts filled with every value the code can emit."""
     hist = Histogram()
@@ -85,6 +91,9 @@ def snapshot(pinned: str) -> P.StatsReply:
         namespace_list=[], requests={}, clients_watched=0, uptime_seconds=1.0, socket="s", admin_socket="a",
         metrics_address=None, file_bytes=1 << 30, daemon_pid=1, stopping=False, region_problem=None,
         sessions_heartbeat=0, checksums=False,
+        policy="slru", policy_admitted_keys=14, policy_refused_keys=15,
+        policy_segments={segment: 1 for segment in policy_segments()},
+        policy_evictions={segment: 1 for segment in policy_segments()}, policy_extra={},
     )
 
 

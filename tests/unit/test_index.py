@@ -34,7 +34,7 @@ def test_capacity_replicated_holds_tp_times_sharded():
 
 # ---------------------------------------------------------------------------- eviction
 def test_lru_eviction_order_across_namespaces():
-    env = small(8)
+    env = small(8, policy="lru")
     st_ = env.store
     a = env.engine("a", 1, model="A")
     b = env.engine("b", 2, model="B")
@@ -63,7 +63,7 @@ def test_lru_eviction_order_across_namespaces():
 
 
 def test_pinned_entries_survive_eviction_pressure():
-    env = small(8)
+    env = small(8, policy="lru")
     st_ = env.store
     a = env.engine("a", 2)
     env.put(a, 1, keys("a", 8))
@@ -388,3 +388,49 @@ def test_verify_catches_a_leaked_page_and_a_stray_policy_member(env):
     with pytest.raises(AssertionError, match="policy membership"):
         env.store.verify()
     index.policy.unpinned([sess[0].engine.ns.index[b"a"].slot])
+
+
+def test_the_policy_hears_keys_chain_and_the_written_part_of_a_cold_tail():
+    """make_ready hands the policy the written keys in order, the job's chain flag, and how many
+    of them lie in the cold tail: PRESENT keys in the tail are not counted (they were not
+    written), nor NO_SPACE ones; recovery hands it the recovered keys."""
+    env = small(8)
+    st_ = env.store
+    a = env.engine("a", 1)
+    env.put(a, 1, [b"k2"])
+    heard = []
+    policy = st_.index.policy
+    real = policy.inserted
+    policy.inserted = lambda slots, keys, chain=True, cold=0: (heard.append((list(keys), chain, cold)),
+                                                                real(slots, keys, chain, cold))
+    st_.store(a[0], 2, [b"k0", b"k1", b"k2", b"k3"], True, 2)     # k2 PRESENT: 1 written key in the tail
+    st_.commit(a[0], 2, True)
+    st_.store(a[0], 3, keys("x", 9), False, 3)                    # 8 fit (the rest evicted): x8 NO_SPACE
+    st_.commit(a[0], 3, True)
+    assert heard == [([b"k0", b"k1", b"k3"], True, 1), (keys("x", 8), False, 2)]
+    assert env.stats()["policy_refused_keys"] == 3
+    st_.verify()
+    st_.shutdown()
+    keys_back = []
+    real_recovered = type(policy).recovered
+    type(policy).recovered = lambda self, slots, ks: (keys_back.extend(ks), real_recovered(self, slots, ks))
+    try:
+        reopen(env.view)
+    finally:
+        type(policy).recovered = real_recovered
+    assert sorted(keys_back) == keys("x", 8)
+
+
+def test_stats_count_evictions_by_reason_and_by_segment():
+    env = small(8)
+    a = env.engine("a", 1)
+    env.put(a, 1, keys("a", 8))
+    env.store.lookup(a[0], keys("a", 2))                 # used again: promoted at the next walk
+    env.put(a, 2, keys("b", 3))                          # evicts 3 for room, from probation
+    assert env.store.evict(None, 2) == 2                 # the operator takes the next 2
+    s = env.stats()
+    assert (s["evictions"], s["operator_evictions"]) == (3, 2)
+    assert s["policy_evictions"] == {"probation": 5, "protected": 0}
+    assert sum(s["policy_segments"].values()) == s["evictable"] == 6
+    assert s["policy_extra"]["promoted"] == 2
+    env.store.verify()

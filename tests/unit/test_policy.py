@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtierd.policy import POLICIES, Policy, create
+from kvtierd.policy import DEFAULT, POLICIES, Policy, create
 from kvtierd.policy.lru import LRUPolicy
 
 
@@ -25,11 +25,16 @@ def drain(policy: Policy) -> list[int]:
 
 
 def test_registry():
-    assert set(POLICIES) == {"lru"}
+    assert set(POLICIES) == {"lru", "slru", "s3fifo", "tinylfu"}
     p = create("lru")
     assert isinstance(p, LRUPolicy) and isinstance(p, Policy) and len(p) == 0
-    assert create() is not p                        # a new one each time
-    with pytest.raises(ValueError, match="no eviction policy 'mru'; known: lru"):
+    assert create("lru") is not p                   # a new one each time
+    for name in POLICIES:
+        policy = create(name)
+        assert policy.name == name and policy.segments and len(policy) == 0
+        assert set(policy.stats()["segments"]) == set(policy.stats()["evicted"]) == set(policy.segments)
+    assert create().name == DEFAULT
+    with pytest.raises(ValueError, match="no eviction policy 'mru'; known: lru, s3fifo, slru, tinylfu"):
         create("mru")
 
 

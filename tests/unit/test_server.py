@@ -198,3 +198,24 @@ def test_bye_ends_the_session_and_aborts_its_jobs(d):
     jobs = P.JobsReply.from_wire(d.ok("jobs", jobs=[1])).jobs
     assert jobs == [{"job": 1, "kind": "store", "state": "aborted", "cause": "rank_left"}]
     assert d.call("commit", b"rank-1", job=1, ok=True)["code"] == ErrorCode.NOT_ATTACHED
+
+
+def test_store_hints_reach_the_policy(d):
+    """chain and cold_tail on the wire: validated, set by the job's first request, and heard by
+    the policy (slru counts the cold keys it placed first in line as refused)."""
+    d.hello()
+    d.ok("store", job=1, keys=KEYS, cold_tail=2)
+    d.ok("commit", job=1, ok=True)
+    s = d.ok("stats")
+    assert (s["policy"], s["policy_admitted_keys"], s["policy_refused_keys"]) == ("slru", 2, 2)
+    assert s["policy_segments"] == {"probation": 4, "protected": 0}
+    # The two cold keys go first, the deepest first; then the chain from its tail.
+    slot = {key: entry.slot for key, entry in d.store.jobs.engines["e"].ns.index.items()}
+    assert list(d.store.index.policy.victims()) == [slot[KEYS[3]], slot[KEYS[2]], slot[KEYS[1]], slot[KEYS[0]]]
+    more = [bytes([i]) * 36 for i in range(10, 14)]
+    d.ok("store", job=2, keys=more, chain=False, cold_tail=99)     # capped at the job's keys
+    d.ok("commit", job=2, ok=True)
+    assert d.ok("stats")["policy_refused_keys"] == 6
+    for bad in ({"chain": 1}, {"cold_tail": -1}, {"cold_tail": P.MAX_KEYS_PER_REQUEST + 1}, {"cold_tail": True}):
+        reply = d.call("store", job=3, keys=more, **bad)
+        assert not reply["ok"] and reply["code"] == ErrorCode.BAD_REQUEST, (bad, reply)
