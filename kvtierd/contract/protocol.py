@@ -324,6 +324,11 @@ def _(name: str, value: Any, spec: Field) -> None:
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a string")
     if spec.choices is not None and value not in spec.choices:
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r}={value!r} not one of {list(spec.choices)}")
+    # The region's fixed-width fields drop trailing NULs, so "m\0" would come back from a restart
+    # as "m", another engine's namespace: no control characters in any protocol string.
+    if not value.isprintable():
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} holds a control character (NUL, newline, "
+                                                  "...); protocol strings are printable text")
     n = len(value.encode())
     if spec.lo is not None and not spec.lo <= n <= (spec.hi or MAX_STR_BYTES):
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {spec.lo}..{spec.hi} bytes long")
