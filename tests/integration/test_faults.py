@@ -6,7 +6,7 @@ Each test drives one fault and then proves the three things the issue asks for:
   stored (the ranks' KV caches are filled from seeds; replicated ranks share a seed, so any
   rank's source blocks are the reference);
 - nothing leaks: ``assert_settled`` waits until the daemon has noticed the dead client, then
-  checks that no entry is pinned or WRITING, no page is quarantined, every used page belongs to a
+  checks that no entry is pinned or WRITING, no page is fenced, every used page belongs to a
   READY entry, and that ``kvtierctl check`` finds the region sound;
 - the survivors keep working: a store and a load with correct bytes after the fault.
 
@@ -98,11 +98,11 @@ def clobber(procs, block_ids) -> None:
 
 
 def assert_settled(daemon) -> dict:
-    """No leaked pin, WRITING entry, quarantined page or open job; every used page is a READY
+    """No leaked pin, WRITING entry, fenced page or open job; every used page is a READY
     entry's; the entry table and chains are sound (kvtierctl check)."""
     stats = wait_for(lambda: (s := daemon.stats())["entries_pinned"] == 0 and s["entries_writing"] == 0
-                     and s["pages_quarantined"] == 0 and s["open_jobs"] == 0 and s,
-                     what="no pins, WRITING entries, quarantined pages or open jobs")
+                     and s["pages_fenced"] == 0 and s["open_jobs"] == 0 and s,
+                     what="no pins, WRITING entries, fenced pages or open jobs")
     owned = sum(ns["entries"] * ns["entry_pages"] for ns in stats["namespace_list"])
     assert stats["pages_used"] == owned, stats
     assert stats["evictable"] == stats["entries_ready"], stats
@@ -154,7 +154,7 @@ def test_writer_killed_mid_copy_aborts_and_frees_its_pages(daemon, ranks, rank1_
     stats = wait_for(lambda: (s := daemon.stats())["aborted_jobs"].get("rank_died") and s,
                      what="the daemon to notice rank 0's death")
     assert stats["entries_writing"] == 0 and stats["entries_ready"] == 0
-    assert stats["pages_used"] == 0 and stats["pages_quarantined"] == 0 and stats["pages_free"] == stats["pages_total"]
+    assert stats["pages_used"] == 0 and stats["pages_fenced"] == 0 and stats["pages_free"] == stats["pages_total"]
     assert rank1.call("lookup", keys=keys) == 0
     (status,) = rank1.call("job_status", jobs=[1])
     assert status["state"] == "aborted" and status["cause"] == "rank_died", status
@@ -173,7 +173,7 @@ def test_writer_killed_mid_copy_aborts_and_frees_its_pages(daemon, ranks, rank1_
 
 def test_non_writer_killed_before_voting_aborts_the_job(daemon, ranks):
     """(b) Rank 1 dies before its vote: the job aborts at once, its entries vanish; the pages
-    stay quarantined while the writer may still copy into them and are freed when the writer's
+    stay fenced while the writer may still copy into them and are freed when the writer's
     commit learns ABORTED. A new rank 1 joins and the engine carries on."""
     rank0, rank1 = ranks(2)
     attach([rank0, rank1], daemon, "fault-b", 2, [0, 1], seeds=[3, 3])
@@ -186,13 +186,13 @@ def test_non_writer_killed_before_voting_aborts_the_job(daemon, ranks):
     stats = wait_for(lambda: (s := daemon.stats())["aborted_jobs"].get("rank_died") and s,
                      what="the daemon to notice rank 1's death")
     assert stats["entries_writing"] == 0 and stats["entries_ready"] == 0
-    assert stats["pages_quarantined"] == 5 and stats["pages_used"] == 5   # the writer may still copy
+    assert stats["pages_fenced"] == 5 and stats["pages_used"] == 5   # the writer may still copy
     assert rank0.call("lookup", keys=keys) == 0
 
     (result,) = rank0.call("finish", jobs=[1])                 # the writer's commit
     assert not result["ok"] and result["error_type"] == "JobAborted", result
     stats = daemon.stats()
-    assert stats["pages_quarantined"] == 0 and stats["pages_used"] == 0
+    assert stats["pages_fenced"] == 0 and stats["pages_used"] == 0
 
     (fresh,) = ranks(1)
     attach([fresh], daemon, "fault-b", 2, [1], seeds=[3])

@@ -250,7 +250,7 @@ def test_region_of_format_version_1_refused_with_the_recreate_hint(rdir):
     r.close()
     with pytest.raises(RegionError) as info:
         open_region(rdir)
-    assert "version 1" in str(info.value) and "--recreate" in str(info.value)
+    assert "version 1" in str(info.value) and "--recreate" in str(info.value) and path in str(info.value)
     r2 = open_region(rdir, recreate=True)
     try:
         assert not r2.adopted and int(r2.view.header["version"]) == 2
