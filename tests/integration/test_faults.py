@@ -298,7 +298,8 @@ def test_sigterm_drains_open_loads_then_stops_cleanly(start_daemon, ranks):
 def test_daemon_killed_mid_store_discards_unfinished(daemon, ranks):
     """(e) SIGKILL while a store job's entries are WRITING (the writer has its pages, no commit):
     the restarted daemon reports them discarded, they are not READY, and the READY entries from
-    before are served with correct bytes."""
+    before are served with correct bytes. The writer lives, so its pages stay fenced until it
+    re-attaches (its client closing: it waits for its copy, then names its old session)."""
     procs = ranks(2)
     attach(procs, daemon, "fault-e", 2, [0, 1], seeds=[9, 9])
     ready, unfinished = keys_for("fault-e-ready", 3), keys_for("fault-e-writing", 4)
@@ -314,9 +315,11 @@ def test_daemon_killed_mid_store_discards_unfinished(daemon, ranks):
     line = adopt_line(daemon)
     assert "(last stop unclean)" in line and "3 ready entries recovered, 4 unfinished" in line, line
     stats = daemon.stats()
-    assert stats["entries_ready"] == 3 and stats["entries_writing"] == 0 and stats["pages_used"] == 3
+    assert stats["entries_ready"] == 3 and stats["entries_writing"] == 0 and stats["pages_used"] == 3 + 4
+    assert stats["fenced_pages"]["restart_recovery"] == 4
 
     all_call(procs, "close")                                   # old sessions are gone: new clients
+    assert daemon.stats()["pages_fenced"] == 0
     attach(procs, daemon, "fault-e", 2, [0, 1], seeds=[9, 9])
     assert procs[1].call("lookup", keys=unfinished) == 0
     assert procs[1].call("lookup", keys=ready) == 3
