@@ -158,8 +158,9 @@ class Fence:
                             parked={None: pages.astype(PAGES_DTYPE)}, parked_since=now)
             self.writers[row] = writer
             rows["state"][row] = WriterState.DETACHED
-            what = (f"writer row {row} (engine {bytes(rec['engine']).decode(errors='replace')!r} rank "
-                    f"{int(rec['rank'])}, pid {int(rec['pid'])}) holds {len(pages)} fenced pages from before the restart")
+            engine = bytes(rec["engine"]).decode(errors="replace")
+            what = (f"writer row {row} (engine {engine!r} rank {int(rec['rank'])}, pid {int(rec['pid'])}) holds "
+                    f"{len(pages)} fenced pages from before the restart")
             if int(rec["boot"]) != self.boot:
                 log.info("%s; it ran in another boot: released", what)
                 self._release(writer, Release.DIED)

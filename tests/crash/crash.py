@@ -375,7 +375,8 @@ class Run:
         final = admin_stats(self.daemon)
         while final is None or final["sessions"] or final["pages_fenced"]:
             if time.monotonic() > settle:
-                self.failures.append(f"not settled after every client closed: {final and {k: final[k] for k in ('sessions', 'pages_fenced', 'fenced_pages')}}")
+                left = final and {k: final[k] for k in ("sessions", "pages_fenced", "fenced_pages")}
+                self.failures.append(f"not settled after every client closed: {left}")
                 break
             time.sleep(0.2)
             final = admin_stats(self.daemon)

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 
 
 def new_daemon(*args: str, size: str = "32MiB", job_timeout: float = 20.0, page_size: str = "64KiB",
-                env: dict[str, str] | None = None, root: str = "/tmp", own_pid_namespace: bool = False) -> DaemonProcess:
+                env: dict[str, str] | None = None, root: str = "/tmp",
+                own_pid_namespace: bool = False) -> DaemonProcess:
     """A test daemon in its own fresh directory (removed by ``cleanup``), small and unpinned.
     ``own_pid_namespace``: the daemon cannot see its clients' processes (as from another pod)."""
     # root="/dev/shm" for tests that pin the region with CUDA: since Linux 6.5 the kernel may
