@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: install run test test-unit test-integration vllm-install test-vllm sglang-install test-sglang tier-install test-tier bench-tier tier-up soak crash bench bench-docs nvcc-check bench-loop docs clean
+.PHONY: install run test test-unit test-integration vllm-install test-vllm bench-vllm sglang-install test-sglang tier-install test-tier bench-tier tier-up soak crash bench bench-docs nvcc-check bench-loop docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ vllm-install: $(VLLM_VENV)/.installed
 # The vLLM plugin against vLLM's own Scheduler and OffloadingConnector and a real kvtierd (CPU only).
 test-vllm: vllm-install
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/pytest -q tests/vllm
+
+# vLLM's real Scheduler with the kvtier plugin against vLLM's native CPU offloading, same run (docs/vllm.md).
+bench-vllm: vllm-install
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python bench/vllm_scheduler.py
 
 # SGLang 0.5.23 for the HiCache storage backend's tests, in its own venv (CPU torch, SGLang --no-deps +
 # the pinned packages its imports need: tools/sglang-0.5.23-cpu-requirements.txt).

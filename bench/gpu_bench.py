@@ -19,12 +19,21 @@ Geometries: DeepSeek-V3 MLA (61 layers, [blocks, 64 tokens, 576] per layer, bf16
 Llama-70B-like GQA shard at TP=1 (80 layers, 8 KV heads × 128, 16 tokens per block, K and V of
 each layer as views of one [2, blocks, 16, 8, 128] tensor, vLLM's flash-attention layout).
 
+Then the cost of pinning a client's mapping of the region (issue 15): cudaHostRegister (portable |
+mapped, chunked, as ``Mapping.pin_cuda``) of a fresh mapping of a ``--register-gib`` file on
+tmpfs, seconds per GiB, for 4 KiB pages (/dev/shm as mounted, unless it gives huge pages) and
+2 MiB pages (a tmpfs mounted huge=always: /dev/shm when it is one, else mounted by this script
+when it runs as root, and unmounted after); each on a mapping left unpopulated (the register
+faults every page in itself) and on one the client's populate (MADV_POPULATE_WRITE on 2
+threads, timed apart) filled first, which is what a kvtier client does before pinning. The
+pages each mapping got are read from /proc/self/smaps, so a row never claims pages it did not get.
+
 Writes gpu_bench.json and gpu_bench.md under ``--out`` (default $OUT, else ./out, which git ignores) and
 prints the table. Fits one device run: about a minute on an H100/H200-class machine with the
 defaults; ``--budget-s`` (default 420) stops starting new cases after that many seconds. On a
 machine without CUDA it prints why and exits 0 without measuring anything.
 
-Usage: python bench/gpu_bench.py [--out DIR] [--blocks-per-job 32] [--iters 5] [--budget-s 420]
+Usage: python bench/gpu_bench.py [--out DIR] [--blocks-per-job 32] [--iters 5] [--budget-s 420] [--register-gib 4]
 """
 
 from __future__ import annotations
@@ -84,7 +93,85 @@ def parse_args(argv):
     p.add_argument("--blocks-per-job", type=int, default=32)
     p.add_argument("--iters", type=int, default=5, help="timed jobs per case (after one warm-up)")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no new case after this many seconds")
+    p.add_argument("--register-gib", type=float, default=4.0,
+                   help="GiB of region mapping whose cudaHostRegister is timed per page size (0: skip)")
     return p.parse_args(argv)
+
+
+def register_cost(gib: float, register, workdir: str = "/dev/shm") -> tuple[list[dict], list[str]]:
+    """cudaHostRegister per GiB of a fresh mapping of a tmpfs file, 4 KiB vs 2 MiB pages, on an
+    unpopulated and on a populated mapping. ``register(address, size)`` pins and returns the
+    function that unpins (CudaRuntime.register). Returns (rows, notes)."""
+    import tempfile
+    from contextlib import ExitStack
+
+    from kvtierbench.harness import huge_tmpfs
+    from kvtierd import hugepages
+    from kvtierd.contract.mapping import Mapping
+
+    nbytes = int(gib * (1 << 30)) // (2 << 20) * (2 << 20)
+    rows, notes = [], []
+    found = hugepages.offer(workdir)
+    with ExitStack() as stack:
+        places = []
+        if found.kind == "none":
+            places.append(("4 KiB", workdir))
+        if found.kind == "thp":
+            places.append(("2 MiB", workdir))
+        else:
+            mount_point = tempfile.mkdtemp(prefix="kvt-gpu-huge-")
+            stack.callback(os.rmdir, mount_point)             # after the unmount (last in, first out)
+            try:
+                places.append(("2 MiB", stack.enter_context(huge_tmpfs(mount_point, nbytes + (64 << 20)))))
+                notes.append("2 MiB pages: a tmpfs mounted huge=always by this script (unmounted after)")
+            except OSError as exc:
+                notes.append(f"2 MiB pages not measured: {found.why_not()} ({exc})")
+        for label, directory in places:
+            path = os.path.join(directory, f"kvt-register-{os.getpid()}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)          # the daemon's pages, allocated (4 KiB or huge)
+            finally:
+                os.close(fd)
+            try:
+                row = {"pages": label, "gib": nbytes / (1 << 30)}
+                for populated in (False, True):
+                    mapping = Mapping.of_file(path)
+                    try:
+                        if populated:
+                            t0 = time.perf_counter()
+                            mapping.populate_in_background(threads=2).wait()
+                            row["populate_s_per_gib"] = (time.perf_counter() - t0) / row["gib"]
+                        t0 = time.perf_counter()
+                        unregister = register(mapping.address, mapping.size)
+                        seconds = time.perf_counter() - t0
+                        row["huge_bytes"] = hugepages.backing(mapping.address).huge_bytes
+                        unregister()
+                    finally:
+                        mapping.close()
+                    row["register_populated_s_per_gib" if populated else "register_s_per_gib"] = seconds / row["gib"]
+                rows.append(row)
+            finally:
+                os.unlink(path)
+        if "2 MiB" in {r["pages"] for r in rows} and "4 KiB" in {r["pages"] for r in rows}:
+            small, huge = (next(r for r in rows if r["pages"] == p) for p in ("4 KiB", "2 MiB"))
+            for key in ("register_s_per_gib", "register_populated_s_per_gib"):
+                huge[f"{key}_vs_4KiB"] = huge[key] / small[key]
+    return rows, notes
+
+
+def register_markdown(rows: list[dict], notes: list[str]) -> str:
+    lines = ["", "cudaHostRegister of a client's mapping of the region (s per GiB):", "",
+             "| pages | GiB | huge bytes | register, unpopulated | populate (2 threads) | register, populated "
+             "| 2 MiB / 4 KiB (unpop., pop.) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        vs = (f"{r['register_s_per_gib_vs_4KiB']:.3f}, {r['register_populated_s_per_gib_vs_4KiB']:.3f}"
+              if "register_s_per_gib_vs_4KiB" in r else "")
+        lines.append(f"| {r['pages']} | {r['gib']:g} | {r['huge_bytes'] >> 20} MiB | {r['register_s_per_gib']:.4f} "
+                     f"| {r['populate_s_per_gib']:.4f} | {r['register_populated_s_per_gib']:.4f} | {vs} |")
+    lines += [f"\n{n}" for n in notes]
+    return "\n".join(lines) + "\n"
 
 
 class PinnedRegion:
@@ -272,6 +359,12 @@ def main(argv=None) -> int:
             probe.close()
 
     start = time.monotonic()
+    register_rows, register_notes = [], []
+    if args.register_gib > 0:
+        from kvtierd.contract.mapping import CudaRuntime
+        print(f"gpu_bench: cudaHostRegister of {args.register_gib:g} GiB, 4 KiB vs 2 MiB pages …", file=sys.stderr,
+              flush=True)
+        register_rows, register_notes = register_cost(args.register_gib, CudaRuntime.load().register)
     rows, skipped = [], []
     for geo in GEOMETRIES:
         if time.monotonic() - start > args.budget_s:
@@ -281,9 +374,10 @@ def main(argv=None) -> int:
         rows += run_geometry(geo, args, unavailable, device)
 
     os.makedirs(args.out, exist_ok=True)
-    table = markdown(env, rows, skipped)
+    table = markdown(env, rows, skipped) + register_markdown(register_rows, register_notes)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump({"env": env, "results": rows, "skipped": skipped, "seconds": time.monotonic() - start}, f, indent=2)
+        json.dump({"env": env, "results": rows, "skipped": skipped, "register": register_rows,
+                   "register_notes": register_notes, "seconds": time.monotonic() - start}, f, indent=2)
     with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
         f.write(table)
     print(table)

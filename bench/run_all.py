@@ -2,6 +2,7 @@
 
     python bench/run_all.py                     # full `kvtierctl bench` (minutes), then the docs
     python bench/run_all.py --from FILE         # the docs from a saved result, without running
+    python bench/run_all.py --only attach       # rerun some sections into the saved result, then the docs
     python bench/run_all.py --quick             # toy sizes: checks the pipeline in seconds
 
 Writes docs/bench/results.json (the run), docs/img/bench-*.png (matplotlib) and
@@ -18,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -108,7 +110,7 @@ def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 def machine_text(result: dict) -> str:
     m = result["machine"]
-    lines = [f"- CPU: {m.get('cpu', '?')}, {m['cpus']} CPUs (`nproc`); {_lscpu()}",
+    lines = [f"- CPU: {m.get('cpu', '?')}, {m['cpus']} CPUs (`nproc`); {m.get('lscpu') or _lscpu()}",
              f"- memory: {m.get('mem_total', 0) / (1 << 30):.1f} GiB (`free`), /dev/shm tmpfs",
              f"- kernel {m['kernel']}, Python {m['python']}",
              f"- load average during the run: {m['loadavg_start'][0]:.2f} at the start, {m['loadavg_end'][0]:.2f} at "
@@ -139,6 +141,11 @@ def section_text(name: str, section: dict) -> str:
     if "skipped" in section:
         return f"Skipped: {section['skipped']}."
     parts = []
+    if "run" in section:            # rerun on its own (--only) into a saved full run
+        m = section["run"]["machine"]
+        parts.append(f"Measured in a run of its own (`bench/run_all.py --only {name}`, {section['run']['date']}) on "
+                     f"{m.get('cpu', '?')}, {m['cpus']} CPUs, {m.get('lscpu', '')}: load average "
+                     f"{m['loadavg_start'][0]:.2f} at the start, {m['loadavg_end'][0]:.2f} at the end.")
     rows = section["rows"]
     if name == "control":
         for clients in sorted({r["clients"] for r in rows}):
@@ -186,7 +193,8 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
            f"The run took {result['seconds'] / 60:.1f} minutes ({'--quick' if result['quick'] else 'full plan'}).",
            "## Targets", targets_text(result), MISSES]
     titles = {"control": "Control plane", "data": "CPU data plane", "capacity": "Capacity and traffic",
-              "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis"}
+              "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis",
+              "attach": "Client attach and first touch (4 KiB vs 2 MiB pages)"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
                  "data": ["bench-gbps-vs-block.png"]}
     for name in kvtierbench.SECTIONS:
@@ -287,6 +295,16 @@ answering a ping. `Store()` is the store's recovery alone (scan of the tables + 
 timed in the bench process on the stopped daemon's region.""",
     "redis": """A real `redis-server` (Debian package) on loopback, no persistence, driven by redis-py, stores and
 loads the same blocks from the same KV-cache memory as kvtierd's client does.""",
+    "attach": """What a client pays to start using the region. Attach + populate: `Client(...)` (hello, mapping the
+region, and the background populate of the whole mapping on the client's 2 threads, waited for),
+seconds per GiB of mapping. Cold vs warm: the same client stores, in turns, a job into pages it
+never wrote (cold) and, after evicting its oldest entries, a job of the same size into pages it
+wrote before (warm); "cold x warm" is the median over those pairs of the warm job's time over
+the cold one's (1.0: the first touch costs nothing). With the populate (what a client does now)
+and without it (`populate_threads=0`, what every client paid before: one page fault per page on
+the copy's path). 4 KiB pages: a region created with `hugepages=off`; 2 MiB pages:
+`hugepages=on`, on a tmpfs the bench mounts itself (`huge=always`) when its directory gives none
+and it runs as root.""",
 }
 
 OPTIMISATIONS = """## Optimisations (issue 6)
@@ -323,20 +341,34 @@ GPU = """## GPU figures
 The GPU benchmarks live in `bench/gpu_bench.py` (issue 4): store (D2H) and load (H2D) bandwidth
 of the device copiers (the CUDA kernel of csrc/ and the torch fallback) against one
 contiguous `cudaMemcpyAsync` of the same bytes into the same pinned region (the link's ceiling),
-for DeepSeek-V3 MLA and a Llama-70B-like GQA shard. They were **not run** for this page: no GPU
-device was lent to this task, so there are no GPU figures here."""
+for DeepSeek-V3 MLA and a Llama-70B-like GQA shard; and cudaHostRegister of a client's mapping per
+GiB with 4 KiB vs 2 MiB pages, unpopulated and populated first (issue 15). They were **not run**
+for this page: no GPU device was lent to this task, so there are no GPU figures here."""
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from", dest="source", metavar="FILE", help="make the docs from this bench.json")
     ap.add_argument("--quick", action="store_true", help="toy sizes (checks the pipeline)")
+    ap.add_argument("--only", metavar="SECTIONS",
+                    help="run only these sections (comma-separated) and put them into the saved docs/bench/results.json")
     args = ap.parse_args()
     if args.source:
         with open(args.source) as f:
             result = json.load(f)
+    elif args.only:
+        with open(RESULTS) as f:
+            result = json.load(f)
+        fresh = kvtierbench.run(tuple(args.only.split(",")), quick=args.quick)
+        fresh["machine"]["lscpu"] = _lscpu()
+        for name, section in fresh["sections"].items():
+            section["run"] = {"machine": fresh["machine"], "date": time.strftime("%Y-%m-%d")}
+            result["sections"][name] = section
+        with open(RESULTS, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
     else:
         result = kvtierbench.run(quick=args.quick)
+        result["machine"]["lscpu"] = _lscpu()       # the run's machine, whenever the page is made
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)

@@ -15,8 +15,8 @@ each; ``harness`` holds what they share, ``report`` the tables:
               of the same size (a daemon doing no work), driven by the same client code. The two
               sides alternate in short slices, so that both see the same machine.
 ``data``      the CPU data plane: store then load of K blocks of S bytes through the client (CPU
-              copier, block ids in random order as an engine's are, its region mapping
-              prefaulted as a running engine's is), GB/s against one-thread memcpy of the same
+              copier, block ids in random order as an engine's are, its region mapping populated
+              by the client at attach, waited for), GB/s against one-thread memcpy of the same
               bytes into and back out of a prefaulted shared mapping; plus the round trip of a
               ping after the daemon idled, which the job's requests pay after each copy.
 ``capacity``  TP = 1, 2, 4, 8 ranks on one region: blocks it holds and bytes the ranks' copiers wrote
@@ -33,6 +33,10 @@ each; ``harness`` holds what they share, ``report`` the tables:
               one pipelined MSET/MGET and as one SET/GET per block, Redis credited with the faster
               per direction; blocks/s against kvtierd's. Skipped when redis-server or the redis
               Python client is not installed.
+``attach``    a client's attach + populate of its region mapping per GiB, and its first (cold) store
+              jobs against warm ones of the same size, with and without the populate, for 4 KiB and
+              2 MiB pages (a huge tmpfs the bench mounts itself when run as root and its directory
+              gives no huge pages; it says so, and unmounts it).
 
 The region lives in a fresh directory under /dev/shm (its production home: a disk-backed /tmp
 would measure page-cache writeback) and the whole directory is removed at the end. Daemons run
@@ -53,12 +57,12 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from . import capacity, control, data, eviction, recovery, redis, report
+from . import attach, capacity, control, data, eviction, recovery, redis, report
 from .harness import FULL, QUICK, Context, machine, say, workdir_base
 
 # In the order they run (eviction fills the region that recovery then restarts).
 SECTIONS = {"control": control, "data": data, "capacity": capacity, "eviction": eviction, "recovery": recovery,
-            "redis": redis}
+            "redis": redis, "attach": attach}
 
 
 def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: str | None = None) -> dict:

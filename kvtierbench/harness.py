@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -40,14 +42,19 @@ class Plan:
     entries: int                          # eviction/recovery: one-page entries in the region
     eviction_batches: tuple[int, ...]     # eviction: keys per store job
     redis_blocks: int                     # redis: blocks per job
+    attach_block: int                     # attach: bytes per block
+    attach_blocks: int                    # attach: blocks per store job
+    attach_reps: int                      # attach: cold jobs (= warm jobs) per client; attaches timed
 
 
 FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4, 16), duration=0.5,
             block_sizes=(MiB, 4 * MiB), blocks_per_job=(64, 256, 1024), reps=5, tp=(1, 2, 4, 8), budget=256 * MiB,
-            capacity_block=256 << 10, entries=1_000_000, eviction_batches=(1, 1024), redis_blocks=64)
+            capacity_block=256 << 10, entries=1_000_000, eviction_batches=(1, 1024), redis_blocks=64,
+            attach_block=2 * MiB, attach_blocks=16, attach_reps=24)
 QUICK = Plan(control_region=64 * MiB, batches=(1, 256, 1024), clients=(1, 4), duration=0.1, block_sizes=(MiB,),
              blocks_per_job=(64,), reps=2, tp=(1, 2, 4, 8), budget=16 * MiB, capacity_block=256 << 10,
-             entries=20_000, eviction_batches=(1024,), redis_blocks=16)
+             entries=20_000, eviction_batches=(1024,), redis_blocks=16, attach_block=MiB, attach_blocks=4,
+             attach_reps=4)
 
 CONTROL_PAGE = 4096                # control/eviction/recovery: 4 KiB pages, one-page blocks
 DATA_PAGE = 64 << 10               # data/capacity/redis: the default page size
@@ -112,13 +119,13 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def bench_daemon(directory: str, size: int, page_size: int, job_timeout: float = 120.0) -> DaemonProcess:
-    """A kvtierd for the bench in ``directory``, unpinned and without metrics (not started:
-    ``start()`` returns the seconds from process start to serving)."""
+def bench_daemon(directory: str, size: int, page_size: int, *flags: str, job_timeout: float = 120.0) -> DaemonProcess:
+    """A kvtierd for the bench in ``directory``, unpinned and without metrics, with more ``flags``
+    (not started: ``start()`` returns the seconds from process start to serving)."""
     os.makedirs(directory, exist_ok=True)
     return DaemonProcess(directory, "--size", str(size), "--page-size", str(page_size), "--pin", "off",
                          "--metrics-address", "off", "--job-timeout", str(job_timeout), "--log-level", "info",
-                         start_timeout=300.0, call_timeout=60.0)
+                         *flags, start_timeout=300.0, call_timeout=60.0)
 
 
 def region_size(pages: int, page_size: int) -> int:
@@ -148,6 +155,26 @@ class Context:
             self.big.stop()
 
 
+@contextmanager
+def huge_tmpfs(directory: str, size: int, huge: str = "always") -> Iterator[str]:
+    """A tmpfs mounted ``huge=<huge>`` (always: 2 MiB pages) of ``size`` bytes at ``directory``
+    for the block, unmounted after it. Needs root (CAP_SYS_ADMIN): raises OSError saying why it
+    could not mount. Whatever the block leaves in it goes with the unmount."""
+    os.makedirs(directory, exist_ok=True)
+    size = -(-size // (2 * MiB)) * 2 * MiB
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge={huge},size={size},mode=0700", "tmpfs", directory],
+                       check=True, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        raise OSError(f"cannot mount a huge tmpfs at {directory}: {detail.strip()}") from None
+    try:
+        yield directory
+    finally:
+        if subprocess.run(["umount", directory], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", directory], capture_output=True, timeout=30)   # busy: detach it
+
+
 def workdir_base() -> str:
     """/dev/shm when it is there (the region's production home), else the temp directory."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
@@ -170,10 +197,9 @@ class BlockBench:
         self.client = Client(daemon.socket, engine_id=f"bench-{name}", rank=0, world_size=1,
                              namespace=bench_namespace(name, block), copier="cpu", pin="off", timeout=120)
         self.client.register_kv_caches([self.kv])
-        # A running engine has touched every page of its mapping long ago (or pinned it, which
-        # populates it); without this, every job would pay first-touch page faults on pages it
-        # had not used yet, which the floor's prefaulted mapping does not.
-        self.client.mapping.prefault(threads=1)
+        # The client populates its mapping at attach (as every rank does; the attach section
+        # measures what that costs and what it saves): wait for it, as an engine's start outlasts it.
+        self.client.populating.wait()
         self.jobs = iter(range(1, 1 << 62))
         self.seed = 0
 

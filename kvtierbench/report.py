@@ -36,6 +36,10 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row 
               ("kvt load", "kvtierd_load_blocks_per_s", "{:,.0f}"),
               ("redis load", "redis_load_blocks_per_s", "{:,.0f}"),
               ("x redis", "ratio", "{:.1f}"), ("x MSET/MGET", "ratio_vs_mset_mget", "{:.1f}")],
+    "attach": [("pages", "pages", "{}"), ("populate", "populate", "{}"), ("daemon", "daemon_hugepages", "{}"),
+               ("client huge MiB", "client_huge_bytes", "MiB"),
+               ("attach+populate s/GiB", "attach_populate_s_per_gib", "{:.4f}"), ("cold ms", "cold_ms", "{:.2f}"),
+               ("warm ms", "warm_ms", "{:.2f}"), ("cold x warm", "cold_vs_warm", "{:.2f}")],
 }
 
 

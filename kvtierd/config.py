@@ -133,6 +133,10 @@ SETTINGS: tuple[Setting, ...] = (
             lo=4096, hi=1 << 30),
     Setting("pin", "choice", "auto", "Pin the region: auto (cudaHostRegister, else mlock, else unpinned "
             "with a warning), cuda, mlock or off.", choices=("auto", "cuda", "mlock", "off")),
+    Setting("hugepages", "choice", "auto", "Huge pages for the region: auto (2 MiB or 1 GiB pages when the region's "
+            "filesystem gives them: hugetlbfs, a tmpfs mounted huge=always/within_size/advise; else 4 KiB pages "
+            "with one info line), on (refuse to start without them, naming the mount command or sysctl) or off "
+            "(4 KiB pages). Decided when the region file is created.", choices=("auto", "on", "off")),
     Setting("group", "str", "", "Client group (name or numeric gid): may reach the socket and map the region "
             "(empty: the daemon's user only)."),
     Setting("job_timeout", "float", "30", "Seconds a store or load job may stay open before it is aborted "

@@ -59,7 +59,8 @@ class Daemon:
         started = time.monotonic()
         self.notifier.status("prefaulting region")
         self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
-                                  recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress)
+                                  recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress,
+                                  huge=c.hugepages)
         try:
             self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums,
                                fence_grace=c.fence_grace)
@@ -99,14 +100,17 @@ class Daemon:
                 raise
             self.server.metrics_address = bound
             log.info("metrics: http://%s/metrics", bound)
-        geo = self.region.geometry
+        geo, backing = self.region.geometry, self.region.backing
         log.info("ready: socket=%s region=%s size=%s pages=%d page_size=%s capacity=%s data_offset=%d "
-                 "pinned=%s prefault=%s generation=%x started_in=%.2fs admin_socket=%s", self.server.socket_path,
-                 self.region.paths.region, format_size(geo.file_bytes), geo.num_pages, format_size(geo.page_size),
-                 format_size(geo.capacity_bytes), geo.data_offset, self.region.pinned, self.region.prefault,
+                 "pinned=%s prefault=%s hugepages=%s huge_page_size=%s huge_bytes=%s generation=%x started_in=%.2fs "
+                 "admin_socket=%s", self.server.socket_path, self.region.paths.region, format_size(geo.file_bytes),
+                 geo.num_pages, format_size(geo.page_size), format_size(geo.capacity_bytes), geo.data_offset,
+                 self.region.pinned, self.region.prefault, backing.kind, format_size(backing.page_size),
+                 format_size(backing.huge_bytes),
                  self.region.generation, time.monotonic() - started, self.server.admin_socket_path)
         self.notifier.notify(READY=1, STATUS=f"serving {self.server.socket_path}: {geo.num_pages} pages of "
-                                             f"{format_size(geo.page_size)}, pinned={self.region.pinned}")
+                                             f"{format_size(geo.page_size)}, pinned={self.region.pinned}, "
+                                             f"{backing.describe()}")
 
     def run(self) -> None:
         self.server.install_signal_handlers()

@@ -59,7 +59,10 @@ class DaemonCollector:
 
         yield InfoMetricFamily("kvtierd_region", "The region this daemon serves.",
                                value={"path": s.region, "pinned": s.pinned,
-                                      "generation": f"{s.generation:x}", "page_size": str(s.page_size)})
+                                      "generation": f"{s.generation:x}", "page_size": str(s.page_size),
+                                      "hugepages": s.hugepages, "huge_page_size": str(s.huge_page_size)})
+        yield gauge("region_huge_bytes", "Bytes of the region the daemon's mapping got in huge pages at start "
+                    "(hugetlb or THP; the rest is in 4 KiB pages).", s.huge_bytes)
         yield gauge("capacity_bytes", "Bytes of the data area (pages × page size).", s.capacity_bytes)
         yield gauge("used_bytes", "Bytes of pages held by entries or fenced.", s.used_bytes)
         yield labelled(GaugeMetricFamily, "pages", "Pages by state.", "state",

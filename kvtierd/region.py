@@ -1,5 +1,8 @@
 """The region file's life: directory, lock, create or adopt, prefault, pin, watch, clean close.
 
+Whether its pages are huge is decided when the file is created, after ``kvtierd.hugepages``
+(the setting, what the filesystem offers, what the populated mapping got).
+
 This module owns files and memory, not meaning: it knows the header (to validate and to mark
 clean shutdown) but nothing of what entries mean; the index rebuilds itself from the tables.
 The files are those of ``contract.paths``: the region (mode 0660) and the lock, held with
@@ -30,6 +33,7 @@ import time
 
 import numpy as np
 
+from . import hugepages
 from .contract.mapping import Mapping
 from .contract.paths import DaemonPaths
 from .contract.region_format import HEADER_BYTES, FormatError, Geometry, RegionView, read_geometry
@@ -80,7 +84,8 @@ class Region:
     """An open, locked, mapped region. Construct with ``Region.open``."""
 
     def __init__(self, paths: DaemonPaths, lock_fd: int, mapping: Mapping, view: RegionView,
-                 adopted: bool, was_clean: bool, pinned: str, prefault: str, gid: int | None):
+                 adopted: bool, was_clean: bool, pinned: str, prefault: str, gid: int | None,
+                 backing: hugepages.Backing):
         self.paths = paths
         self.gid = gid                  # the client group (owns the socket too), or None
         self.mapping = mapping
@@ -90,6 +95,7 @@ class Region:
         self.was_clean = was_clean      # ... and its last daemon stopped cleanly
         self.pinned = pinned            # cuda | mlock | off
         self.prefault = prefault        # madvise | touch
+        self.backing = backing          # the pages the daemon's mapping got (read once, after prefault)
         self._lock_fd = lock_fd
         st = os.stat(paths.region)
         self._identity = (st.st_dev, st.st_ino)     # the file mapped, for check_file
@@ -136,25 +142,47 @@ class Region:
     @classmethod
     def open(cls, directory: str, name: str, size_bytes: int, page_size: int, pin: str = "auto",
              group: str | None = None, recreate: bool = False, prefault_threads: int = 4,
-             progress=None) -> "Region":
+             progress=None, huge: str = "auto") -> "Region":
         paths = DaemonPaths(directory, name)
         gid = prepare_directory(directory, group)
         lock_fd = _take_lock(paths, gid)
         try:
-            wanted = Geometry.for_size(size_bytes, page_size)
+            plan = hugepages.plan(huge, hugepages.offer(directory))
+            wanted = Geometry.for_size(hugepages.size_for(size_bytes, plan), page_size)
+        except hugepages.HugePagesUnavailable as exc:
+            os.close(lock_fd)
+            raise RegionError(str(exc)) from None
         except ValueError as exc:
             os.close(lock_fd)
-            raise RegionError(f"{exc} (settings 'size' and 'page_size')") from None
+            raise RegionError(f"{exc} (settings 'size', 'page_size' and 'hugepages')") from None
+        if plan.note:
+            log.info("%s", plan.note)
         try:
             adopted = os.path.exists(paths.region) and _adoptable(paths.region, wanted, recreate)
             if not adopted:
-                _create_file(paths.region, wanted, gid)
+                _create_file(paths.region, wanted, gid, plan)
             mapping = Mapping.of_file(paths.region)
         except BaseException:
             os.close(lock_fd)
             raise
         try:
-            method = mapping.prefault(threads=prefault_threads, progress=progress)
+            if plan.advise is not None:
+                mapping.advise_huge(plan.advise)
+            try:
+                method = mapping.prefault(threads=prefault_threads, progress=progress)
+            except OSError as exc:
+                if adopted or not plan.reserve_by_populate:
+                    raise
+                # Populating is what reserves the file's pages here (see hugepages.Plan).
+                raise RegionError(f"cannot reserve {_gib(mapping.size)} in {directory}: {exc.strerror}; lower "
+                                  "--size or free space there") from None
+            backing = hugepages.backing(mapping.address)
+            try:
+                warning = hugepages.judge(plan, backing, mapping.size, paths.region if adopted else None)
+            except hugepages.HugePagesUnavailable as exc:
+                raise RegionError(str(exc)) from None
+            if warning:
+                log.warning("%s", warning)
             pinned = mapping.pin(pin)
             view = RegionView(mapping.buffer, wanted)
             if adopted:
@@ -170,7 +198,7 @@ class Region:
                 os.unlink(paths.region)
             os.close(lock_fd)
             raise
-        return cls(paths, lock_fd, mapping, view, adopted, was_clean, pinned, method, gid)
+        return cls(paths, lock_fd, mapping, view, adopted, was_clean, pinned, method, gid, backing)
 
     def new_generation(self) -> int:
         """Give the region a new generation id (its content was rebuilt: clients must remap)."""
@@ -203,7 +231,12 @@ def _take_lock(paths: DaemonPaths, gid: int | None) -> int:
         raise
     # The lock is ours: a stale pid from a dead daemon is simply overwritten.
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        # hugetlbfs (a --dir for 2 MiB/1 GiB pages) takes no write(2): the lock holds without its pid.
     if gid is not None:
         os.fchown(fd, -1, gid)
     return fd
@@ -241,26 +274,28 @@ def _adoptable(path: str, wanted: Geometry, recreate: bool) -> bool:
     return True
 
 
-def _create_file(path: str, geo: Geometry, gid: int | None) -> None:
+def _create_file(path: str, geo: Geometry, gid: int | None, plan: hugepages.Plan) -> None:
     directory = os.path.dirname(path)
-    vfs = os.statvfs(directory)
-    available = vfs.f_bavail * vfs.f_frsize
-    if available < geo.file_bytes:
+    # Whole huge pages: hugetlbfs insists on it, and a tmpfs's last huge page is then all region.
+    length = -(-geo.file_bytes // plan.align) * plan.align
+    available, enlarge = hugepages.space(plan, directory, length)
+    if available < length:
         raise RegionError(
-            f"region needs {_gib(geo.file_bytes)} but {directory} has {_gib(available)} free; lower the "
-            f"'size' setting (--size) or enlarge the filesystem (for /dev/shm: "
-            f"mount -o remount,size=<bigger> /dev/shm)")
+            f"region needs {_gib(length)} but {directory} has {_gib(available)} free; lower the "
+            f"'size' setting (--size) or {enlarge}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o660)
     try:
         if gid is not None:
             os.fchown(fd, -1, gid)
         os.fchmod(fd, 0o660)
         try:
-            # Reserve every page now: on tmpfs a later page fault past the free space is a SIGBUS.
-            os.posix_fallocate(fd, 0, geo.file_bytes)
+            os.ftruncate(fd, length)
+            if not plan.reserve_by_populate:
+                # Reserve every page now: on tmpfs a later page fault past the free space is a SIGBUS.
+                os.posix_fallocate(fd, 0, length)
         except OSError as exc:
             os.unlink(path)
-            raise RegionError(f"cannot reserve {_gib(geo.file_bytes)} in {directory}: {exc.strerror}; "
+            raise RegionError(f"cannot reserve {_gib(length)} in {directory}: {exc.strerror}; "
                               "lower --size or free space there") from None
     finally:
         os.close(fd)

@@ -9,6 +9,13 @@ at most 64 GiB on page boundaries, unregistering what was done if a chunk fails;
 it; ``auto`` tries cuda when a CUDA device is usable, then mlock when RLIMIT_MEMLOCK allows it,
 else leaves the mapping unpinned (and says so in one warning line); ``off`` does nothing.
 Pinning is per process: the daemon's pin does not cover a client's mapping.
+
+Page tables are per process too: every process that maps the region takes a fault per page on
+first touch. ``prefault`` populates a mapping before returning (the daemon at start);
+``populate_in_background`` does it on a few cancellable threads (a client at attach). Which
+pages the file has (4 KiB, or huge: a tmpfs mounted ``huge=``, hugetlbfs) is decided where the
+file is created; ``advise_huge`` sets the advice that decides it on a tmpfs mounted
+``huge=advise`` (kvtierd.hugepages).
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import errno
 import logging
 import os
 import resource
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 
 import numpy as np
 
@@ -36,9 +44,11 @@ _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 PROT_READ, PROT_WRITE = 1, 2
 MAP_SHARED = 1
 MAP_FAILED = ctypes.c_void_p(-1).value
+MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 CUDA_REGISTER_CHUNK_BYTES = 64 << 30   # at most this much per cudaHostRegister call (on page boundaries)
 PREFAULT_CHUNK_BYTES = 64 << 20        # the smallest span one prefault worker takes at a time
+HUGE_PAGE = 2 << 20                    # chunks are multiples of it: no THP is faulted by two threads
 OS_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -58,6 +68,7 @@ class Mapping:
         self.size = size
         self.pinned = "off"
         self._unpin = lambda: None
+        self._populating: Populate | None = None
         # A ctypes array over the mapping: a writable buffer that NumPy can view without copying.
         self.buffer = (ctypes.c_ubyte * size).from_address(addr)
 
@@ -83,47 +94,51 @@ class Mapping:
     def close(self) -> None:
         if self.address is None:
             return
+        if self._populating is not None:
+            self._populating.cancel()       # its threads must be out of the range before munmap
         self._unpin()
         _libc.munmap(self.address, self.size)
         self.address = None
         self.buffer = None
+
+    def advise_huge(self, huge: bool) -> None:
+        """MADV_HUGEPAGE (or MADV_NOHUGEPAGE) on the whole mapping: whether pages this mapping
+        faults into a tmpfs file (huge=advise/always/within_size) may be 2 MiB ones."""
+        if _libc.madvise(self.address, self.size, MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE) != 0:
+            raise _oserror("madvise(MADV_HUGEPAGE)" if huge else "madvise(MADV_NOHUGEPAGE)")
 
     # --- prefault ----------------------------------------------------------------------------
     def prefault(self, start: int = 0, length: int | None = None, threads: int = 4,
                  progress=None) -> str:
         """Fault in [start, start+length) so that the first copy does not pay for page faults.
 
-        MADV_POPULATE_WRITE in parallel chunks; on kernels without it, touch each OS page
-        (reading and writing back the same byte, so an adopted region keeps its data).
-        Returns the method used. ``progress(done_bytes, total_bytes)`` is called per chunk.
+        Blocks until done (the daemon at start; benches). Returns the method used: madvise, touch
+        or none (see ``Populate``). ``progress(done_bytes, total_bytes)`` is called per chunk.
         """
         length = self.size - start if length is None else length
         if length <= 0:
             return "none"
-        chunk = max(PREFAULT_CHUNK_BYTES, _round_up(length // (threads * 8) + 1, OS_PAGE))
-        spans = [(s, min(chunk, start + length - s)) for s in range(start, start + length, chunk)]
-        supported = _libc.madvise(self.address + start, OS_PAGE, MADV_POPULATE_WRITE) == 0
-        if not supported and ctypes.get_errno() != errno.EINVAL:
-            raise _oserror("madvise(MADV_POPULATE_WRITE)")
+        chunk = max(PREFAULT_CHUNK_BYTES, _round_up(length // (threads * 8) + 1, HUGE_PAGE))
+        task = self._populate(start, length, threads, chunk, progress)
+        task.wait()
+        return task.method
 
-        def populate(span: tuple[int, int]) -> int:
-            if _libc.madvise(self.address + span[0], span[1], MADV_POPULATE_WRITE) != 0:
-                raise _oserror("madvise(MADV_POPULATE_WRITE)")
-            return span[1]
+    def populate_in_background(self, threads: int = 2, progress=None) -> "Populate":
+        """Fault the whole mapping in on ``threads`` background threads and return at once.
 
-        def touch(span: tuple[int, int]) -> int:
-            view = (ctypes.c_ubyte * span[1]).from_address(self.address + span[0])
-            every_page = np.frombuffer(view, dtype=np.uint8)[::OS_PAGE]
-            np.bitwise_or(every_page, 0, out=every_page)
-            return span[1]
+        A client does this at attach, so that its first copies do not take one page fault per
+        4 KiB page. Chunks are PREFAULT_CHUNK_BYTES, so ``cancel()`` returns within one chunk per
+        thread; ``close()`` cancels it before unmapping, so a populate never touches an address
+        after the mapping is gone (or remapped after a daemon restart).
+        """
+        return self._populate(0, self.size, threads, PREFAULT_CHUNK_BYTES, progress)
 
-        done = 0
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            for n in pool.map(populate if supported else touch, spans):
-                done += n
-                if progress:
-                    progress(done, length)
-        return "madvise" if supported else "touch"
+    def _populate(self, start: int, length: int, threads: int, chunk: int, progress) -> "Populate":
+        # One at a time, and known to close(), which must not unmap under a running one.
+        if self._populating is not None:
+            self._populating.cancel()
+        self._populating = Populate(self, start, length, threads, chunk, progress)
+        return self._populating
 
     # --- pinning -----------------------------------------------------------------------------
     def pin(self, mode: str) -> str:
@@ -188,6 +203,89 @@ class Mapping:
 
 
 NO_CUDA = "no usable CUDA runtime/device"
+
+
+class Populate:
+    """Faulting [start, start+length) of a mapping in, on ``threads`` threads, one chunk at a time.
+
+    MADV_POPULATE_WRITE per chunk (Linux >= 5.14); on kernels without it, each OS page is touched
+    (one byte read and written back, so a region's data stays). Chunks are handed out in address
+    order, so a fresh region's first pages (the allocator's first) are populated first.
+    ``cancel()`` stops the threads after their current chunk and joins them; ``wait()`` joins
+    them and raises the first error. ``progress(done_bytes, total_bytes)`` is called per chunk,
+    under a lock, with ``done_bytes`` increasing.
+    """
+
+    def __init__(self, mapping: Mapping, start: int, length: int, threads: int, chunk: int, progress=None):
+        self.total = length
+        self.done = 0
+        self.error: BaseException | None = None
+        self._address = mapping.address
+        self._progress = progress
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        chunk = _round_up(chunk, HUGE_PAGE)
+        self._spans = iter([(s, min(chunk, start + length - s)) for s in range(start, start + length, chunk)])
+        supported = length > 0 and _libc.madvise(self._address + start, OS_PAGE, MADV_POPULATE_WRITE) == 0
+        if length > 0 and not supported and ctypes.get_errno() != errno.EINVAL:
+            raise _oserror("madvise(MADV_POPULATE_WRITE)")
+        self.method = "none" if length <= 0 else "madvise" if supported else "touch"
+        self._threads = [threading.Thread(target=self._work, name="kvtier-populate", daemon=True)
+                         for _ in range(max(1, threads) if length > 0 else 0)]
+        for t in self._threads:
+            t.start()
+
+    def _populate(self, offset: int, n: int) -> None:
+        if self.method == "madvise":
+            if _libc.madvise(self._address + offset, n, MADV_POPULATE_WRITE) != 0:
+                raise _oserror("madvise(MADV_POPULATE_WRITE)")
+        else:
+            view = (ctypes.c_ubyte * n).from_address(self._address + offset)
+            every_page = np.frombuffer(view, dtype=np.uint8)[::OS_PAGE]
+            np.bitwise_or(every_page, 0, out=every_page)
+
+    def _work(self) -> None:
+        while not self._cancel.is_set():
+            with self._lock:
+                span = next(self._spans, None)
+            if span is None:
+                return
+            try:
+                self._populate(*span)
+                with self._lock:
+                    self.done += span[1]
+                    if self._progress:
+                        self._progress(self.done, self.total)
+            except BaseException as exc:
+                self.error = self.error or exc
+                self._cancel.set()
+                return
+
+    @property
+    def finished(self) -> bool:
+        """Every byte populated."""
+        return self.done == self.total
+
+    @property
+    def cancelled(self) -> bool:
+        """cancel() was called (or a chunk failed): no new chunk starts."""
+        return self._cancel.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Join the threads (for at most ``timeout`` seconds); raise the first error. Returns
+        whether every byte was populated (False after a cancel or on timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.error is not None:
+            raise self.error
+        return self.finished
+
+    def cancel(self) -> None:
+        """Stop after the chunks in progress and join the threads (an error is dropped)."""
+        self._cancel.set()
+        for t in self._threads:
+            t.join()
 
 
 def _round_up(n: int, align: int) -> int:

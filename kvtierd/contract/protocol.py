@@ -531,6 +531,9 @@ class StatsReply(Reply):
     metrics_address: str | None
     generation: int
     pinned: str                       # cuda | mlock | off
+    hugepages: str                    # hugetlb | thp | none: the region's pages in the daemon's mapping at start
+    huge_page_size: int               # bytes of one of its huge pages (the OS page when none)
+    huge_bytes: int                   # bytes of the region mapped by huge pages at start
     file_bytes: int
     daemon_pid: int
     stopping: bool

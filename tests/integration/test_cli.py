@@ -13,28 +13,39 @@ import tempfile
 
 import pytest
 
+from kvtierd import hugepages
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 BIN = os.path.dirname(sys.executable)
 
 
-def test_plain_kvtierd_starts_on_the_embedded_default_and_stops_on_sigterm():
+@pytest.mark.parametrize("root", ["/tmp", "/dev/shm"])
+def test_plain_kvtierd_starts_on_the_embedded_default_and_stops_on_sigterm(root):
     """`kvtierd` with no flags and no config file (directory redirected by env so that the
-    test never touches /dev/shm/kvtierd) prints its socket and geometry, serves, stops cleanly."""
-    directory = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    test never touches /dev/shm/kvtierd) prints its socket, geometry and pages, serves, stops
+    cleanly; on /dev/shm (`make run`'s) whether or not it gives huge pages (hugepages=auto)."""
+    if not os.access(root, os.W_OK):
+        pytest.skip(f"{root} is not writable here")
+    found = hugepages.offer(root)
+    directory = tempfile.mkdtemp(prefix="kvt-", dir=root)
     env = {**os.environ, "KVTIERD_DIR": directory, "KVTIERD_SIZE": "16MiB", "KVTIERD_PIN": "off",
            "KVTIERD_METRICS_ADDRESS": "127.0.0.1:0"}
     env.pop("KVTIERD_CONFIG", None)
     proc = subprocess.Popen([os.path.join(BIN, "kvtierd")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        line = ""
+        line, head = "", ""
         while "ready:" not in line:
             line = proc.stdout.readline()
+            head += line
             assert line, "kvtierd exited before it was ready"
         socket = os.path.join(directory, "kvtierd.sock")
         assert f"socket={socket}" in line
         assert re.search(r"pages=\d+ page_size=64KiB capacity=\S+", line)
+        assert re.search(r"hugepages=(none|thp|hugetlb) huge_page_size=\S+ huge_bytes=\S+", line)
+        if found.kind == "none" and found.fs_type == "tmpfs":     # a tmpfs without huge pages: 4 KiB ones
+            assert "hugepages=none" in line
         out = subprocess.run([os.path.join(BIN, "kvtierctl"), "--socket", socket, "stats", "--json"],
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
@@ -43,7 +54,10 @@ def test_plain_kvtierd_starts_on_the_embedded_default_and_stops_on_sigterm():
         assert stats["region"] == os.path.join(directory, "kvtierd.region")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-        assert "stopped cleanly" in proc.stdout.read()
+        rest = proc.stdout.read()
+        assert "stopped cleanly" in rest
+        if found.kind == "none":                                    # one info line says how to get them
+            assert "hugepages=auto: the region uses" in head
         assert not os.path.exists(socket)
         assert os.path.exists(os.path.join(directory, "kvtierd.region"))  # the cache outlives the daemon
     finally:

@@ -69,7 +69,8 @@ def snapshot(pinned: str) -> P.StatsReply:
     hist = Histogram()
     hist.observe(1e-4)
     return P.StatsReply(
-        region="/dev/shm/kvtierd/kvtierd.region", pinned=pinned, generation=0xABC,
+        region="/dev/shm/kvtierd/kvtierd.region", pinned=pinned, generation=0xABC, hugepages="thp",
+        huge_page_size=2 << 20, huge_bytes=1 << 30,
         page_size=65536, capacity_bytes=1 << 30, used_bytes=1 << 29,
         pages_total=16384, pages_free=8192, pages_used=8192, pages_fenced=16,
         fenced_pages={reason.value: 1 for reason in Reason}, fence_released_pages={c.value: 1 for c in Release},

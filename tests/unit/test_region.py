@@ -1,5 +1,5 @@
 """kvtierd.region (create, lock, adopt, refuse, recreate, watch) and kvtierd.contract.mapping (address,
-prefault, pin).
+prefault, background populate, pin).
 
 Everything happens in a tmp directory with small regions and pin="off"; no sockets, no processes.
 """
@@ -11,11 +11,14 @@ import errno
 import logging
 import os
 import stat
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from kvtierd import hugepages
 from kvtierd.contract import mapping as mapping_mod
 from kvtierd.contract.mapping import Mapping
 from kvtierd.contract.paths import DaemonPaths
@@ -431,6 +434,62 @@ def test_prefault_error_other_than_einval_raises(mapped_file, monkeypatch):
     monkeypatch.setattr(mapping_mod._libc, "madvise", fails)
     with pytest.raises(OSError):
         m.prefault()
+
+
+def test_background_populate_finishes_and_reports_progress():
+    m = Mapping.anonymous(256 * MiB)
+    try:
+        calls = []
+        task = m.populate_in_background(threads=2, progress=lambda done, total: calls.append((done, total)))
+        assert task.wait() and task.finished and not task.cancelled
+        assert task.method == "madvise" and calls[-1] == (m.size, m.size)
+        assert [c[0] for c in calls] == sorted(c[0] for c in calls)
+        assert hugepages.backing(m.address).resident_bytes == m.size     # in this process's page tables
+    finally:
+        m.close()
+
+
+def test_close_cancels_a_background_populate_and_joins_it_before_unmapping():
+    m = Mapping.anonymous(8 * mapping_mod.PREFAULT_CHUNK_BYTES)
+    closer = threading.Thread(target=m.close)
+    closing = threading.Event()
+
+    def progress(done: int, total: int) -> None:
+        if not closing.is_set():               # the first chunk is done: close the mapping meanwhile
+            closer.start()
+            closing.set()
+            deadline = time.monotonic() + 30
+            while not task.cancelled and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert m.address is not None       # close() waits for this thread before it unmaps
+
+    task = m.populate_in_background(threads=2, progress=progress)
+    assert closing.wait(60)
+    closer.join(60)
+    assert not closer.is_alive() and m.address is None
+    assert task.cancelled and not task.finished and task.done < task.total
+    assert not task.wait()                     # cancelled: no error, not finished
+
+
+def test_background_populate_error_surfaces_in_wait(monkeypatch):
+    m = Mapping.anonymous(4 * mapping_mod.PREFAULT_CHUNK_BYTES)
+    real = mapping_mod._libc.madvise
+
+    def fails_after_probe(addr, length, advice):
+        if length == mapping_mod.OS_PAGE:
+            return real(addr, length, advice)
+        ctypes.set_errno(errno.ENOMEM)
+        return -1
+
+    monkeypatch.setattr(mapping_mod._libc, "madvise", fails_after_probe)
+    try:
+        task = m.populate_in_background(threads=2)
+        with pytest.raises(OSError, match="MADV_POPULATE_WRITE"):
+            task.wait()
+        assert task.cancelled and not task.finished
+    finally:
+        monkeypatch.undo()
+        m.close()
 
 
 def test_pin_modes(mapped_file):

@@ -1,12 +1,14 @@
 """Drive vLLM's own Scheduler and worker-role OffloadingConnector against a real kvtierd, on the CPU.
 
-What is real: vLLM 0.33's ``VllmConfig``/``ModelConfig`` (from a tiny local config.json, no
-weights), its KV-cache planning (``get_kv_cache_configs``), its KV-cache allocation
+What is real: vLLM 0.33's ``VllmConfig``/``ModelConfig`` (from a tiny local config.json, with or
+without weight files), its KV-cache planning (``get_kv_cache_configs``), its KV-cache allocation
 (``allocate_kv_cache``, with ``device="cpu"``), its ``Scheduler`` (with the scheduler-role
-``OffloadingConnector`` loading ``kvtier.integrations.vllm`` through ``spec_module_path``), one
-worker-role ``OffloadingConnector`` per rank process (which registers the KV cache and calls the
-plugin's worker), vLLM's ``KVOutputAggregator`` merging the ranks' connector outputs, and the
-kvtierd daemon.
+connector that ``kv_transfer_config`` names: ``KvtierOffloadingConnector`` from
+``kvtier.integrations.vllm``, or vLLM's plain ``OffloadingConnector`` loading the spec through
+``spec_module_path``), one worker-role connector per rank process (which registers the KV cache
+and calls the plugin's worker), the connector outputs collected as vLLM's model runner collects
+them (transfer results, load errors, worker metadata), vLLM's ``KVOutputAggregator`` merging the
+ranks' outputs, and the kvtierd daemon.
 
 The seams (what a GPU engine has that this harness replaces, and why each is the narrowest):
 
@@ -30,6 +32,7 @@ import hashlib
 import os
 import pickle
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,16 +48,23 @@ BLOCK_TOKENS = 16
 class EngineRecipe:
     """Everything that decides one engine's configuration; every process builds it the same way."""
 
-    model: str                    # directory name under tests/vllm/models
+    model: str                    # directory name under tests/vllm/models, or an absolute path
     tp: int
     socket: str
     engine_id: str
     extra: dict = field(default_factory=dict)
     num_blocks_memory: int = 1 << 20   # KV-cache bytes per rank handed to vLLM's planner
+    connector: str = "KvtierOffloadingConnector"     # or "OffloadingConnector": the plain spec path
+    failure_policy: str = "recompute"                 # kv_load_failure_policy
 
     def extra_config(self) -> dict:
         return {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
                 "kvtier_socket": self.socket, "kvtier_timeout_s": 20, **self.extra}
+
+    def transfer_config(self) -> dict:
+        module = {} if self.connector == "OffloadingConnector" else {"kv_connector_module_path": "kvtier.integrations.vllm"}
+        return {"kv_connector": self.connector, **module, "kv_role": "kv_both", "engine_id": self.engine_id,
+                "kv_load_failure_policy": self.failure_policy, "kv_connector_extra_config": self.extra_config()}
 
 
 def build(recipe: EngineRecipe, rank: int = 0):
@@ -71,9 +81,7 @@ def build(recipe: EngineRecipe, rank: int = 0):
         model_config=model_config,
         cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
         parallel_config=ParallelConfig(tensor_parallel_size=recipe.tp, distributed_executor_backend="mp"),
-        kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                            engine_id=recipe.engine_id,
-                                            kv_connector_extra_config=recipe.extra_config()),
+        kv_transfer_config=KVTransferConfig(**recipe.transfer_config()),
     )
     vllm_config.scheduler_config.async_scheduling = False
     vllm_config.parallel_config.rank = rank
@@ -114,8 +122,8 @@ class RankWorker:
     def __init__(self, recipe: EngineRecipe, rank: int, rank_variant: bool = False):
         import torch
         from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
         from vllm.v1.worker.utils import allocate_kv_cache
 
         self.rank = rank
@@ -125,7 +133,8 @@ class RankWorker:
             layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
             # vLLM's own allocation, on the CPU instead of a GPU.
             self.kv = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
-            self.connector = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            connector_cls = KVConnectorFactory.get_connector_class(self.vllm_config.kv_transfer_config)
+            self.connector = connector_cls(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             self.connector.register_kv_caches(self.kv)
         self.layers = list(self.kv)
         self.spec = self.connector.connector_worker.spec
@@ -151,9 +160,11 @@ class RankWorker:
                 content = block_content(token_ids, layer, row.numel(), self.variant)
                 row.copy_(torch.frombuffer(bytearray(content), dtype=torch.uint8))
         connector.wait_for_save()
-        results = connector.get_transfer_results(finished)
+        results = connector.get_transfer_results(finished)          # as vLLM's model runner collects them
         output = KVConnectorOutput(finished_sending=results.finished_sending,
                                    finished_recving=results.finished_recving,
+                                   failed_recving=results.failed_recving,
+                                   invalid_block_ids=connector.get_block_ids_with_load_errors(),
                                    kv_connector_worker_meta=connector.build_connector_worker_meta())
         connector.clear_connector_metadata()
         return pickle.dumps(output)
@@ -182,8 +193,15 @@ class RankWorker:
     def info(self) -> dict:
         client = self.worker.client
         return {"writer": client.is_writer, "namespace": client.info.namespace,
+                "connector": type(self.connector).__name__,
                 "kind": self.spec.layout.sharding.value, "block_bytes": self.spec.layout.block_bytes,
                 "replicated_gate": self.spec.config.replicated_layout, "pid": os.getpid()}
+
+    @staticmethod
+    def optimize() -> int:
+        """This process's -O level (``assert`` statements are compiled out from 1 on)."""
+        import sys
+        return sys.flags.optimize
 
     def close(self) -> None:
         self.connector.shutdown()
@@ -278,6 +296,30 @@ class Engine:
                    for kv in kv_outputs]
         self.scheduler.update_from_output(output, self.aggregator.aggregate(outputs))
 
+    def serve(self, request_id: str, prompt: list[int], max_tokens: int = 2, timeout: float = 60.0):
+        """Add a request and step until it finished and every transfer completed. Returns vLLM's
+        Request (its status tells how it ended) and the GPU blocks that last held its full prompt
+        blocks (their bytes stay until the blocks are reused)."""
+        request = self.add_request(request_id, prompt, max_tokens)
+        full = len(prompt) // BLOCK_TOKENS
+        blocks: list[int] = []
+        deadline = time.monotonic() + timeout
+        while request_id in self.scheduler.requests:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"request {request_id} still {request.status} after {timeout}s")
+            ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+            if len(ids) >= full:
+                blocks = list(ids[:full])
+            self.step()
+        self.run(timeout)
+        return request, blocks
+
+    def forget_prefix_cache(self) -> None:
+        """vLLM's reset_prefix_cache(): a later request finds nothing on the "GPU". (Not an
+        ``assert``: this also runs under ``python -O``.)"""
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+
     def run(self, timeout: float = 60.0) -> None:
         """Step until no request is left and every transfer of the connector completed."""
         deadline = time.monotonic() + timeout
@@ -291,3 +333,59 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+
+
+def prompt_blocks(prompt: list[int]) -> list[tuple[int, ...]]:
+    """The token ids of each full block of a prompt."""
+    return [tuple(prompt[i:i + BLOCK_TOKENS]) for i in range(0, len(prompt) - BLOCK_TOKENS + 1, BLOCK_TOKENS)]
+
+
+def holds(ranks: list[RankProcess], blocks: list[int], prompt: list[int]) -> bool:
+    """Whether every rank's GPU blocks ``blocks`` hold what rank 0's model computes for the prompt's
+    full blocks (for MLA, every rank loads rank 0's copy)."""
+    expected = [ranks[0].call("expected", token_ids=t) for t in prompt_blocks(prompt)]
+    return all(digests == expected for digests in all_call(ranks, "digests", block_ids=blocks))
+
+
+def before_next_load(engine: Engine, action) -> None:
+    """Run ``action()`` once, inside the scheduler step that loads next: after its lookup said HIT,
+    before its prepare_load (the window a lease will close)."""
+    manager = engine.manager
+    original = manager.prepare_load
+
+    def prepare_load(keys, req_context):
+        del manager.prepare_load                       # back to the class's method
+        action()
+        return original(keys, req_context)
+
+    manager.prepare_load = prepare_load
+
+
+def serve_twice(engine: Engine, ranks: list[RankProcess], prompt: list[int], action=None):
+    """Serve ``prompt`` (its blocks go to kvtierd); forget vLLM's prefix cache and zero the KV
+    caches; serve it again, running ``action`` in that second request's load window. Returns the
+    second Request and whether its blocks hold the right bytes."""
+    engine.serve("stored", prompt)
+    engine.forget_prefix_cache()
+    all_call(ranks, "zero")
+    if action is not None:
+        before_next_load(engine, action)
+    request, blocks = engine.serve("again", prompt)
+    return request, holds(ranks, blocks, prompt)
+
+
+@contextmanager
+def running(recipe: EngineRecipe, rank_variant: bool = False):
+    """An Engine of the recipe with its rank processes; stopped and reaped on exit."""
+    ranks = [RankProcess(recipe, r, rank_variant) for r in range(recipe.tp)]
+    engine = None
+    try:
+        for r in ranks:
+            r.ready()
+        engine = Engine(recipe, ranks)
+        yield engine, ranks
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        for r in ranks:
+            r.stop()

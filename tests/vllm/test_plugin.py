@@ -4,8 +4,10 @@ worker against a real kvtierd (vLLM's types, no Scheduler)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -20,6 +22,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     GPULoadStoreSpec,
     LookupResult,
     ReqContext,
+    ScheduleEndContext,
     make_offload_key,
 )
 from vllm.v1.kv_offload.config import (  # noqa: E402
@@ -32,13 +35,12 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 
 from kvtier import NamespaceId  # noqa: E402
 from kvtier.integrations import vllm as plugin  # noqa: E402
+from kvtier.integrations.vllm.identity import ModelIdentity  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager  # noqa: E402
 from kvtier.integrations.vllm.settings import KvtierSettings, kvtier_key, namespace_layout  # noqa: E402
-from kvtier.integrations.vllm.worker import KvtierOffloadingWorker  # noqa: E402
+from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, LoadFailed  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-CTX = ReqContext(req_id="r")
 
 
 def offload_config(**overrides) -> OffloadingConfig:
@@ -79,13 +81,14 @@ def test_importing_kvtier_does_not_import_vllm():
 
 def test_settings_are_checked():
     s = KvtierSettings.from_extra_config({"kvtier_socket": "/s", "kvtier_timeout_s": "2.5",
-                                          "spec_name": "KvtierOffloadingSpec"})
-    assert (s.socket, s.timeout_s, s.retry_s, s.layout, s.copier, s.namespace) == ("/s", 2.5, 10.0, "auto",
-                                                                                   "auto", None)
+                                          "kvtier_lookup_wait_ms": 0, "spec_name": "KvtierOffloadingSpec"})
+    assert (s.socket, s.timeout_s, s.retry_s, s.layout, s.copier, s.namespace, s.lookup_wait_ms) == (
+        "/s", 2.5, 10.0, "auto", "auto", None, 0.0)
     for extra, match in [({"kvtier_sockett": "/s"}, "unknown .*kvtier_sockett"),
                          ({"kvtier_layout": "replicated"}, "kvtier_layout must be 'auto' or 'sharded'"),
                          ({"kvtier_timeout_s": 0}, "kvtier_timeout_s must be > 0"),
                          ({"kvtier_retry_s": "soon"}, "kvtier_retry_s must be a number"),
+                         ({"kvtier_lookup_wait_ms": -1}, "kvtier_lookup_wait_ms must be >= 0"),
                          ({"kvtier_copier": "dma"}, "kvtier_copier must be one of auto, cpu, cuda, torch"),
                          ({"kvtier_namespace": 7}, "kvtier_namespace must be a string")]:
         with pytest.raises(ValueError, match=match):
@@ -100,15 +103,19 @@ def test_keys_fit_kvtierd_and_keep_groups_apart():
     assert len(short0) == 36 and short0 != short1 and short0[-4:] == long0[-4:]
 
 
+MODEL = ModelIdentity("DeepSeek-V3", "0123456789abcdef", weights_read=True, complete=True)
+
+
 def test_namespace_follows_vllms_replicated_gate():
     settings = KvtierSettings(socket="/s")
-    replicated = namespace_layout(offload_config(), settings)
-    assert replicated == NamespaceId("deepseek-ai/DeepSeek-V3|LBHNC", "bfloat16", 16, 3072, "replicated")
-    assert namespace_layout(offload_config(replicated_layout=False), settings).sharding == "sharded"
-    forced = namespace_layout(offload_config(), replace(settings, layout="sharded", namespace="dsv3"))
+    replicated = namespace_layout(offload_config(), settings, MODEL)
+    assert replicated == NamespaceId("DeepSeek-V3@0123456789abcdef|LBHNC", "bfloat16", 16, 3072, "replicated")
+    assert namespace_layout(offload_config(replicated_layout=False), settings, MODEL).sharding == "sharded"
+    # kvtier_namespace replaces name and fingerprint.
+    forced = namespace_layout(offload_config(), replace(settings, layout="sharded", namespace="dsv3"), None)
     assert (forced.sharding, forced.model) == ("sharded", "dsv3|LBHNC")
-    long = namespace_layout(offload_config(model=OffloadingModelConfig(name="m" * 400, dtype="fp8")), settings)
-    assert len(long.model.encode()) <= 256
+    long = namespace_layout(offload_config(), settings, replace(MODEL, name="m" * 400))
+    assert len(long.model.encode()) <= 256 and long.model.endswith("@0123456789abcdef|LBHNC")
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -118,20 +125,23 @@ def test_namespace_follows_vllms_replicated_gate():
 ])
 def test_unsupported_configurations_fail_at_start(overrides, match):
     with pytest.raises(ValueError, match=match):
-        namespace_layout(offload_config(**overrides), KvtierSettings(socket="/s"))
+        namespace_layout(offload_config(**overrides), KvtierSettings(socket="/s"), MODEL)
 
 
 def test_pipeline_parallel_is_refused():
     config = offload_config()
     config = replace(config, parallel=replace(config.parallel, pp_size=2, world_size=4))
     with pytest.raises(ValueError, match="pipeline parallelism"):
-        namespace_layout(config, KvtierSettings(socket="/s"))
+        namespace_layout(config, KvtierSettings(socket="/s"), MODEL)
 
 
 def test_spec_keeps_vllms_replicated_flag_off_so_every_rank_votes():
     spec = plugin.KvtierOffloadingSpec(offload_config())
     assert spec.layout.sharding == "replicated" and spec.replicated_layout is False
     assert spec.engine_id == "vllm-e1"
+    # Built by vLLM's plain OffloadingConnector: cannot report failed loads, fingerprints the name only.
+    assert spec.reports_failures is False and spec.model.complete is False
+    assert spec.layout.model.startswith("DeepSeek-V3@")
 
 
 # ------------------------------------------------------------------------------ against kvtierd
@@ -160,6 +170,26 @@ def drain(worker, job_ids: set[int]) -> dict:
     return {r.job_id: r for r in worker.get_finished()}
 
 
+def request(manager, ks: list[bytes], req_id: str = "r") -> ReqContext:
+    """A new request whose keys vLLM recorded (as its scheduler does before the first lookup)."""
+    ctx = ReqContext(req_id=req_id)
+    manager.on_new_request(ctx)
+    for i, k in enumerate(ks):
+        ctx.set_offload_key_position(k, (i + 1) * 16)
+    return ctx
+
+
+def prefix_lookup(manager, ks: list[bytes], ctx: ReqContext) -> list[LookupResult]:
+    """vLLM's prefix scan of one step: ask key after key until a MISS, then end the step."""
+    out = []
+    for k in ks:
+        out.append(manager.lookup(k, ctx))
+        if out[-1] is LookupResult.MISS:
+            break
+    manager.on_schedule_end(ScheduleEndContext((), ()))
+    return out
+
+
 @pytest.fixture
 def tier(start_daemon):
     daemon = start_daemon(page_size="4KiB")
@@ -167,14 +197,17 @@ def tier(start_daemon):
     layout = NamespaceId("unit", "bfloat16", 16, BLOCK, "sharded")
     made = []
 
-    def manager(timeout_s: float = 5.0, **kw):
-        m = KvtierOffloadingManager(replace(settings, timeout_s=timeout_s), "unit-engine", 1, layout, **kw)
+    def manager(num_groups: int = 1, **changes):
+        # Answers are awaited without a practical bound (the tests assert on behaviour, also on a
+        # loaded machine); the tests of late answers set kvtier_lookup_wait_ms themselves.
+        changes.setdefault("lookup_wait_ms", 60_000)
+        m = KvtierOffloadingManager(replace(settings, **changes), "unit-engine", 1, layout, num_groups=num_groups)
         made.append(m)
         return m
 
-    def worker(seed: int = 1):
+    def worker(seed: int = 1, reports_failures: bool = True):
         caches, pages = kv_caches(seed)
-        w = KvtierOffloadingWorker(settings, "unit-engine", 0, 1, layout, caches)
+        w = KvtierOffloadingWorker(settings, "unit-engine", 0, 1, layout, caches, reports_failures=reports_failures)
         made.append(w)
         return w, pages
 
@@ -183,70 +216,185 @@ def tier(start_daemon):
         thing.shutdown()
 
 
+def store(manager, worker, ks: list[bytes], job: int, block_ids) -> None:
+    ctx = request(manager, ks, f"store-{job}")
+    out = manager.prepare_store(ks, ctx)
+    assert out is not None and out.keys_to_store == ks
+    worker.submit_store(job, gpu(block_ids), out.store_spec)
+    assert drain(worker, {job})[job].success
+    manager.complete_store(ks, ctx)
+
+
 def test_store_then_load_through_manager_and_worker(tier):
     daemon, make_manager, make_worker = tier
     manager = make_manager()
     worker, pages = make_worker()
     ks = keys("s", 5)
-    assert all(manager.lookup(k, CTX) is LookupResult.MISS for k in ks)
+    assert prefix_lookup(manager, ks, request(manager, ks, "cold")) == [LookupResult.MISS]
 
-    out = manager.prepare_store(ks, CTX)
+    ctx = request(manager, ks, "first")
+    out = manager.prepare_store(ks, ctx)
     assert out.keys_to_store == ks and out.evicted_keys == []
-    assert manager.lookup(ks[0], CTX) is LookupResult.HIT_PENDING      # our own store is in flight
+    assert manager.lookup(ks[0], ctx) is LookupResult.HIT_PENDING      # our own store is in flight
     worker.submit_store(10, gpu([3, 4, 5, 6, 7]), out.store_spec)
     (result,) = drain(worker, {10}).values()
     assert (result.job_id, result.success, result.transfer_size) == (10, True, 5 * BLOCK)
-    manager.complete_store(ks, CTX)
-    assert [manager.lookup(k, CTX) for k in ks] == [LookupResult.HIT] * 5
+    manager.complete_store(ks, ctx)
+    ctx = request(manager, ks, "second")
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 5
 
-    # Already there: nothing to store, and no job left behind.
-    again = manager.prepare_store(ks[:3], CTX)
-    assert again is not None and again.keys_to_store == []
-    # Partly there: only the new keys are stored.
+    # Offered again (already there) and partly new: kvtierd decides, the worker copies only the new.
     more = keys("t", 2)
-    mixed = manager.prepare_store([ks[0], more[0], ks[1], more[1]], CTX)
-    assert mixed.keys_to_store == more
+    offer = [ks[0], more[0], ks[1], more[1]]
+    mixed = manager.prepare_store(offer, ctx)
+    assert mixed.keys_to_store == offer
+    worker.submit_store(12, gpu([13, 14, 15, 0]), mixed.store_spec)
+    assert drain(worker, {12})[12].transfer_size == 2 * BLOCK
+    manager.complete_store(offer, ctx)
+    assert daemon.stats()["store_written_keys"] == 7 and daemon.stats()["store_present_keys"] >= 2
 
     expected = [block_bytes(pages, b) for b in (3, 4, 5, 6, 7)]
-    spec = manager.prepare_load(ks, CTX)
+    spec = manager.prepare_load(ks, ctx)
     worker.submit_load(11, spec, gpu([8, 9, 10, 11, 12]))
     (loaded,) = drain(worker, {11}).values()
     assert loaded.success and loaded.transfer_size == 5 * BLOCK
-    manager.complete_load(ks, CTX)
+    assert worker.take_load_outcomes() == [(11, None)]
+    manager.complete_load(ks, ctx)
     assert [block_bytes(pages, b) for b in (8, 9, 10, 11, 12)] == expected
     stats = daemon.stats()
-    assert stats["entries_pinned"] == 0 and stats["load_jobs_done"] == 1 and stats["bytes_written"] == 5 * BLOCK
+    assert stats["entries_pinned"] == 0 and stats["load_jobs_done"] == 1 and stats["bytes_written"] == 7 * BLOCK
 
 
-def test_a_load_missing_blocks_is_reported_failed(tier):
+def test_one_batched_lookup_answers_every_lookup_of_a_request(tier):
+    _, make_manager, make_worker = tier
+    manager = make_manager()
+    worker, _ = make_worker()
+    ks = keys("b", 12)
+    store(manager, worker, ks[:9], 1, range(9))
+    before = manager.link.requests
+    ctx = request(manager, ks, "big")
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 9 + [LookupResult.MISS]
+    for _ in range(5):                                   # waiting for GPU blocks: asked again each step
+        assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 9 + [LookupResult.MISS]
+    assert manager.link.requests - before == 1 and manager.stats.batches == 1
+    # vLLM's GPU prefix cache held the first 4 blocks: its scan starts later, same answer.
+    assert prefix_lookup(manager, ks[4:], ctx) == [LookupResult.HIT] * 5 + [LookupResult.MISS]
+    assert manager.link.requests - before == 1
+
+
+def test_each_kv_cache_group_is_a_prefix_of_its_own(tier):
+    _, make_manager, make_worker = tier
+    worker, _ = make_worker()
+    full, window = keys("g", 6, group=0), keys("g", 6, group=1)
+    store(make_manager(), worker, full + window[:3], 1, range(9))
+
+    def request_of_both(manager, req_id):
+        ctx = ReqContext(req_id=req_id)
+        manager.on_new_request(ctx)
+        for group in (full, window):                   # vLLM records them group after group
+            for i, k in enumerate(group):
+                ctx.set_offload_key_position(k, (i + 1) * 16)
+        return ctx
+
+    manager = make_manager(num_groups=2)
+    before = manager.link.requests
+    ctx = request_of_both(manager, "hybrid")
+    assert prefix_lookup(manager, full, ctx) == [LookupResult.HIT] * 6
+    assert prefix_lookup(manager, window, ctx) == [LookupResult.HIT] * 3 + [LookupResult.MISS]
+    assert manager.stats.batches == 1 and manager.link.requests - before == 2     # one request per group
+
+    # A late answer: RETRY for the first key of *each* group (a group answered MISS first would
+    # make vLLM drop the request's whole hit), MISS after it.
+    late = make_manager(num_groups=2, lookup_wait_ms=0)
+    ctx = request_of_both(late, "late")
+    assert [late.lookup(k, ctx) for k in (full[0], full[1], window[0], window[1])] == [
+        LookupResult.RETRY, LookupResult.MISS, LookupResult.RETRY, LookupResult.MISS]
+
+
+def test_the_public_path_collects_retried_keys_into_one_batch(tier):
+    _, make_manager, make_worker = tier
+    manager = make_manager()
+    worker, _ = make_worker()
+    ks = keys("p", 8)
+    store(manager, worker, ks[:5], 1, range(5))
+    manager.use_key_positions = False                   # as on a vLLM series not checked for the private dict
+    before = manager.link.requests
+    ctx = request(manager, ks, "pub")
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.RETRY] * 8    # vLLM shows every key
+    settled(manager)                                     # the batch sent at on_schedule_end is answered
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 5 + [LookupResult.MISS]
+    assert manager.link.requests - before == 1
+
+
+def test_a_late_answer_defers_the_request_to_the_next_step(tier):
+    _, make_manager, make_worker = tier
+    worker, _ = make_worker()
+    ks = keys("l", 6)
+    store(make_manager(), worker, ks, 1, range(6))
+    manager = make_manager(lookup_wait_ms=0)            # never wait: the answer is always "late"
+    ctx = request(manager, ks, "late")
+    # RETRY once, then MISS: vLLM defers the request after two lookups instead of scanning on.
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.RETRY, LookupResult.MISS]
+    settled(manager)
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 6
+
+
+def test_a_load_missing_blocks_is_reported_to_the_connector(tier):
     daemon, make_manager, make_worker = tier
     manager = make_manager()
     worker, pages = make_worker()
     ready = keys("p", 2)
-    out = manager.prepare_store(ready, CTX)
-    worker.submit_store(1, gpu([0, 1]), out.store_spec)
-    drain(worker, {1})
+    store(manager, worker, ready, 1, [0, 1])
     untouched = block_bytes(pages, 6)
-    spec = manager.prepare_load(ready + keys("missing", 1), CTX)      # the last key is not cached
-    assert [p.hits for p in spec.parts] == [2]
+    ctx = request(manager, ready + keys("missing", 1), "partial")
+    spec = manager.prepare_load(ready + keys("missing", 1), ctx)      # the last key is not cached
     worker.submit_load(2, spec, gpu([4, 5, 6]))
     (result,) = drain(worker, {2}).values()
-    assert result.success is False and result.transfer_size == 0     # vLLM must not use block 6
+    # vLLM's worker would stop the engine on success=False: the failure goes to the connector.
+    assert result.success is True and result.transfer_size == 0
+    assert worker.take_load_outcomes() == [(2, 2)]                     # blocks from index 2 on are not valid
     assert block_bytes(pages, 4) == block_bytes(pages, 0) and block_bytes(pages, 5) == block_bytes(pages, 1)
     assert block_bytes(pages, 6) == untouched
     assert daemon.stats()["entries_pinned"] == 0
 
 
-def test_nothing_fits_returns_none(tier):
+def test_on_the_plain_spec_path_a_failed_load_stops_the_engine_even_under_python_O(tier):
+    _, make_manager, make_worker = tier
+    manager = make_manager()
+    worker, _ = make_worker(reports_failures=False)
+    ctx = request(manager, keys("gone", 2), "plain")
+    spec = manager.prepare_load(keys("gone", 2), ctx)
+    worker.submit_load(3, spec, gpu([4, 5]))
+    with pytest.raises(LoadFailed, match="KvtierOffloadingConnector"):     # not vLLM's assert, gone under -O
+        drain(worker, {3})
+
+
+def settled(manager) -> None:
+    """Wait until the link thread has served everything queued before (it serves in order)."""
+    served = manager.link.submit(lambda client: None).wait(30)
+    assert served
+
+
+def test_a_full_region_is_not_offered_again(tier):
     daemon, make_manager, _ = tier
     manager = make_manager()
     stats = daemon.stats()
     capacity = stats["pages_total"] // -(-BLOCK // stats["page_size"])      # pages per block: ceil
     # Open (never completed) store jobs hold their pages: they cannot be evicted.
-    taken = manager.prepare_store(keys("fill", capacity), CTX)
-    assert len(taken.keys_to_store) == capacity
-    assert manager.prepare_store(keys("more", 3), CTX) is None
+    fill = keys("fill", capacity)
+    assert manager.prepare_store(fill, request(manager, fill, "fill")).keys_to_store == fill
+    more = keys("more", 3)
+    assert manager.prepare_store(more, request(manager, more, "more")).keys_to_store == more
+    settled(manager)
     assert daemon.stats()["store_no_space_keys"] == 3
+    # No room for any key: the next offers are "not stored" (vLLM does not offer them again),
+    # without a request to kvtierd.
+    requests = manager.link.requests
+    for i in range(5):
+        again = keys(f"again{i}", 3)
+        assert manager.prepare_store(again, request(manager, again, f"again{i}")).keys_to_store == []
+    settled(manager)
+    assert manager.link.requests == requests and daemon.stats()["store_no_space_keys"] == 3
 
 
 def test_large_transfers_are_split_into_several_kvtier_jobs(tier, monkeypatch):
@@ -255,35 +403,63 @@ def test_large_transfers_are_split_into_several_kvtier_jobs(tier, monkeypatch):
     manager = make_manager()
     worker, pages = make_worker()
     ks = keys("big", 8)
-    out = manager.prepare_store(ks, CTX)
+    out = manager.prepare_store(ks, request(manager, ks, "w"))
     assert [len(p.keys) for p in out.store_spec.parts] == [3, 3, 2]
+    settled(manager)
     worker.submit_store(1, gpu(range(8)), out.store_spec)
     assert drain(worker, {1})[1].success
-    spec = manager.prepare_load(ks, CTX)
+    manager.complete_store(ks, request(manager, ks, "w2"))
+    ctx = request(manager, ks, "r")
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 8     # three lookups, one batch
+    spec = manager.prepare_load(ks, ctx)
     worker.submit_load(2, spec, gpu(range(8, 16)))
-    assert drain(worker, {2})[2].success
+    assert drain(worker, {2})[2].success and worker.take_load_outcomes() == [(2, None)]
     assert [block_bytes(pages, 8 + i) for i in range(8)] == [block_bytes(pages, i) for i in range(8)]
+
+
+def until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_a_hung_kvtierd_costs_the_scheduler_one_wait(tier):
+    daemon, make_manager, make_worker = tier
+    manager = make_manager(timeout_s=30.0, lookup_wait_ms=200)
+    worker, _ = make_worker()
+    ks = keys("h", 3)
+    store(manager, worker, ks, 1, range(3))
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert prefix_lookup(manager, ks, request(manager, ks, "first")) == [LookupResult.RETRY, LookupResult.MISS]
+        for i in range(5):          # no more waiting: deferred at once, and misses once it stays silent
+            assert prefix_lookup(manager, ks, request(manager, ks, f"next{i}"))[0] in (LookupResult.RETRY,
+                                                                                       LookupResult.MISS)
+        until(lambda: prefix_lookup(manager, ks, request(manager, ks, "later")) == [LookupResult.MISS])
+        assert manager.stats.late == 1
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    until(lambda: prefix_lookup(manager, ks, request(manager, ks, "resumed")) == [LookupResult.HIT] * 3)
 
 
 def test_manager_serves_misses_while_kvtierd_is_away_and_reattaches(tier):
     daemon, make_manager, make_worker = tier
-    now = [0.0]
-    manager = make_manager(clock=lambda: now[0], timeout_s=1.0)
+    manager = make_manager(timeout_s=1.0, retry_s=0.2)
     worker, _ = make_worker()
     ks = keys("r", 2)
-    out = manager.prepare_store(ks, CTX)
-    worker.submit_store(1, gpu([0, 1]), out.store_spec)
-    drain(worker, {1})
-    manager.complete_store(ks, CTX)
-    assert manager.lookup(ks[0], CTX) is LookupResult.HIT
+    store(manager, worker, ks, 1, [0, 1])
+    assert prefix_lookup(manager, ks, request(manager, ks, "before")) == [LookupResult.HIT] * 2
 
-    daemon.stop()
-    assert manager.lookup(ks[0], CTX) is LookupResult.MISS       # no answer: a miss, not an error
-    assert manager.prepare_store(keys("x", 1), CTX) is None
+    daemon.stop(signal.SIGKILL)
+    until(lambda: not manager.link.up)          # the link thread sees the connection drop by itself
+    requests = manager.link.requests
+    for i in range(20):           # kvtierd away: misses and "not stored", without a single request
+        assert prefix_lookup(manager, ks, request(manager, ks, f"away{i}")) == [LookupResult.MISS]
+        assert manager.prepare_store(keys("x", 1), request(manager, ks, f"s{i}")).keys_to_store == []
+    assert manager.link.requests == requests
     daemon.start()                                               # same region: READY entries recovered
-    assert manager.lookup(ks[0], CTX) is LookupResult.MISS       # still backing off
-    now[0] += manager.settings.retry_s
-    assert manager.lookup(ks[0], CTX) is LookupResult.HIT        # re-attached, the block survived
+    until(lambda: prefix_lookup(manager, ks, request(manager, ks, "again")) == [LookupResult.HIT] * 2)
 
 
 def test_the_documented_serve_line_loads_this_plugin():
@@ -292,13 +468,16 @@ def test_the_documented_serve_line_loads_this_plugin():
     import shlex
     from pathlib import Path
 
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
     command = re.search(r"```sh\n(vllm serve .*?)\n```", doc, re.S).group(1).replace("\\\n", " ")
     argv = shlex.split(command)
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert config["kv_connector"] == "OffloadingConnector"
+    assert KVConnectorFactory.get_connector_class(KVTransferConfig(**config)) is plugin.KvtierOffloadingConnector
+    assert config["kv_load_failure_policy"] == "recompute"
     extra = config["kv_connector_extra_config"]
     assert OffloadingSpecFactory.get_spec_cls(extra) is plugin.KvtierOffloadingSpec
     assert KvtierSettings.from_extra_config(extra).socket == extra["kvtier_socket"]

@@ -49,9 +49,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtierd.contract import protocol as P
+from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached
 
 from ...api import Client
-from ...errors import DaemonUnavailable, KvtierError, NotAttached
 from .identity import Identity, identify, server_args
 from .pages import HostPages
 from .settings import KvtierSettings
@@ -158,7 +158,7 @@ class KvtierStorage(HiCacheStorage):
             except KvtierError as exc:
                 self._down_locked(exc, "cannot attach")
                 return None
-            logger.info("kvtier: attached to kvtierd (%s, SGLang storage writer=%s)", self._rank.info.get("namespace"),
+            logger.info("kvtier: attached to kvtierd (%s, SGLang storage writer=%s)", self._rank.info.namespace,
                         self.config.is_storage_writer)
             return self._rank, self._lookup
 

@@ -1,23 +1,32 @@
-"""kvtierd as vLLM's KV-cache offloading tier: an out-of-tree spec for vLLM's OffloadingConnector.
+"""kvtierd as vLLM's KV-cache offloading tier: an out-of-tree spec and connector for vLLM's
+OffloadingConnector.
 
 Turn it on with one ``--kv-transfer-config`` (docs/vllm.md has the whole line and every setting)::
 
-    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    {"kv_connector": "KvtierOffloadingConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
      "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
                                    "spec_module_path": "kvtier.integrations.vllm",
                                    "kvtier_socket": "/dev/shm/kvtierd/kvtierd.sock"}}
 
-This module owns the entry point vLLM loads (``KvtierOffloadingSpec``) and the version check:
-importing it imports vLLM and checks its version (``SUPPORTED_VLLM_SERIES``) before any
-version-specific vLLM module is imported; importing ``kvtier`` alone never imports vLLM. The rest
-is split the way vLLM splits its own offloading code (vllm/v1/kv_offload, 0.33):
+(``"kv_connector": "OffloadingConnector"`` with the same extra config works too, but cannot
+report a failed load to vLLM and warns so at start-up.)
+
+This module owns what vLLM loads (``KvtierOffloadingConnector``, ``KvtierOffloadingSpec``) and
+the version check: importing it imports vLLM and checks its version (``SUPPORTED_VLLM_SERIES``)
+before any version-specific vLLM module is imported; importing ``kvtier`` alone never imports
+vLLM. The rest is split the way vLLM splits its own offloading code (vllm/v1/kv_offload, 0.33):
 
 - ``settings``: the ``kvtier_*`` settings, and how vLLM's keys, namespaces and engine ids map
   onto kvtierd's;
-- ``manager``: the scheduler side, ``KvtierOffloadingManager``, a kvtierd *coordinator* session;
+- ``identity``: the model fingerprint in the namespace (what the KV bytes depend on);
+- ``spec``: ``KvtierOffloadingSpec``, which builds the two sides;
+- ``manager``: the scheduler side, ``KvtierOffloadingManager``, a kvtierd *coordinator* session,
+  whose I/O runs on a ``link`` thread;
 - ``worker``: the worker side, ``KvtierOffloadingWorker``, the kvtierd *rank* session of one TP
   rank;
-- ``transfer``: the kvtier jobs of one transfer, as the manager hands them to the workers.
+- ``transfer``: the kvtier jobs of one transfer, as the manager hands them to the workers;
+- ``connector``: ``KvtierOffloadingConnector``, which reports failed loads to vLLM.
 
 All sessions of one vLLM engine (one per DP rank) form one kvtier engine, with world size =
 vLLM's world size.
@@ -33,8 +42,8 @@ hybrid allocator), ``blocks_per_chunk`` = 1, TP (and DCP/PCP, sharded) within on
 supported: PP > 1, ``canonical_layout``, per-group layouts with different block sizes — the spec
 raises at start-up naming the setting.
 
-When kvtierd restarts, every session re-attaches on its own (``kvtier.Client``); transfers in
-flight across the restart fail (a store is then simply not cached; a load is reported failed).
+When kvtierd restarts, every session re-attaches on its own; transfers in flight across the
+restart fail (a store is then simply not cached; a load is reported failed).
 """
 
 from __future__ import annotations
@@ -80,46 +89,8 @@ def check_vllm_version(version: str | None = None) -> str:
 check_vllm_version()
 
 # Only now the version-specific vLLM modules (a wrong version fails above with a clear message).
-from vllm.v1.kv_offload.base import (  # noqa: E402
-    CanonicalKVCaches,
-    OffloadingManager,
-    OffloadingSpec,
-    OffloadingWorker,
-)
-from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
+from .connector import KvtierOffloadingConnector  # noqa: E402
+from .spec import KvtierOffloadingSpec  # noqa: E402
 
-from .manager import KvtierOffloadingManager  # noqa: E402
-from .settings import KvtierSettings, kvtier_engine_id, namespace_layout  # noqa: E402
-from .worker import KvtierOffloadingWorker  # noqa: E402
-
-
-class KvtierOffloadingSpec(OffloadingSpec):
-    """The entry point vLLM's ``OffloadingSpecFactory`` loads (``spec_name`` "KvtierOffloadingSpec",
-    ``spec_module_path`` "kvtier.integrations.vllm"). Built once in the scheduler process and once
-    in every worker; connects lazily (``get_manager`` / ``get_worker``)."""
-
-    def __init__(self, config: OffloadingConfig):
-        super().__init__(config)
-        self.settings = KvtierSettings.from_extra_config(self.extra_config)
-        self.layout = namespace_layout(config, self.settings)
-        self.engine_id = kvtier_engine_id(config, self.settings)
-        # Deliberately False even for the replicated namespace: see the module docstring.
-        self.replicated_layout = False
-        self._manager: KvtierOffloadingManager | None = None
-        self._worker: KvtierOffloadingWorker | None = None
-
-    def get_manager(self) -> OffloadingManager:
-        if self._manager is None:
-            self._manager = KvtierOffloadingManager(self.settings, self.engine_id, self.config.parallel.world_size,
-                                                    self.layout)
-        return self._manager
-
-    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
-            self._worker = KvtierOffloadingWorker(self.settings, self.engine_id, self.config.parallel.rank,
-                                                  self.config.parallel.world_size, self.layout, kv_caches)
-        return self._worker
-
-
-__all__ = ["KvtierOffloadingSpec", "check_vllm_version", "SUPPORTED_VLLM_SERIES", "TESTED_VLLM_VERSIONS",
-           "ALLOW_UNSUPPORTED_ENV", "UnsupportedVllmVersion"]
+__all__ = ["KvtierOffloadingConnector", "KvtierOffloadingSpec", "check_vllm_version", "SUPPORTED_VLLM_SERIES",
+           "TESTED_VLLM_VERSIONS", "ALLOW_UNSUPPORTED_ENV", "UnsupportedVllmVersion"]

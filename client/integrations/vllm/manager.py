@@ -5,18 +5,29 @@ the vLLM engine's kvtier engine: it looks up keys and opens the kvtier jobs that
 rank sessions then carry out (kvtier.integrations.vllm.transfer says how their ids travel). Its
 class docstring gives the contract per vLLM method.
 
-When kvtierd stays unreachable (no answer within ``kvtier_timeout_s``, and no re-attach within as
-long again), the manager answers MISS and stores nothing — the engine keeps serving without the
-tier — and tries to attach again every ``kvtier_retry_s``.
+Two rules shape it (docs/vllm.md has the measurements):
+
+- **One kvtierd request per request, not one per block.** vLLM asks
+  ``lookup`` one key at a time, thousands of times for a long prompt, and again every step while
+  the request waits for GPU blocks. The manager answers from one batched ``lookup`` of all the
+  request's keys and keeps the answer (per request, in vLLM's ``ReqContext``) for
+  ``LOOKUP_RESULTS_TTL_S``.
+- **The scheduler thread never waits on kvtierd beyond ``kvtier_lookup_wait_ms``.** All I/O runs
+  on a ``Link`` thread, and only a request's batched lookup is waited for; stores and loads are
+  opened in the background. While kvtierd is unreachable every lookup is a MISS at once and
+  nothing is stored.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Collection, Iterable
 
 import numpy as np
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -26,21 +37,86 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 
-from kvtierd.contract import protocol as P
 from kvtierd.contract.errors import KvtierError
 from kvtierd.contract.namespace import NamespaceId
 
+from ... import StoreOutcome
 from ...api import Client
-from .settings import KvtierSettings, kvtier_key
+from .link import LOST, Call, Link
+from .settings import PART_KEYS, KvtierSettings, kvtier_keys
 from .transfer import JobPart, KvtierLoadStoreSpec
 
 # A child of vLLM's logger, so that these lines go where vLLM's own go.
 logger = logging.getLogger("vllm.kvtier")
 
-# Keys per kvtier job: a vLLM transfer with more keys is split into several kvtier jobs.
-PART_KEYS = min(4096, P.MAX_KEYS_PER_REQUEST)
+# How long a request's batched lookup answers its later lookups. Without a lease a block may be
+# evicted in the meantime (the load then fails and is reported, see connector.py); asking again
+# once a second also keeps a waiting request's blocks young in kvtierd's LRU.
+LOOKUP_RESULTS_TTL_S = 1.0
+
+# After a wait for kvtierd ran out, the scheduler does not wait again until the link has an answer
+# (a hung daemon costs one wait); requests asked meanwhile are deferred (RETRY), and after this
+# long without an answer they are answered MISS instead, so that they do not wait for kvtierd.
+GIVE_UP_S = 0.1
+
+# After a store found no room for any of its keys (every entry pinned or being written), the
+# manager answers "not stored" without asking kvtierd for this long.
+FULL_REGION_BACKOFF_S = 1.0
+
+# vLLM 0.33's ReqContext records the end-token position of every offload key of the request
+# before its first lookup (OffloadingConnectorScheduler.update_offload_keys), in this private
+# dict; no public API lists a request's keys. It is read only on the vLLM series this was checked
+# against; elsewhere the manager takes the public path (RETRY, collect, batch at on_schedule_end).
+KEY_POSITIONS_ATTR = "_offload_key_positions"
+KEY_POSITIONS_SERIES = ("0.33",)
+
+_HIT, _MISS, _RETRY, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.HIT_PENDING
+
+
+def key_positions_readable(version: str | None = None) -> bool:
+    """Whether this vLLM's ReqContext is known to hold ``KEY_POSITIONS_ATTR``: a checked series,
+    and the field is there."""
+    from packaging.version import InvalidVersion, Version
+    try:
+        parsed = Version(vllm.__version__ if version is None else version)
+    except InvalidVersion:
+        return False
+    return (f"{parsed.major}.{parsed.minor}" in KEY_POSITIONS_SERIES
+            and KEY_POSITIONS_ATTR in {f.name for f in dataclasses.fields(ReqContext)})
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """What the manager knows about one vLLM request (kept in its ReqContext)."""
+
+    req_id: str
+    verdict: dict | None = None       # key -> ready, from the last batch (None: ask kvtierd)
+    start: int = 0                    # end-token position of the batch's first key
+    npos: int = -1                    # how many key positions vLLM had recorded for the batch
+    expires: float = 0.0
+    valid_step: int = -1              # the step in which ``verdict`` was last checked as current
+    pending: Call | None = None       # the batch in flight
+    pending_batch: tuple = ()         # (start, npos, merge, [per-group keys]) of that batch
+    retry_step: int = -1              # the step in which it last answered RETRY
+    retry_groups: set = dataclasses.field(default_factory=set)   # the KV-cache groups it answered RETRY then
+    collected: list | None = None     # public path: keys answered RETRY this step, to batch
+    load_failed: bool = False         # a load of it failed: MISS from now on
+
+
+@dataclasses.dataclass
+class ManagerStats:
+    """Counters for the benchmark and the logs (scheduler thread only)."""
+
+    batches: int = 0                  # batched lookups sent
+    late: int = 0                     # lookup waits that ran out (answered next step)
+    waited_s: float = 0.0             # time the scheduler thread spent waiting for kvtierd
+    retries: int = 0                  # RETRY answers
+    down: int = 0                     # lookups answered MISS without asking (kvtierd away or slow)
+    stores_skipped: int = 0           # prepare_store answered "not stored" without asking
+    load_failures: int = 0            # requests whose load failed (reported by the connector)
 
 
 class KvtierOffloadingManager(OffloadingManager):
@@ -48,170 +124,357 @@ class KvtierOffloadingManager(OffloadingManager):
 
     Contract, per vLLM method:
 
-    - ``lookup(key)``: HIT when kvtierd has the key ready (and touches it), HIT_PENDING while a
-      store of the key that this manager prepared has not completed, else MISS (also when kvtierd
-      is unreachable).
-    - ``prepare_store(keys)``: opens kvtier store jobs; returns the keys kvtierd decided to write
-      with a ``KvtierLoadStoreSpec``; ``None`` when no key fits (kvtierd has no room) or kvtierd is
-      unreachable; an empty output when every key is already present. ``evicted_keys`` is always
-      empty: kvtierd evicts on its own, across engines, and does not report which keys.
-    - ``prepare_load(keys)``: opens kvtier load jobs, which pin the ready prefix until every rank
-      released. A key evicted between ``lookup`` and ``prepare_load`` (only possible when another
-      engine filled the whole region in that window) makes the workers report the load as failed.
-    - ``complete_store``/``complete_load``: local bookkeeping only (the ranks voted / released);
-      a failed store's jobs are aborted.
-    - ``reset_cache``: forgets this engine's in-flight bookkeeping; it does not clear kvtierd,
-      whose cache is shared with other engines and outlives this one (use kvtierctl for that).
-    - No KV events are emitted: kvtierd's evictions are not reported back, so a router could not
-      be told when a block disappears.
+    - ``lookup(key)``: HIT_PENDING while a store of the key that this manager prepared has not
+      completed; else the verdict of the request's batched lookup (HIT for the ready prefix of its
+      keys, MISS after it). The first lookup of a request sends one batched ``lookup`` of all its
+      keys (from that key on, per KV-cache group) and waits for it at most
+      ``kvtier_lookup_wait_ms``; later lookups, including every step while the request waits
+      for GPU blocks, are dict lookups. An answer that comes later is used next step (this
+      step: RETRY once per KV-cache group, then MISS, so that vLLM defers the request without
+      scanning on). After a wait ran out, no request waits until kvtierd answered again (they
+      are deferred), and after ``GIVE_UP_S`` without an answer they get MISS. MISS at once
+      while kvtierd is unreachable, and for a request whose load failed.
+      Where vLLM's key positions are not readable (another vLLM series): RETRY for every key,
+      which lets vLLM show all of them, and one batch per request at ``on_schedule_end``.
+    - ``prepare_store(keys)``: never waits. Returns every offered key in kvtier store jobs, which
+      it opens in the background; kvtierd decides per key (write / present / no room) and the
+      workers copy what it decided to write, so an offered key may end up not stored. An empty
+      output ("not stored, do not offer again") without asking while kvtierd is unreachable or
+      slow, and for ``FULL_REGION_BACKOFF_S`` after a store found no room for any key; never
+      ``None`` (which would make vLLM offer the keys again, and warn, every step).
+      ``evicted_keys`` is always empty: kvtierd evicts on its own, across engines.
+    - ``prepare_load(keys)``: returns the load's kvtier jobs at once and opens them in the
+      background (pinning the ready prefix); the ranks' own load requests open them if they get
+      there first. A key evicted since lookup makes the load come back short: the workers report
+      it and the request is recomputed or failed (``KvtierOffloadingConnector``).
+    - ``complete_store``/``complete_load``: local bookkeeping (the ranks voted / released); a
+      failed store's jobs are aborted.
+    - ``reset_cache``: forgets this engine's in-flight bookkeeping and lookup answers; it does not
+      clear kvtierd, whose cache is shared and outlives the engine (kvtierctl clears it).
+    - No KV events: kvtierd's evictions are not reported back.
 
-    Single-threaded (the scheduler thread), so ``lock`` is the default no-op context.
+    ``lock`` stays vLLM's no-op: only the scheduler thread enters the manager; the link thread
+    shares nothing with it but queues and ``Call`` objects.
     """
 
     def __init__(self, settings: KvtierSettings, engine_id: str, world_size: int, layout: NamespaceId,
-                 connect: Callable[..., Client] = Client, clock: Callable[[], float] = time.monotonic):
+                 num_groups: int = 1, connect: Callable[..., Client] = Client,
+                 clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.engine_id = engine_id
         self.world_size = world_size
         self.layout = layout
-        self._connect = connect
+        self.num_groups = num_groups                   # offloaded KV-cache groups
+        self.stats = ManagerStats()
+        self.use_key_positions = key_positions_readable()
         self._clock = clock
-        self._client: Client | None = None
-        self._down_until = 0.0
+        self._wait_s = settings.lookup_wait_ms / 1000
+        self._step = 0
+        self._stalled_at: tuple[int, float] | None = None   # (link.replies, when) as a wait last ran out
         self._next_job = 1
-        self._writing: dict[OffloadKey, int] = {}     # key -> kvtier store job, until complete_store
-        self._connected()
+        self._requests: dict[str, _Request] = {}
+        self._collecting: list[_Request] = []
+        self._writing: dict[OffloadKey, int] = {}      # key -> kvtier store job, until complete_store
+        self._full_until = 0.0                         # the link thread sets it (see _open_stores)
+        self._link = Link(functools.partial(connect, settings.socket, engine_id=engine_id, rank=None,
+                                            world_size=world_size, namespace=layout, timeout=settings.timeout_s,
+                                            reconnect_timeout=settings.timeout_s),
+                          settings.retry_s, f"coordinator of engine {engine_id} at {settings.socket}",
+                          first_wait_s=settings.timeout_s + 1)
 
-    # --- connection
-    def _connected(self) -> Client | None:
-        if self._client is None and self._clock() >= self._down_until:
-            try:
-                self._client = self._connect(self.settings.socket, engine_id=self.engine_id, rank=None,
-                                             world_size=self.world_size, namespace=self.layout,
-                                             timeout=self.settings.timeout_s,
-                                             reconnect_timeout=self.settings.timeout_s)
-                logger.info("kvtier: coordinator of engine %s attached to kvtierd at %s, namespace %s",
-                            self.engine_id, self.settings.socket, self._client.info.namespace)
-            except KvtierError as exc:
-                self._down(exc, "cannot attach")
-        return self._client
-
-    def _down(self, exc: BaseException, what: str) -> None:
-        logger.warning("kvtier: %s (%s); serving without kvtierd for %gs", what, exc, self.settings.retry_s)
-        client, self._client = self._client, None
-        self._down_until = self._clock() + self.settings.retry_s
-        if client is not None:
-            client.close()
+    @property
+    def link(self) -> Link:
+        return self._link
 
     def _new_job(self) -> int:
         job = self._next_job
         self._next_job += 1
         return job
 
-    # --- OffloadingManager
+    def _stalled(self) -> bool:
+        """A wait ran out and the link has had no answer since: do not wait again."""
+        if self._stalled_at is None:
+            return False
+        if self._stalled_at[0] != self._link.replies:
+            self._stalled_at = None
+            return False
+        return True
+
+    def _given_up(self) -> bool:
+        """Stalled for GIVE_UP_S: kvtierd looks hung; answer MISS rather than defer requests."""
+        return self._stalled() and self._clock() - self._stalled_at[1] >= GIVE_UP_S
+
+    def _track(self, req_context: ReqContext) -> _Request:
+        state = _Request(req_context.req_id)
+        req_context.set_state(state)
+        self._requests[req_context.req_id] = state
+        return state
+
+    def _key_positions(self, req_context: ReqContext) -> dict | None:
+        if not self.use_key_positions:
+            return None
+        positions = getattr(req_context, KEY_POSITIONS_ATTR, None)
+        return positions if isinstance(positions, dict) else None
+
+    # --- lookups
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._track(req_context)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self._writing:
-            return LookupResult.HIT_PENDING
-        client = self._connected()
-        if client is None:
-            return LookupResult.MISS
+            return _PENDING
+        state = req_context.get_state(_Request)
+        if state is not None and state.valid_step == self._step:       # the hot path: a dict lookup
+            hit = state.verdict.get(key)
+            if hit is not None:
+                return _HIT if hit else _MISS
+        return self._lookup(key, req_context, state or self._track(req_context))
+
+    def _lookup(self, key: OffloadKey, req_context: ReqContext, state: _Request) -> LookupResult:
+        if state.load_failed:
+            return _MISS
+        if not self._link.up or self._given_up():
+            # kvtierd away, or silent for GIVE_UP_S: no HIT from an earlier answer either (its
+            # load could not be served)
+            self.stats.down += 1
+            return _MISS
+        positions = self._key_positions(req_context)
+        if state.pending is not None and state.pending.done:
+            self._absorb(state)
+        known = self._known(state, key, positions)
+        if known is not None:
+            return known
+        if state.pending is not None:
+            return self._retry(state, key)
+        if positions is None:
+            return self._collect(state, key)
+        return self._batch(state, key, positions)
+
+    def _known(self, state: _Request, key: OffloadKey, positions: dict | None) -> LookupResult | None:
+        """The answer from the request's current batch; None when kvtierd must be asked."""
+        verdict = state.verdict
+        if verdict is None or self._clock() >= state.expires:
+            return None
+        if positions is not None and len(positions) != state.npos:
+            return None                       # the request grew (e.g. preempted, then resumed)
+        state.valid_step = self._step
+        hit = verdict.get(key)
+        if hit is not None:
+            return _HIT if hit else _MISS
+        if positions is None:
+            return None                       # public path: a key not asked yet
+        position = positions.get(key)
+        if position is not None and position < state.start:
+            return None                       # before the batch: vLLM's GPU prefix hit shrank
+        return _MISS
+
+    def _retry(self, state: _Request, key: OffloadKey) -> LookupResult:
+        """RETRY once per KV-cache group and step: vLLM then scans on to the group's next key,
+        which gets MISS and ends its scan; the request is deferred and asked again next step.
+        (A group whose first answer is MISS would make vLLM drop the request's hit altogether.)"""
+        if state.retry_step != self._step:
+            state.retry_step, state.retry_groups = self._step, set()
+        group = key[-4:]
+        if group in state.retry_groups:
+            return _MISS
+        state.retry_groups.add(group)
+        self.stats.retries += 1
+        return _RETRY
+
+    def _collect(self, state: _Request, key: OffloadKey) -> LookupResult:
+        if state.collected is None:
+            state.collected = []
+            self._collecting.append(state)
+        state.collected.append(key)
+        self.stats.retries += 1
+        return _RETRY
+
+    def _batch(self, state: _Request, key: OffloadKey, positions: dict) -> LookupResult:
+        """Ask kvtierd about every key of the request from ``key``'s position on, in one request
+        per KV-cache group (the group is a key's last 4 bytes), and wait a bounded time."""
+        start = positions.get(key)
+        if start is None:
+            return _MISS
+        if self.num_groups == 1:                    # positions grow with insertion order: a C-level cut
+            keys = list(positions)
+            batch = [keys[keys.index(key):]]
+        else:
+            groups: dict[bytes, list] = {}
+            for k, position in positions.items():
+                if position >= start:
+                    groups.setdefault(k[-4:], []).append(k)
+            batch = list(groups.values())
+        self._send_batch(state, (start, len(positions), False, batch))
+        if not self._stalled():
+            waiting = time.perf_counter()
+            answered = state.pending.wait(self._wait_s)
+            self.stats.waited_s += time.perf_counter() - waiting
+            if answered:
+                self._absorb(state)
+                return self._known(state, key, positions) or _MISS
+            self._stalled_at = (self._link.replies, self._clock())
+            self.stats.late += 1
+        return self._retry(state, key)
+
+    def _send_batch(self, state: _Request, batch: tuple) -> None:
+        self.stats.batches += 1
+        state.pending, state.pending_batch = self._link.submit(functools.partial(self._ready_prefixes, batch[3])), batch
+
+    def _ready_prefixes(self, groups: list[list], client: Client) -> list[int]:
+        """(link thread) The ready prefix length of each group's keys."""
+        out = []
+        for keys in groups:
+            tkeys, hits = kvtier_keys(keys), 0
+            for begin in range(0, len(tkeys), PART_KEYS):
+                chunk = tkeys[begin:begin + PART_KEYS]
+                self._link.requests += 1
+                found = client.lookup(chunk)
+                hits += found
+                if found < len(chunk):
+                    break
+            out.append(hits)
+        return out
+
+    def _absorb(self, state: _Request) -> None:
+        """Turn the finished batch into the request's verdict (all MISS if kvtierd refused it)."""
+        call, state.pending = state.pending, None
+        start, npos, merge, groups = state.pending_batch
+        state.pending_batch = ()
         try:
-            return LookupResult.HIT if client.lookup([kvtier_key(key)]) else LookupResult.MISS
-        except KvtierError as exc:
-            self._down(exc, "lookup failed")
-            return LookupResult.MISS
+            prefixes = call.result()
+        except LOST:                          # asked again once the link is back
+            state.verdict, state.valid_step = None, -1
+            return
+        except Exception as exc:              # kvtierd refused: these keys are misses (for a while)
+            logger.debug("kvtier: lookup of request %s failed: %s", state.req_id, exc)
+            prefixes = [0] * len(groups)
+        now = self._clock()
+        verdict = state.verdict if merge and state.verdict is not None and now < state.expires else None
+        for keys, hits in zip(groups, prefixes):
+            if verdict is None:
+                verdict = dict.fromkeys(keys[:hits], True)
+            else:
+                verdict.update(dict.fromkeys(keys[:hits], True))
+            verdict.update(dict.fromkeys(keys[hits:], False))
+        verdict = {} if verdict is None else verdict
+        state.verdict, state.start, state.npos, state.expires = verdict, start, npos, now + LOOKUP_RESULTS_TTL_S
+        state.valid_step = -1
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._step += 1
+        collecting, self._collecting = self._collecting, []
+        for state in collecting:
+            keys, state.collected = state.collected, None
+            if state.req_id not in self._requests or not self._link.up or state.pending is not None:
+                continue
+            groups: dict[bytes, list] = {}
+            for k in dict.fromkeys(keys):
+                groups.setdefault(k[-4:], []).append(k)
+            self._send_batch(state, (0, -1, True, list(groups.values())))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        client = self._connected()
-        if client is None or not keys:
-            return
-        try:
-            for start in range(0, len(keys), PART_KEYS):
-                client.lookup([kvtier_key(k) for k in list(keys)[start:start + PART_KEYS]])
-        except KvtierError as exc:
-            self._down(exc, "touch failed")
+        if keys and self._link.up:
+            self._link.send(functools.partial(self._ready_prefixes, [list(keys)]))
 
-    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._requests.pop(req_context.req_id, None)
+
+    def loads_failed(self, req_ids: Iterable[str]) -> None:
+        """The workers could not load these requests' blocks: answer MISS for them from now on, so
+        that a request vLLM recomputes is not offered the same load again."""
+        for req_id in req_ids:
+            state = self._requests.get(req_id)
+            if state is not None and not state.load_failed:
+                state.load_failed, state.verdict, state.valid_step = True, None, -1
+                self.stats.load_failures += 1
+                logger.warning("kvtier: request %s: loading its blocks from kvtierd failed; its lookups are "
+                               "misses from now on", req_id)
+
+    # --- stores
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         keys = list(dict.fromkeys(keys))            # kvtierd refuses duplicate keys in one job
-        client = self._connected()
-        if client is None:
-            return None
-        tkeys = [kvtier_key(k) for k in keys]
-        parts: list[JobPart] = []
-        chosen: list[int] = []
-        no_space = False
-        try:
-            for start in range(0, len(tkeys), PART_KEYS):
-                chunk = tuple(tkeys[start:start + PART_KEYS])
-                job = self._new_job()
-                outcomes = np.asarray(client.open_store(job, chunk).outcomes, dtype=np.int64)
-                write = np.flatnonzero(outcomes == P.StoreOutcome.WRITE)
-                no_space |= bool((outcomes == P.StoreOutcome.NO_SPACE).any())
-                if len(write) == 0:
-                    client.abort(job)               # nothing to write: no rank needs to see this job
-                    continue
-                parts.append(JobPart(job, chunk, write.astype(np.int64)))
-                chosen.extend((start + write).tolist())
-        except KvtierError as exc:
-            for part in parts:                      # best effort; kvtierd times them out otherwise
-                self._abort_quietly(part.job)
-            self._down(exc, "store failed")
-            return None
-        if not parts:
-            return None if no_space else PrepareStoreOutput([], KvtierLoadStoreSpec(), [])
-        keys_to_store = [keys[i] for i in chosen]
-        by_key = {t: k for k, t in zip(keys, tkeys)}
+        if not keys:
+            return _nothing_stored()
+        if not self._link.up or self._given_up() or self._clock() < self._full_until:
+            self.stats.stores_skipped += 1
+            return _nothing_stored()
+        parts = self._parts(keys)
+        self._link.send(functools.partial(self._open_stores, parts))
+        for index, part in enumerate(parts):
+            self._writing.update(dict.fromkeys(keys[index * PART_KEYS:(index + 1) * PART_KEYS], part.job))
+        return PrepareStoreOutput(keys_to_store=keys, store_spec=KvtierLoadStoreSpec(parts), evicted_keys=[])
+
+    def _parts(self, keys: list[OffloadKey]) -> list[JobPart]:
+        """The keys (as kvtier keys) in kvtier jobs of at most PART_KEYS keys, in order."""
+        tkeys = kvtier_keys(keys)
+        return [JobPart(self._new_job(), tuple(tkeys[begin:begin + PART_KEYS]))
+                for begin in range(0, len(tkeys), PART_KEYS)]
+
+    def _open_stores(self, parts: list[JobPart], client: Client) -> None:
+        """(link thread) Open the store jobs before the ranks' requests arrive: kvtierd decides and
+        allocates now, off the workers' next step. A store that found no room for any key makes
+        the manager answer "not stored" without asking for ``FULL_REGION_BACKOFF_S``."""
+        written = no_space = 0
         for part in parts:
-            for i in part.select.tolist():
-                self._writing[by_key[part.keys[i]]] = part.job
-        return PrepareStoreOutput(keys_to_store=keys_to_store, store_spec=KvtierLoadStoreSpec(parts),
-                                  evicted_keys=[])
+            try:
+                self._link.requests += 1
+                outcomes = np.asarray(client.open_store(part.job, part.keys).outcomes, dtype=np.uint8)
+            except LOST:
+                raise
+            except KvtierError as exc:                  # e.g. the ranks were faster and finished it
+                logger.debug("kvtier: store job %d: %s", part.job, exc)
+                continue
+            written += int(np.count_nonzero(outcomes == StoreOutcome.WRITE))
+            no_space += int(np.count_nonzero(outcomes == StoreOutcome.NO_SPACE))
+        if no_space and not written:
+            self._full_until = self._clock() + FULL_REGION_BACKOFF_S
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         jobs = {self._writing.pop(k) for k in keys if k in self._writing}
-        if not success:
-            for job in jobs:
-                self._abort_quietly(job)
+        if not success and jobs and self._link.up:
+            self._link.send(functools.partial(self._abort_jobs, sorted(jobs)))
 
+    def _abort_jobs(self, jobs: list[int], client: Client) -> None:
+        for job in jobs:
+            self._link.requests += 1
+            client.abort(job)
+
+    # --- loads
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        tkeys = [kvtier_key(k) for k in keys]
-        parts: list[JobPart] = []
-        client = self._connected()
-        for start in range(0, len(tkeys), PART_KEYS):
-            chunk = tuple(tkeys[start:start + PART_KEYS])
-            select = np.arange(len(chunk), dtype=np.int64)
-            job, hits = -1, 0
-            if client is not None:
-                job = self._new_job()
-                try:
-                    hits = client.open_load(job, chunk)
-                except KvtierError as exc:
-                    self._down(exc, "load failed")
-                    client, job = None, -1
-            if hits < len(chunk):
-                logger.error("kvtier: load job %d pinned %d of %d blocks (evicted by another engine since "
-                             "lookup, or kvtierd unreachable); the workers will report this load as failed",
-                             job, hits, len(chunk))
-            parts.append(JobPart(job, chunk, select, hits))
+        state = req_context.get_state(_Request)
+        if state is not None:                       # a later lookup (recompute, preemption) asks again
+            state.verdict, state.valid_step = None, -1
+        parts = self._parts(list(keys))
+        if parts and self._link.up:
+            self._link.send(functools.partial(self._open_loads, parts))
         return KvtierLoadStoreSpec(parts)
+
+    def _open_loads(self, parts: list[JobPart], client: Client) -> None:
+        """(link thread) Pin the loads' ready prefixes now, rather than when the first rank asks."""
+        for part in parts:
+            try:
+                self._link.requests += 1
+                hits = client.open_load(part.job, part.keys)
+            except LOST:
+                raise
+            except KvtierError as exc:                  # e.g. the ranks were faster and finished it
+                logger.debug("kvtier: load job %d: %s", part.job, exc)
+                continue
+            if hits < len(part.keys):
+                logger.warning("kvtier: load job %d found %d of %d blocks (evicted since lookup); the workers "
+                               "will report the rest as not loaded", part.job, hits, len(part.keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return None                                  # the ranks released their load jobs
 
-    def _abort_quietly(self, job: int) -> None:
-        if self._client is not None:
-            try:
-                self._client.abort(job)
-            except KvtierError:
-                pass
-
+    # --- the rest
     def reset_cache(self) -> None:
-        logger.info("kvtier: reset_cache forgets %d in-flight stores of engine %s; kvtierd's cache is shared "
-                    "and stays (kvtierctl clears it)", len(self._writing), self.engine_id)
+        logger.info("kvtier: reset_cache forgets %d in-flight stores and the lookup answers of engine %s; "
+                    "kvtierd's cache is shared and stays (kvtierctl clears it)", len(self._writing), self.engine_id)
         self._writing.clear()
+        for state in self._requests.values():
+            state.verdict, state.valid_step = None, -1
 
     def take_events(self) -> Iterable:
         return ()
@@ -220,6 +483,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return None
 
     def shutdown(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        self._link.close()
+
+
+def _nothing_stored() -> PrepareStoreOutput:
+    return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec(), evicted_keys=[])

@@ -6,9 +6,10 @@
 - **Keys.** vLLM's ``OffloadKey`` (block hash ‖ 4-byte group index, 36 bytes with sha256) is the
   kvtier key as is; a key longer than kvtierd's limit is shortened to sha256(hash) ‖ group index
   (``kvtier_key``).
-- **Namespaces.** (model, KV dtype, tokens per block, bytes per block per rank, layout kind), with
-  vLLM's KV-cache memory layout appended to the model name; ``kvtier_namespace`` overrides the
-  model part (e.g. one name for one model served from different paths). The namespace is
+- **Namespaces.** (model, KV dtype, tokens per block, bytes per block per rank, layout kind). The
+  model part is ``<model name>@<fingerprint>`` (``identity``: what determines the KV bytes,
+  weights included) with vLLM's KV-cache memory layout appended; ``kvtier_namespace`` replaces
+  name and fingerprint (for people who know their weights are identical). The namespace is
   *replicated* exactly when vLLM's own gate says so (``OffloadingConfig.replicated_layout``: pure
   MLA, TP > 1, no PP/PCP/DCP, single-node ``mp`` executor), else *sharded*; a replicated one keeps
   one copy, which only rank 0 writes. ``namespace_layout`` refuses, at start-up and naming the
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
@@ -30,6 +31,7 @@ from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.paths import default_socket
 
 from ...select import COPIERS
+from .identity import ModelIdentity
 
 
 @dataclass(frozen=True)
@@ -41,12 +43,15 @@ class KvtierSettings:
     layout: str = "auto"             # auto: vLLM's replicated gate decides; sharded: never replicated
     timeout_s: float = 5.0           # bound on one request to kvtierd
     retry_s: float = 10.0            # after kvtierd was unreachable, wait this long before reconnecting
+    lookup_wait_ms: float = 10.0     # longest the scheduler waits for a batched lookup's answer
     copier: str = "auto"             # how the workers copy (kvtier.select.COPIERS: auto, cpu, cuda, torch)
     engine_id: str | None = None     # kvtier engine id; default vllm-<vLLM engine_id>
 
     KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_layout": "layout",
             "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_copier": "copier",
-            "kvtier_engine_id": "engine_id"}
+            "kvtier_engine_id": "engine_id", "kvtier_lookup_wait_ms": "lookup_wait_ms"}
+    NUMBERS = {"timeout_s": ("seconds", False), "retry_s": ("seconds", False),   # (unit, may be 0)
+               "lookup_wait_ms": ("milliseconds", True)}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "KvtierSettings":
@@ -57,14 +62,14 @@ class KvtierSettings:
                              f"kvtier's settings are {sorted(cls.KEYS)}")
         values: dict[str, Any] = {attr: extra[key] for key, attr in cls.KEYS.items() if extra.get(key) is not None}
         values.setdefault("socket", default_socket())
-        for name in ("timeout_s", "retry_s"):
+        for name, (unit, zero_ok) in cls.NUMBERS.items():
             if name in values:
                 try:
                     values[name] = float(values[name])
                 except (TypeError, ValueError):
-                    raise ValueError(f"kvtier_{name} must be a number of seconds, got {values[name]!r}") from None
-                if not values[name] > 0:
-                    raise ValueError(f"kvtier_{name} must be > 0, got {values[name]}")
+                    raise ValueError(f"kvtier_{name} must be a number of {unit}, got {values[name]!r}") from None
+                if not (values[name] >= 0 if zero_ok else values[name] > 0):
+                    raise ValueError(f"kvtier_{name} must be {'>=' if zero_ok else '>'} 0, got {values[name]:g}")
         for name in ("socket", "namespace", "layout", "copier", "engine_id"):
             if name in values and not isinstance(values[name], str):
                 raise ValueError(f"kvtier_{name} must be a string, got {values[name]!r}")
@@ -73,6 +78,10 @@ class KvtierSettings:
         if values.get("copier", "auto") not in COPIERS:
             raise ValueError(f"kvtier_copier must be one of {', '.join(COPIERS)}, got {values['copier']!r}")
         return cls(**values)
+
+
+# Keys per kvtier request: a vLLM transfer or lookup with more keys is split.
+PART_KEYS = min(4096, P.MAX_KEYS_PER_REQUEST)
 
 
 def kvtier_key(key: bytes) -> bytes:
@@ -84,6 +93,15 @@ def kvtier_key(key: bytes) -> bytes:
     return hashlib.sha256(key[:-4]).digest() + key[-4:]
 
 
+def kvtier_keys(keys: Iterable[bytes]) -> list[bytes]:
+    """``kvtier_key`` of every key; vLLM's sha256 keys (36 bytes) pass as they are, checked in one
+    C-level pass (this runs on the scheduler thread for thousands of keys per request)."""
+    keys = list(keys)
+    if keys and max(map(len, keys)) > P.MAX_KEY_BYTES:
+        return [kvtier_key(k) for k in keys]
+    return keys
+
+
 def _short(text: str, limit: int = P.MAX_STR_BYTES) -> str:
     """``text`` if it fits a protocol string, else a prefix plus a hash of the whole (stays unique)."""
     if len(text.encode()) <= limit:
@@ -92,11 +110,14 @@ def _short(text: str, limit: int = P.MAX_STR_BYTES) -> str:
     return text.encode()[: limit - 17].decode(errors="ignore") + "~" + digest
 
 
-def namespace_layout(config: OffloadingConfig, settings: KvtierSettings) -> NamespaceId:
-    """The kvtier namespace of an engine, from vLLM's offloading config.
+def namespace_layout(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None) -> NamespaceId:
+    """The kvtier namespace of an engine, from vLLM's offloading config and the model's identity.
 
-    Replicated exactly when vLLM's gate (``config.replicated_layout``) allows it and the settings
-    do not force sharded. Raises ValueError for configurations the plugin does not support.
+    The model part is ``<name>@<fingerprint>|<vLLM KV-cache layout>``, or ``kvtier_namespace`` in
+    place of name and fingerprint. Replicated exactly when vLLM's gate
+    (``config.replicated_layout``) allows it and the settings do not force sharded. ``model`` may
+    be None only with ``kvtier_namespace`` set. Raises ValueError for configurations the plugin
+    does not support.
     """
     if config.worker_kv_bytes_per_block <= 0:
         raise ValueError("vLLM reports no KV bytes per block for offloading (e.g. HiSparse host blocks); "
@@ -114,12 +135,14 @@ def namespace_layout(config: OffloadingConfig, settings: KvtierSettings) -> Name
     if len(tokens) != 1:
         raise ValueError(f"KV-cache groups with different block sizes {sorted(tokens)} are not supported")
     kind = "replicated" if config.replicated_layout and settings.layout == "auto" else "sharded"
-    model = settings.namespace or config.model.name
-    if config.kv_cache_layout:
-        model = f"{model}|{config.kv_cache_layout}"
-    return NamespaceId(model=_short(model), dtype=_short(config.model.dtype, 32), block_tokens=tokens.pop(),
+    tail = f"|{config.kv_cache_layout}" if config.kv_cache_layout else ""
+    if settings.namespace:
+        name = settings.namespace
+    else:
+        name, tail = model.name, f"@{model.fingerprint}{tail}"
+    return NamespaceId(model=_short(name, P.MAX_STR_BYTES - len(tail.encode())) + tail,
+                       dtype=_short(config.model.dtype, 32), block_tokens=tokens.pop(),
                        block_bytes=config.worker_kv_bytes_per_block, sharding=kind)
-
 
 
 def kvtier_engine_id(config: OffloadingConfig, settings: KvtierSettings) -> str:

@@ -1,10 +1,15 @@
-"""What the scheduler hands the workers for one vLLM transfer: the kvtier jobs it opened.
+"""What the scheduler hands the workers for one vLLM transfer: its kvtier jobs.
 
 vLLM numbers a transfer only *after* ``prepare_store``/``prepare_load`` returned, so the manager
-cannot open a kvtier job under vLLM's id. It opens kvtier jobs under its own counter and hands
+cannot name a kvtier job after vLLM's id. It numbers kvtier jobs with its own counter and hands
 their ids to the workers inside a ``KvtierLoadStoreSpec`` (one ``JobPart`` per kvtier job; a
 transfer with more keys than one job takes becomes several); each worker maps vLLM's transfer
 job id to those kvtier jobs and reports vLLM's id back.
+
+A kvtier job is decided by whichever of its requests reaches kvtierd first, the manager's (sent
+in the background) or a rank's: for a store, which keys are written (the others are present
+already or find no room); for a load, the ready prefix it pins. Every rank gets that same
+decision.
 """
 
 from __future__ import annotations
@@ -12,29 +17,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobPart:
-    """One kvtier job of a transfer.
-
-    ``keys`` is the job's key list exactly as the manager opened it (every rank must name the same
-    keys). ``select`` indexes the keys this transfer moves, in the order of the GPU spec's block
-    ids: for a store the keys kvtierd decided to WRITE, for a load all of them. ``hits`` is the
-    ready prefix the manager pinned for a load (-1 for a store); ``job`` is -1 when the manager
-    could not open the job at all.
-    """
+    """One kvtier job of a transfer: its id and its keys, in the order of the transfer's GPU
+    block ids (every rank must name the same keys)."""
 
     job: int
     keys: tuple[bytes, ...]
-    select: np.ndarray
-    hits: int = -1
 
 
 class KvtierLoadStoreSpec(LoadStoreSpec):
-    """Where a transfer's blocks live in kvtierd: the kvtier jobs that the manager opened.
+    """Where a transfer's blocks live in kvtierd: the kvtier jobs that carry it out.
 
     Travels from the scheduler to every worker inside vLLM's connector metadata (pickled).
     """
@@ -44,7 +40,7 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(p.select) for p in self.parts)
+        return sum(len(p.keys) for p in self.parts)
 
     def __repr__(self) -> str:
         return f"KvtierLoadStoreSpec(jobs={[p.job for p in self.parts]}, blocks={self.num_blocks})"

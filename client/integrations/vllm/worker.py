@@ -6,10 +6,15 @@ kvtier (``block_views``: the byte ranges that make up one vLLM block) and carrie
 jobs the manager opened (kvtier.integrations.vllm.transfer). A block becomes loadable only when
 every rank voted on its store; a load's pins drop when every rank released it. The class
 docstring gives the contract per vLLM method.
+
+Its calls to kvtierd run on vLLM's model-runner thread, so they are bounded: each by
+``kvtier_timeout_s``, and after kvtierd did not answer the worker does not ask again for
+``kvtier_retry_s`` (stores are then not cached, loads fail and are reported).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,8 +29,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtierd.contract import protocol as P
-from kvtierd.contract.errors import KvtierError
+from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached
 from kvtierd.contract.namespace import NamespaceId
 
 from ...api import Client
@@ -68,6 +72,10 @@ def block_views(kv_caches: CanonicalKVCaches, block_bytes: int) -> list:
     return views
 
 
+class LoadFailed(KvtierError):
+    """A load did not bring every block, on the plain spec path, which cannot report it to vLLM."""
+
+
 @dataclass
 class _Transfer:
     kind: str                                  # "store" | "load"
@@ -76,6 +84,7 @@ class _Transfer:
     ok: bool = True
     nbytes: int = 0
     why: str = ""
+    first_bad: int | None = None               # load: index of the first block not loaded
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
@@ -83,105 +92,147 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     - ``submit_store(job, gpu_spec, kvtier_spec)``: this rank's store request of each kvtier job
       (one round trip to kvtierd; the copy runs in the background). Writer ranks copy the blocks
-      kvtierd decided to write and vote after the copy completed; non-writers' request is their
-      vote. Never waits for a copy.
+      kvtierd decided to write (not those it has already or has no room for) and vote after the
+      copy completed; non-writers' request is their vote. Never waits for a copy.
     - ``submit_load(job, kvtier_spec, gpu_spec)``: this rank's load request (one round trip); the
       copy runs in the background and the job's pins are released after it completed.
       ``expedited`` loads share the queue (kvtier copies complete in submission order).
     - ``get_finished()``: vLLM transfer ids whose kvtier jobs all finished on this rank. A store
       kvtierd could not complete (aborted, copy failed, kvtierd gone) is reported successful —
-      the block is simply not cached — and logged; a load that did not bring every block is
-      reported failed (vLLM 0.33 stops on it rather than compute from unverified blocks).
+      the block is simply not cached — and logged. A load that did not bring every block is
+      reported *successful* to vLLM, whose 0.33 worker stops the engine on a failed transfer,
+      and handed to ``KvtierOffloadingConnector`` through ``take_load_outcomes`` (the index of
+      the first block not loaded), which reports it the way vLLM's scheduler recovers from.
+      Built by the plain spec path (``reports_failures`` False), which has no such way, it
+      raises ``LoadFailed`` instead: the engine stops rather than compute from blocks it does
+      not hold, with or without ``python -O``.
     - ``wait(jobs)``: blocks until those transfers' copies completed and were voted/released.
     """
 
     def __init__(self, settings: KvtierSettings, engine_id: str, rank: int, world_size: int, layout: NamespaceId,
-                 kv_caches: CanonicalKVCaches, connect: Callable[..., Client] = Client):
+                 kv_caches: CanonicalKVCaches, connect: Callable[..., Client] = Client,
+                 reports_failures: bool = False, clock: Callable[[], float] = time.monotonic):
         self.layout = layout
         self.rank = rank
+        self.reports_failures = reports_failures
         self._views = block_views(kv_caches, layout.block_bytes)
-        self._client = connect(settings.socket, engine_id=engine_id, rank=rank, world_size=world_size,
-                               namespace=layout, copier=settings.copier, timeout=settings.timeout_s,
-                               reconnect_timeout=settings.timeout_s)
-        try:
-            self._client.register_kv_caches(self._views)
-        except BaseException:
-            self._client.close()
-            raise
-        self._owner: dict[int, int] = {}              # kvtier job -> vLLM transfer job
-        self._transfers: dict[int, _Transfer] = {}    # vLLM transfer job -> its state
+        self._connect = functools.partial(connect, settings.socket, engine_id=engine_id, rank=rank,
+                                          world_size=world_size, namespace=layout, copier=settings.copier,
+                                          timeout=settings.timeout_s, reconnect_timeout=settings.timeout_s)
+        self._retry_s = settings.retry_s
+        self._clock = clock
+        self._down_until = 0.0
+        self._client: Client | None = None
+        self._owner: dict[int, tuple[int, int]] = {}    # kvtier job -> (vLLM transfer job, its first block)
+        self._transfers: dict[int, _Transfer] = {}      # vLLM transfer job -> its state
         self._finished: list[TransferResult] = []
-        logger.info("kvtier: rank %d of engine %s attached (%s, writer=%s, %d KV ranges, %d bytes/block)",
-                    rank, engine_id, self._client.info.namespace, self._client.is_writer,
-                    len(self._views), layout.block_bytes)
+        self._load_outcomes: list[tuple[int, int | None]] = []
+        self.engine_id = engine_id
+        if self._connected() is None:
+            logger.warning("kvtier: rank %d of engine %s starts without kvtierd; it attaches when the scheduler "
+                           "hands it a transfer", rank, engine_id)
 
     @property
-    def client(self) -> Client:
+    def client(self) -> Client | None:
         return self._client
 
+    def _attach(self) -> None:
+        client = self._connect()
+        try:
+            client.register_kv_caches(self._views)
+        except BaseException:
+            client.close()
+            raise
+        self._client = client
+        logger.info("kvtier: rank %d of engine %s attached (%s, writer=%s, %d KV ranges, %d bytes/block)",
+                    self.rank, self.engine_id, client.info.namespace, client.is_writer, len(self._views),
+                    self.layout.block_bytes)
+
+    def _connected(self) -> Client | None:
+        """The session, attaching if needed; None while kvtierd is treated as away."""
+        if self._client is None and self._clock() >= self._down_until:
+            try:
+                self._attach()
+            except (DaemonUnavailable, NotAttached) as exc:
+                self._away(exc)
+        return self._client if self._clock() >= self._down_until else None
+
+    def _away(self, exc: BaseException) -> None:
+        logger.warning("kvtier: rank %d: kvtierd unreachable (%s); no kvtierd calls for %gs", self.rank, exc,
+                       self._retry_s)
+        self._down_until = self._clock() + self._retry_s
+
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        assert isinstance(dst_spec, KvtierLoadStoreSpec), f"not a kvtier spec: {dst_spec!r}"
         transfer = self._begin(job_id, "store")
         block_ids = np.asarray(src_spec.block_ids, dtype=np.int64)
-        if len(block_ids) != dst_spec.num_blocks:
-            self._fail(transfer, f"{len(block_ids)} GPU blocks for {dst_spec.num_blocks} keys")
+        client = self._connected()
+        if not isinstance(dst_spec, KvtierLoadStoreSpec) or len(block_ids) != dst_spec.num_blocks:
+            self._fail(transfer, f"{len(block_ids)} GPU blocks for {dst_spec!r}")
+        elif client is None:
+            self._fail(transfer, "kvtierd unreachable")
         else:
             offset = 0
             for part in dst_spec.parts:
-                ids = block_ids[offset: offset + len(part.select)]
-                offset += len(part.select)
-                full = np.full(len(part.keys), ids[0] if len(ids) else 0, dtype=np.int64)
-                full[part.select] = ids
+                first, offset = offset, offset + len(part.keys)
                 try:
-                    decision = self._client.store(part.job, list(part.keys), full)
+                    decision = client.store(part.job, list(part.keys), block_ids[first:offset])
                 except KvtierError as exc:
                     self._fail(transfer, f"store job {part.job}: {exc}")
+                    if isinstance(exc, (DaemonUnavailable, NotAttached)):
+                        self._away(exc)
+                        break
                     continue
-                self._track(job_id, transfer, part.job)
-                written = np.flatnonzero(np.asarray(decision.outcomes) == P.StoreOutcome.WRITE)
-                if not np.array_equal(written, part.select):
-                    self._fail(transfer, f"store job {part.job}: kvtierd's decision differs from the scheduler's")
-                elif self._client.is_writer:
-                    transfer.nbytes += len(ids) * self.layout.block_bytes
+                self._track(job_id, transfer, part.job, first)
+                if client.is_writer:
+                    transfer.nbytes += decision.written * self.layout.block_bytes
         self._settle(job_id)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
-        assert isinstance(src_spec, KvtierLoadStoreSpec), f"not a kvtier spec: {src_spec!r}"
         transfer = self._begin(job_id, "load")
         block_ids = np.asarray(dst_spec.block_ids, dtype=np.int64)
-        if len(block_ids) != src_spec.num_blocks:
-            self._fail(transfer, f"{len(block_ids)} GPU blocks for {src_spec.num_blocks} keys")
+        client = self._connected()
+        if not isinstance(src_spec, KvtierLoadStoreSpec) or len(block_ids) != src_spec.num_blocks:
+            self._fail(transfer, f"{len(block_ids)} GPU blocks for {src_spec!r}", 0)
+        elif client is None:
+            self._fail(transfer, "kvtierd unreachable", 0)
         else:
             offset = 0
             for part in src_spec.parts:
-                ids = block_ids[offset: offset + len(part.keys)]
-                offset += len(part.keys)
-                if part.job < 0:
-                    self._fail(transfer, "the scheduler could not open the load in kvtierd")
-                    continue
+                first, offset = offset, offset + len(part.keys)
                 try:
-                    hits = self._client.load(part.job, list(part.keys), ids)
+                    hits = client.load(part.job, list(part.keys), block_ids[first:offset])
                 except KvtierError as exc:
-                    self._fail(transfer, f"load job {part.job}: {exc}")
+                    self._fail(transfer, f"load job {part.job}: {exc}", first)
+                    if isinstance(exc, (DaemonUnavailable, NotAttached)):
+                        self._away(exc)
+                        break
                     continue
-                self._track(job_id, transfer, part.job)
+                self._track(job_id, transfer, part.job, first)
                 transfer.nbytes += hits * self.layout.block_bytes
                 if hits < len(part.keys):
-                    self._fail(transfer, f"load job {part.job}: {hits} of {len(part.keys)} blocks were cached")
+                    self._fail(transfer, f"load job {part.job}: {hits} of {len(part.keys)} blocks were cached",
+                               first + hits)
         self._settle(job_id)
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        for result in self._client.poll():
-            self._part_done(result)
+        if self._client is not None and self._owner:
+            for result in self._client.poll():
+                self._part_done(result)
         finished, self._finished = self._finished, []
         return finished
 
+    def take_load_outcomes(self) -> list[tuple[int, int | None]]:
+        """(vLLM load job, index of its first block not loaded, or None) of every load finished
+        since the last call (``KvtierOffloadingConnector`` reports the failures to vLLM)."""
+        outcomes, self._load_outcomes = self._load_outcomes, []
+        return outcomes
+
     def wait(self, job_ids: set[int]) -> None:
         parts = [p for j in job_ids if j in self._transfers for p in self._transfers[j].remaining]
-        if parts:
+        if parts and self._client is not None:
             for result in self._client.wait(parts):
                 self._part_done(result)
 
@@ -198,23 +249,25 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._transfers[job_id] = transfer
         return transfer
 
-    def _track(self, job_id: int, transfer: _Transfer, part_job: int) -> None:
+    def _track(self, job_id: int, transfer: _Transfer, part_job: int, first_block: int) -> None:
         transfer.remaining.add(part_job)
-        self._owner[part_job] = job_id
+        self._owner[part_job] = (job_id, first_block)
 
     @staticmethod
-    def _fail(transfer: _Transfer, why: str) -> None:
+    def _fail(transfer: _Transfer, why: str, first_bad: int | None = None) -> None:
         transfer.ok = False
         transfer.why = transfer.why or why
+        if first_bad is not None:
+            transfer.first_bad = first_bad if transfer.first_bad is None else min(transfer.first_bad, first_bad)
 
     def _part_done(self, result) -> None:
-        job_id = self._owner.pop(result.job, None)
+        job_id, first_block = self._owner.pop(result.job, (None, 0))
         if job_id is None:
             return
         transfer = self._transfers[job_id]
         transfer.remaining.discard(result.job)
-        if not result.ok:
-            self._fail(transfer, f"{result.kind} job {result.job}: {result.error}")
+        if not result.ok:      # aborted, copy failed, kvtierd gone: none of this part's blocks counts
+            self._fail(transfer, f"{result.kind} job {result.job}: {result.error}", first_block)
         self._settle(job_id)
 
     def _settle(self, job_id: int) -> None:
@@ -222,13 +275,19 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if transfer.remaining:
             return
         del self._transfers[job_id]
-        success = transfer.ok or transfer.kind == "store"
-        if not transfer.ok:
-            if transfer.kind == "store":
-                logger.warning("kvtier: rank %d: store %d not cached (%s)", self.rank, job_id, transfer.why)
-            else:
-                logger.error("kvtier: rank %d: load %d failed (%s); its blocks are not valid", self.rank, job_id,
-                             transfer.why)
-        self._finished.append(TransferResult(job_id=job_id, success=success,
+        if transfer.kind == "load":
+            if not transfer.ok and not self.reports_failures:
+                raise LoadFailed(f"kvtier: rank {self.rank}: load {job_id} failed ({transfer.why}) and vLLM's "
+                                 "OffloadingConnector has no way to recompute it, so the engine stops rather than "
+                                 "compute from blocks it does not hold. Load the plugin as kv_connector "
+                                 "KvtierOffloadingConnector (kv_connector_module_path kvtier.integrations.vllm), "
+                                 "which recomputes or fails only that request (docs/vllm.md)")
+            if not transfer.ok:
+                logger.warning("kvtier: rank %d: load %d brought blocks [0, %d) only (%s); reported to vLLM",
+                               self.rank, job_id, transfer.first_bad, transfer.why)
+            self._load_outcomes.append((job_id, None if transfer.ok else transfer.first_bad))
+        elif not transfer.ok:
+            logger.warning("kvtier: rank %d: store %d not cached (%s)", self.rank, job_id, transfer.why)
+        self._finished.append(TransferResult(job_id=job_id, success=True,
                                              transfer_size=transfer.nbytes if transfer.ok else 0,
                                              transfer_time=time.perf_counter() - transfer.started))
