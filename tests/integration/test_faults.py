@@ -97,14 +97,18 @@ def clobber(procs, block_ids) -> None:
     all_call(procs, "fill", block_ids=block_ids, seed=424242)
 
 
-def assert_settled(daemon) -> dict:
+def assert_settled(daemon, living_writers: bool = False) -> dict:
     """No leaked pin, WRITING entry, fenced page or open job; every used page is a READY
-    entry's; the entry table and chains are sound (kvtierctl check)."""
-    stats = wait_for(lambda: (s := daemon.stats())["entries_pinned"] == 0 and s["entries_writing"] == 0
-                     and s["pages_fenced"] == 0 and s["open_jobs"] == 0 and s,
+    entry's; the entry table and chains are sound (kvtierctl check). ``living_writers``: pages may
+    stay fenced for writers whose processes live (sessions this test process left behind)."""
+    def settled(s: dict) -> bool:
+        fenced = s["fenced_pages"]["writer_alive"] if living_writers else 0
+        return (s["entries_pinned"] == 0 and s["entries_writing"] == 0 and s["pages_fenced"] == fenced
+                and s["open_jobs"] == 0)
+    stats = wait_for(lambda: settled(s := daemon.stats()) and s,
                      what="no pins, WRITING entries, fenced pages or open jobs")
     owned = sum(ns["entries"] * ns["entry_pages"] for ns in stats["namespace_list"])
-    assert stats["pages_used"] == owned, stats
+    assert stats["pages_used"] == owned + stats["pages_fenced"], stats
     assert stats["evictable"] == stats["entries_ready"], stats
     assert stats["errors"].get("INTERNAL", 0) == 0, stats["errors"]
     check = ctl_json(daemon, "check")

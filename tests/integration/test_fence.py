@@ -131,6 +131,24 @@ def test_sigterm_drains_store_copies_in_flight(start_daemon, ranks):
     assert load_and_count_foreign(b, 1, ka) == 0     # B loads A's blocks: all there, all A's
 
 
+def b_stores_while_a_is_frozen(daemon, a: RankProcess, b: RankProcess, prefix: str, given_up) -> tuple:
+    """A (the writer) holds a store of its blocks and is frozen (SIGSTOP) until ``given_up()``
+    says the daemon gave up on it; B stores its own blocks meanwhile; then A thaws and its copy
+    lands. Returns (the stats taken while A was frozen, B's keys, A's job result)."""
+    ka, kb = keys_for(f"{prefix}-a", N), keys_for(f"{prefix}-b", N)
+    hold_a_store(a, ka)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        given_up()
+        store(b, 1, kb)
+        during = daemon.stats()
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    a.call("open_gate")
+    (result,) = a.call("finish", jobs=[1])
+    return during, kb, result
+
+
 # ---------------------------------------------------------------------------------- item 2
 @pytest.mark.parametrize("checksums", [False, True], ids=["plain", "checksums"])
 def test_a_writer_stalled_past_two_job_timeouts_keeps_its_pages(start_daemon, ranks, checksums):
@@ -144,18 +162,12 @@ def test_a_writer_stalled_past_two_job_timeouts_keeps_its_pages(start_daemon, ra
     assert connect(a, daemon, "engine-a")["watched"]
     connect(b, daemon, "engine-b")
     connect(c, daemon, "engine-c")
-    ka, kb = keys_for("stall-a", N), keys_for("stall-b", N)
-    hold_a_store(a, ka)
-    os.kill(a.pid, signal.SIGSTOP)
-    try:
+
+    def past_two_job_timeouts():
         wait_for(lambda: daemon.stats()["aborted_jobs"].get("timeout"), what="A's job to time out")
         time.sleep(1.5 * job_timeout)                # past 2 x job_timeout since the job opened
-        store(b, 1, kb)
-        during = daemon.stats()
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
-    a.call("open_gate")
-    (result,) = a.call("finish", jobs=[1])
+
+    during, kb, result = b_stores_while_a_is_frozen(daemon, a, b, "stall", past_two_job_timeouts)
     assert not result["ok"] and result["error_type"] == "JobTimeout", result
     assert load_and_count_foreign(c, 1, kb) == 0
     assert during["fenced_pages"]["writer_alive"] == N, during
@@ -177,21 +189,15 @@ def test_a_writer_frozen_past_the_heartbeat_timeout_keeps_its_pages(start_daemon
     assert not connect(a, daemon, "engine-a")["watched"]     # heartbeats, no pidfd
     connect(b, daemon, "engine-b")
     connect(c, daemon, "engine-c")
-    ka, kb = keys_for("frozen-a", N), keys_for("frozen-b", N)
-    hold_a_store(a, ka)
-    os.kill(a.pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: daemon.stats()["aborted_jobs"].get("rank_heartbeat_lost"), what="A's heartbeat to be lost")
-        store(b, 1, kb)
-        during = daemon.stats()
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
-    a.call("open_gate")
-    (result,) = a.call("finish", jobs=[1])
+    during, kb, result = b_stores_while_a_is_frozen(
+        daemon, a, b, "frozen", lambda: wait_for(lambda: daemon.stats()["aborted_jobs"].get("rank_heartbeat_lost"),
+                                                 what="A's heartbeat to be lost"))
     assert not result["ok"], result                          # it learns: its session was dropped
     assert load_and_count_foreign(c, 1, kb) == 0
     assert during["fenced_pages"]["grace"] == N and during["sessions"] == 2, during
     fence_settles(daemon, "reattached")
+
+
 def test_an_unwatchable_writer_that_never_comes_back_is_released_after_the_grace(start_daemon, ranks):
     """The residual risk's other side: a writer the daemon cannot watch, gone for good (SIGKILL
     in another PID namespace proves nothing here), holds its pages only for fence_grace."""
