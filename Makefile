@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: install run test test-unit test-integration vllm-install test-vllm bench-vllm sglang-install test-sglang tier-install test-tier bench-tier tier-up soak bench bench-docs nvcc-check bench-loop docs clean
+.PHONY: install run test test-unit test-integration vllm-install test-vllm bench-vllm sglang-install test-sglang tier-install test-tier bench-tier tier-up soak crash bench bench-docs nvcc-check bench-loop docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +85,14 @@ tier-up: tier-install
 # constant eviction; every loaded block verified by hash; prints its figures. CI runs an 8 s one.
 soak: install
 	$(BIN)/python tests/soak/soak.py --duration 300
+
+# The randomised crash test (tests/crash/crash.py): engines storing and loading while the daemon is
+# SIGKILLed and SIGTERMed and clients are SIGKILLed and SIGSTOPped at random; every loaded block
+# verified; prints the totals. 60 s with the daemon watching its clients, then 60 s with the daemon in
+# its own PID namespace (heartbeats and the grace period). CI runs 12 s of each. SEED=n repeats a run.
+crash: install
+	$(BIN)/python tests/crash/crash.py --duration 60 $(if $(SEED),--seed $(SEED))
+	$(BIN)/python tests/crash/crash.py --duration 60 --pidns $(if $(SEED),--seed $(SEED))
 
 NVCC ?= nvcc
 # CI's compile check of the copy kernel for Hopper (sm_90): any error or warning fails.

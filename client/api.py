@@ -18,13 +18,18 @@ A store job finishes on this rank once its copy (if it is a writer) completed an
 accepted; a load job once its copy completed and its release was accepted. ``JobResult.ok`` is
 False when the daemon aborted the job (then loaded blocks must be treated as a miss).
 
-Daemon restarts: when the daemon stops answering or no longer knows the session, the client
-re-attaches on its own (same engine, rank and namespace; for up to ``reconnect_timeout`` seconds),
-remapping the region when its path or generation changed. Jobs in flight across the restart
-finish with ``ok=False`` and a ``DaemonUnavailable`` error (a miss for the engine); the call
-that discovered the restart is retried once on the new daemon, except commit/release, whose
-jobs died with the old one. A session the daemon cannot watch through a pidfd (another PID
-namespace) gets a heartbeat thread with its own socket.
+Daemon restarts: when the daemon stops answering or no longer knows the session (it restarted,
+or dropped a session that stopped heartbeating), the client re-attaches on its own (same engine,
+rank and namespace; for up to ``reconnect_timeout`` seconds), remapping the region when its path
+or generation changed. Before it re-attaches it waits for every copy in flight, and its hello
+names the old session and token: that tells the daemon the pages it was handed are free again
+(the page fence, invariant 9). Jobs in flight across the restart finish with ``ok=False`` and a
+``DaemonUnavailable`` error (a miss for the engine); the call that discovered the restart is
+retried once on the new daemon, except commit/release, whose jobs died with the old one — so a
+client never commits into pages that were given to someone else meanwhile. ``poll`` and
+``wait`` report every job exactly once, whatever restart they find on the way. A session the
+daemon cannot watch through a pidfd (another PID namespace) gets a heartbeat thread with its own
+socket.
 
 First touch: a process's mapping of the region has no page-table entries until it touches each
 page, and a store into untouched 4 KiB pages ran at 0.35x the speed of the same store into pages
@@ -49,7 +54,7 @@ import numpy as np
 
 from kvtierd.contract import protocol as P
 from kvtierd.contract.channel import Channel
-from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached
+from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached, ShuttingDown
 from kvtierd.contract.mapping import Mapping, Populate
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.paths import default_socket
@@ -168,7 +173,9 @@ class Client:
         self._copier_name = copier
         self._pin = pin
         self._pending: dict[int, _Pending] = {}
-        self._lost: list[JobResult] = []          # in flight across a daemon restart
+        # Results settled outside the call that returns them: jobs in flight across a restart, and
+        # jobs a wait() finished before it timed out on another. poll()/wait() hand them out once.
+        self._settled: list[JobResult] = []
         self._attach()
 
     # ------------------------------------------------------------------ setup
@@ -218,10 +225,12 @@ class Client:
             self._heartbeat = None
         for job, p in list(self._pending.items()):
             try:
-                p.handle.wait()               # the copy must be over before the region may be remapped
+                # The copy must be over before the region may be remapped, and before the hello
+                # tells the daemon that this session's pages are free.
+                p.handle.wait()
             except Exception:
                 pass
-            self._lost.append(JobResult(job, p.kind, False, 0, DaemonUnavailable(
+            self._settled.append(JobResult(job, p.kind, False, 0, DaemonUnavailable(
                 f"kvtierd restarted or dropped the session while job {job} was in flight ({cause})")))
         self._pending.clear()
         self.channel.close()
@@ -231,7 +240,7 @@ class Client:
             try:
                 self._attach()
                 return
-            except (DaemonUnavailable, NotAttached) as exc:
+            except (DaemonUnavailable, NotAttached, ShuttingDown) as exc:   # a stopping daemon: the next one
                 if time.monotonic() + delay > deadline:
                     raise DaemonUnavailable(f"kvtierd did not come back within {self.reconnect_timeout:g}s: "
                                             f"{exc}") from None
@@ -443,41 +452,52 @@ class Client:
             return JobResult(job, p.kind, False, 0, KvtierError(f"copy failed: {failure!r}"))
         return JobResult(job, p.kind, True, p.hits)
 
+    def _take_settled(self, jobs: Iterable[int] | None = None) -> dict[int, JobResult]:
+        """Hand out settled results (of ``jobs``, or all), each once."""
+        wanted = None if jobs is None else set(jobs)
+        taken = {r.job: r for r in self._settled if wanted is None or r.job in wanted}
+        self._settled = [r for r in self._settled if r.job not in taken]
+        return taken
+
     def poll(self) -> list[JobResult]:
-        """Jobs of this rank that finished since the last poll (their copies completed)."""
-        done, self._lost = self._lost, []
+        """Jobs of this rank that finished since the last poll (their copies completed), each once.
+
+        Finishing one job may find a daemon restart; the jobs still pending then are settled as
+        lost and returned by this same call."""
+        done = []
         for job, p in list(self._pending.items()):
-            if p.handle.done():
+            if self._pending.get(job) is p and p.handle.done():   # not settled by a re-attach meanwhile
                 del self._pending[job]
                 done.append(self._finish(job, p))
-        return done
+        return done + list(self._take_settled().values())
 
     def wait(self, jobs: Iterable[int], timeout: float | None = None) -> list[JobResult]:
-        """Block until the given in-flight jobs finished on this rank; returns their results."""
-        wanted = list(jobs)
-        lost = {r.job: r for r in self._lost if r.job in wanted}
-        self._lost = [r for r in self._lost if r.job not in lost]
-        wanted = [j for j in wanted if j not in lost]
-        missing = [j for j in wanted if j not in self._pending]
+        """Block until the given in-flight jobs finished on this rank; returns their results in
+        the order asked. On a timeout (FutureTimeout) the jobs finished meanwhile are kept for
+        the next poll()/wait(), never lost."""
+        wanted = list(dict.fromkeys(jobs))
+        settled = {r.job for r in self._settled}
+        missing = [j for j in wanted if j not in self._pending and j not in settled]
         if missing:
             raise KvtierError(f"jobs {missing} are not in flight on this rank")
         deadline = None if timeout is None else time.monotonic() + timeout
-        results = []
+        results: dict[int, JobResult] = {}
         for job in wanted:
             p = self._pending.get(job)
-            if p is None:      # a restart, found while finishing an earlier job, settled it as lost
-                results.append(next(r for r in self._lost if r.job == job))
-                self._lost = [r for r in self._lost if r.job != job]
+            if p is None:      # settled already (a restart, maybe found while finishing an earlier one)
                 continue
             try:
                 p.handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
+                self._settled.extend(results.values())
                 raise
             except Exception:
                 pass                          # a failed copy: _finish votes no and reports it
-            del self._pending[job]
-            results.append(self._finish(job, p))
-        return list(lost.values()) + results
+            if self._pending.get(job) is p:
+                del self._pending[job]
+                results[job] = self._finish(job, p)
+        results.update(self._take_settled(wanted))
+        return [results[job] for job in wanted]
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:

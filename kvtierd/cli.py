@@ -131,7 +131,8 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 # The fields of protocol.StatsReply that `kvtierctl status` shows of a running daemon.
 STATUS_FIELDS = ("daemon_pid", "socket", "admin_socket", "metrics_address", "region", "generation", "pinned",
                  "hugepages", "huge_page_size", "huge_bytes", "file_bytes", "capacity_bytes", "used_bytes",
-                 "pages_total", "pages_free", "entries_ready", "entries_writing", "entries_pinned", "namespaces", "engines", "sessions", "open_jobs",
+                 "pages_total", "pages_free", "pages_fenced", "entries_ready", "entries_writing", "entries_pinned",
+                 "namespaces", "engines", "sessions", "open_jobs",
                  "uptime_seconds", "stopping")
 
 

@@ -142,9 +142,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("group", "str", "", "Client group (name or numeric gid): may reach the socket and map the region "
             "(empty: the daemon's user only)."),
     Setting("job_timeout", "float", "30", "Seconds a store or load job may stay open before it is aborted "
-            "and its pages freed.", lo=0.05, hi=86400),
-    Setting("heartbeat_timeout", "float", "15", "Seconds without a request or heartbeat after which a client the "
-            "daemon cannot watch through a pidfd (another PID namespace) is declared dead.", lo=0.5, hi=86400),
+            "(its pins drop; pages its writer may still copy into stay fenced).", lo=0.05, hi=86400),
+    Setting("heartbeat_timeout", "float", "15", "Seconds without a request or heartbeat after which the session "
+            "of a client the daemon cannot watch through a pidfd (another PID namespace) ends: its votes and pins "
+            "go, its uncommitted pages stay fenced (fence_grace).", lo=0.5, hi=86400),
+    Setting("fence_grace", "float", "600", "Seconds the pages a writer the daemon cannot watch (another PID "
+            "namespace) was copying into stay fenced after it was last seen, when it neither re-attaches nor is "
+            "proven dead. A writer the daemon can watch keeps its pages for as long as it lives. Lower values "
+            "free pages sooner and widen the residual risk (docs/reliability.md).", lo=1, hi=86400 * 7),
     Setting("checksums", "bool", "false", "Writers hash each block (xxh64) after copying; the hash is kept in the "
             "entry table and verified when a restarted daemon recovers the region and by kvtierctl check "
             "--checksums.", ),
@@ -153,8 +158,8 @@ SETTINGS: tuple[Setting, ...] = (
             "docs/operations.md says how to choose; kvtierctl stats shows its counters.", choices=tuple(POLICIES)),
     Setting("region_check_interval", "float", "5", "Seconds between checks that the region file is still the "
             "one mapped (not removed, replaced or truncated).", lo=0.1, hi=3600),
-    Setting("drain_timeout", "float", "10", "On SIGTERM: seconds to let in-flight loads finish (new jobs are "
-            "refused meanwhile) before stopping.", lo=0, hi=3600),
+    Setting("drain_timeout", "float", "10", "On SIGTERM: seconds to let in-flight stores and loads finish (new "
+            "jobs are refused meanwhile) before stopping.", lo=0, hi=3600),
     Setting("metrics_address", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus endpoint (/metrics), or "
             "off. Loopback by default: bind elsewhere only behind a firewall."),
     Setting("recreate", "bool", "false", "Replace an existing region whose header or geometry does not match "

@@ -62,16 +62,17 @@ class Daemon:
                                   recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress,
                                   huge=c.hugepages)
         try:
-            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy)
+            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
+                               fence_grace=c.fence_grace)
             # The recovered index (up to millions of entries) lives as long as the daemon: keep it
             # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
             gc.freeze()
             rec = self.store.recovered
             if self.region.adopted:
                 log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
-                         "damaged discarded", self.region.paths.region,
+                         "damaged discarded, %d pages fenced for writers not proven gone", self.region.paths.region,
                          "clean" if self.region.was_clean else "unclean", rec["ready"],
-                         rec["writing_discarded"], rec["corrupt_discarded"])
+                         rec["writing_discarded"], rec["corrupt_discarded"], rec["pages_fenced"])
                 if rec["writing_discarded"] or rec["corrupt_discarded"]:
                     # The tables were rebuilt: page numbers a client held may mean other entries now.
                     log.info("region rebuilt: new generation %x (clients remap on re-attach)",

@@ -11,6 +11,10 @@ Eviction: the policy (``kvtierd.policy``) holds exactly the READY, unpinned entr
 among them, across all namespaces; the index frees what it chooses (invariant 2: WRITING and
 pinned entries are never in the policy, so they are never chosen).
 
+A page is free, held by an entry, or fenced (``kvtierd.fence``): held by no entry, but kept from
+everyone until the writer that was handed it is proven unable to write. Recovery asks the fence
+which pages those are; the job machine gives the pages it releases back (``release_pages``).
+
 Per-key work is done in C-level passes (map over attribute getters, NumPy fancy indexing of the
 entry table) rather than Python loops: a job carries up to thousands of keys, and the daemon's
 cost per key is what bounds lookup latency and keys/s (docs/benchmarks.md has the figures).
@@ -30,6 +34,7 @@ import numpy as np
 from .contract.namespace import NamespaceId
 from .contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
 from .contract.region_format import ENTRY_DTYPE, EntryState, RegionView, entry_checksum, namespace_record
+from .fence import Fence
 from .pages import FreeStack
 from .policy import Policy
 from .recovery import scan
@@ -98,10 +103,16 @@ class Namespace:
         lo, hi = rank * self.shard_bytes, (rank + 1) * self.shard_bytes
         return [e.pages[lo:hi] for e in entries]
 
+    def shard_pages(self, entries: list[Entry]) -> np.ndarray:
+        """The entries' pages as [entry, shard, page of the shard] (one shard when replicated)."""
+        return np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).reshape(
+            len(entries), self.shards, self.pages_per_shard)
+
 
 class Index:
-    def __init__(self, view: RegionView, policy: Policy, verify_checksums: bool = False):
+    def __init__(self, view: RegionView, policy: Policy, fence: Fence, verify_checksums: bool = False):
         self.view = view
+        self.fence = fence
         self.geometry = view.geometry
         self.page_size = view.geometry.page_size
         self.policy = policy
@@ -134,7 +145,9 @@ class Index:
         READY entries whose namespace record and page chain are sound (``recovery.scan``) are
         kept, oldest tick first in the policy; WRITING entries (a copy or vote that never
         finished) are discarded, as are entries whose chain is broken or shares a page with an
-        earlier entry, and damaged records. Nothing in the tables can make recovery raise.
+        earlier entry, and damaged records. The pages of discarded entries are free unless the
+        fence holds them for a writer that may still copy into them (``Fence.recover``). Nothing
+        in the tables can make recovery raise.
         """
         view = self.view
         found = scan(view, verify_checksums=verify_checksums)
@@ -162,12 +175,13 @@ class Index:
         deque(map(self.by_slot.__setitem__, slots, kept), 0)
         self.policy.recovered(slots, found.ready_keys)
         self.entry_count[EntryState.READY] = len(kept)
-        self.pages = FreeStack(self.geometry.num_pages, np.flatnonzero(found.owner >= 0))
+        fenced = self.fence.recover(found)
+        self.pages = FreeStack(self.geometry.num_pages, np.concatenate([np.flatnonzero(found.owner >= 0), fenced]))
         self.slots = FreeStack(self.geometry.entry_slots, np.flatnonzero(states != EntryState.FREE))
         if len(view.entries):
             self.tick = max(self.tick, int(view.entries["tick"].max()))
         return {"ready": len(kept), "writing_discarded": len(found.writing),
-                "corrupt_discarded": len(found.problems)}
+                "corrupt_discarded": len(found.problems), "pages_fenced": len(fenced)}
 
     # ------------------------------------------------------------------ namespaces
     def namespace(self, ns_id: NamespaceId) -> Namespace:
@@ -331,15 +345,13 @@ class Index:
         self.entry_count[EntryState.WRITING] -= len(entries)
         self.entry_count[EntryState.READY] += len(entries)
 
-    def abandon(self, entries: list[Entry]) -> list[int]:
-        """Forget the WRITING entries of an aborted job. Returns their pages, which stay taken:
-        a writer may still be copying into them (``release_pages`` once none can)."""
-        pages = self._pages_of(entries)
+    def abandon(self, entries: list[Entry]) -> None:
+        """Forget the WRITING entries of an aborted job. Their pages stay taken: the job machine
+        fences those a writer may still copy into and frees the others (``release_pages``)."""
         self._free_entries(entries)
-        return pages
 
-    def release_pages(self, pages: list[int]) -> None:
-        self.pages.free(pages)
+    def release_pages(self, pages: np.ndarray) -> None:
+        self.pages.free(pages.tolist())
 
     # ------------------------------------------------------------------ eviction and freeing
     def evict(self, namespace: str | None, count: int | None) -> int:
@@ -404,17 +416,19 @@ class Index:
         return {"policy": self.policy.name, "policy_admitted_keys": s["admitted"], "policy_refused_keys": s["refused"],
                 "policy_segments": s["segments"], "policy_evictions": s["evicted"], "policy_extra": s["extra"]}
 
-    def verify(self, quarantined: list[int]) -> None:
+    def verify(self) -> None:
         """Check the index against itself and the entry table (tests, ``Store.verify``): every
-        page is exactly one of free, held by one live entry, or ``quarantined``; every slot is
-        free or holds one entry; the policy holds exactly the READY unpinned entries; the table's
-        records match the index."""
+        page is exactly one of free, held by one live entry, or parked by the fence; every slot
+        is free or holds one entry; the policy holds exactly the READY unpinned entries; the
+        table's records match the index."""
         owner = np.full(self.geometry.num_pages, -1, dtype=np.int64)
         free = self.pages.free_ids()
         assert len(np.unique(free)) == len(free), "a page is free twice"
         owner[free] = -2
-        assert (owner[quarantined] == -1).all(), "a quarantined page is also free"
-        owner[quarantined] = -3
+        parked = self.fence.parked_pages()
+        assert len(np.unique(parked)) == len(parked), "a page is parked twice"
+        assert (owner[parked] == -1).all(), "a fenced page is also free"
+        owner[parked] = -3
         free_slots = self.slots.free_ids()
         assert len(np.unique(free_slots)) == len(free_slots), "an entry slot is free twice"
         assert all(self.by_slot[s] is None for s in free_slots.tolist()), "a free slot holds an entry"

@@ -13,13 +13,15 @@ When all world_size ranks voted, the job's entries become READY (invariant 5).
 Load job: the leading READY keys are the hits; they are pinned (not evictable) until every rank
 released the job, then unpinned (invariant 2).
 
-Abort (failed vote, conflict, timeout, a rank leaving or dying, the engine leaving): WRITING
-entries leave the index at once, so nobody can see them; their pages are *fenced* — kept out of
-the free pages (``quarantine``) until no writer that was handed them may still be copying into
-them (every such writer committed, left or died), or at the latest one ``job_timeout`` later — so
-an aborted job's late copy can never land in another entry's pages. A load job's pins are
-dropped; a rank that releases it afterwards learns that it was aborted and must treat the blocks
-it copied as a miss.
+The page fence (``kvtierd.fence``, invariant 9): the pages a writer is handed are fenced for it
+before the reply carries them, and settled when its commit is accepted. Abort (failed vote,
+conflict, timeout, a rank leaving or dying, the engine leaving): WRITING entries leave the index
+at once, so nobody can see them; the pages of every writer that was handed them and has not
+committed stay fenced, parked under that writer, until it commits the job after all or is proven
+unable to write (the fence decides when) — never on a timer while it may live, so an aborted
+job's late copy can never land in another entry's pages. The other pages are free at once. A load
+job's pins are dropped; a rank that releases it afterwards learns that it was aborted and must
+treat the blocks it copied as a miss.
 
 Finished and aborted jobs are remembered (a bounded tombstone list per engine), so a late request
 for them gets a precise error instead of silently opening a new job with a reused id.
@@ -34,8 +36,11 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .contract.namespace import Sharding
-from .contract.protocol import AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
+from .contract.protocol import PAGES_DTYPE, AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
+from .fence import Fence
 from .histogram import Histogram
 from .index import Index, Namespace
 from .sessions import Session, SessionEnd
@@ -83,9 +88,9 @@ class Job:
     done_ranks: set = field(default_factory=set)   # store: voted; load: released
     state: JobState = JobState.OPEN
     cause: AbortCause | None = None
-    quarantine: list = field(default_factory=list)  # pages of an aborted store job not yet freed
-    copying: set = field(default_factory=set)       # writers that may still copy into them
-    quarantine_deadline: float = 0.0
+    # store: writer rank → the writer handed its pages that has not committed; an aborted job
+    # stays findable while one is left, so that its late commit is recognised.
+    handed: dict = field(default_factory=dict)
     opened: float = 0.0                             # clock() at the first request (vote-wait metric)
     chain: bool = True                              # store: the keys are a prefix chain (the policy's hint)
     cold: int = 0                                   # store: written keys the client expects no reuse of
@@ -93,8 +98,10 @@ class Job:
 
 
 class Jobs:
-    def __init__(self, index: Index, job_timeout: float = 30.0, clock=time.monotonic, checksums: bool = False):
+    def __init__(self, index: Index, fence: Fence, job_timeout: float = 30.0, clock=time.monotonic,
+                 checksums: bool = False):
         self.index = index
+        self.fence = fence
         self.job_timeout = job_timeout
         self.clock = clock
         self.checksums = checksums        # keep writers' checksums of their shards
@@ -113,8 +120,8 @@ class Jobs:
         engine = session.engine
         job = engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
-            if job is not None:     # aborted, pages still quarantined: the id stays taken (its
-                self._refuse_aborted(job.kind, job_id, job.cause)   # tombstone may be gone)
+            if job is not None:     # aborted, a writer's pages still fenced: the id stays taken
+                self._refuse_aborted(job.kind, job_id, job.cause)   # (its tombstone may be gone)
             self._refuse_finished(engine, job_id)
             now = self.clock()
             job = Job(engine, job_id, kind, keys, now + self.job_timeout, opened=now)
@@ -181,7 +188,11 @@ class Jobs:
             return job.outcomes, []
         job.seen.add(rank)
         if rank in job.engine.writers:
-            return job.outcomes, job.engine.ns.pages_for(job.entries, rank)
+            pages = job.engine.ns.pages_for(job.entries, rank)
+            if pages:       # fenced for this writer before the reply hands them out
+                self.fence.hand(session.writer, np.frombuffer(b"".join(pages), PAGES_DTYPE))
+                job.handed[rank] = session.writer
+            return job.outcomes, pages
         self._vote(job, rank)
         return job.outcomes, []
 
@@ -191,26 +202,32 @@ class Jobs:
         rank = self._rank_of(session, "vote")
         job = self._find_for_vote(session, job_id)
         if job.state is JobState.ABORTED:       # a writer acknowledging an aborted job's copy
-            self._writer_gone(job, rank)
+            writer = job.handed.pop(rank)
+            self.index.release_pages(self.fence.release_job(writer, job.id))
+            self._drop_if_settled(job)
             self._refuse_aborted(job.kind, job_id, job.cause)
         if rank not in job.seen:
             raise RequestError(ErrorCode.CONFLICT, f"rank {rank} commits store job {job_id} before storing it")
-        if not ok:
-            self._abort(job, AbortCause.VOTE_FAILED)
-            self._writer_gone(job, rank)        # a writer voting no is not copying any more
-            return
-        if checksums is not None:
+        if checksums is not None and ok:
             writes = len(job.entries) if rank in job.engine.writers else 0
             if rank not in job.engine.writers or len(checksums) != len(job.entries):
                 raise RequestError(ErrorCode.BAD_REQUEST, f"commit of job {job_id} carries {len(checksums)} "
                                    f"checksums; rank {rank} writes {writes} entries")
             job.shard_sums[rank] = checksums
+        writer = job.handed.pop(rank, None)
+        if writer is not None:                  # its copy is over, whatever its vote: no more fence
+            pages = job.engine.ns.pages_for(job.entries, rank)
+            self.fence.settle(writer, np.frombuffer(b"".join(pages), PAGES_DTYPE))
+        if not ok:
+            self._abort(job, AbortCause.VOTE_FAILED)
+            return
         self._vote(job, rank)
 
     def _find_for_vote(self, session: Session, job_id: int) -> Job:
         job = session.engine.jobs.get(job_id)
-        if job is not None and job.kind is JobKind.STORE and job.quarantine:
-            return job                        # aborted, its pages wait for this writer
+        if (job is not None and job.kind is JobKind.STORE and job.state is JobState.ABORTED
+                and session.rank in job.handed):
+            return job                        # aborted, its pages wait for this writer's commit
         return self._open_job(session, job_id, JobKind.STORE)
 
     def _vote(self, job: Job, rank: int) -> None:
@@ -284,32 +301,34 @@ class Jobs:
             return
         job.cause = cause
         if job.kind is JobKind.STORE:
-            # Writers that were handed pages and may still be copying into them.
-            live_writers = {r for r in job.seen & job.engine.writers if r in job.engine.ranks}
-            job.copying = live_writers - job.done_ranks
             self.counters["store_aborted_keys"] += len(job.entries)
-            job.quarantine.extend(self.index.abandon(job.entries))
-            job.entries = []
-            job.quarantine_deadline = self.clock() + self.job_timeout
-            self._free_quarantine(job)
+            self._fence_aborted(job)
         else:
             self._unpin(job)
         self.aborted[cause.value] += 1
         log.info("%s job %d of engine %r aborted: %s", job.kind.value, job.id, job.engine.id, cause.value)
         self._finish(job, JobState.ABORTED)
 
-    def _writer_gone(self, job: Job, rank: int) -> None:
-        job.copying.discard(rank)
-        self._free_quarantine(job)
+    def _fence_aborted(self, job: Job) -> None:
+        """The aborted job's entries go; the shards of writers that were handed them and have not
+        committed stay fenced (parked under each writer), the rest of the pages are free."""
+        if not job.entries:
+            return
+        ns = job.engine.ns
+        shards = ns.shard_pages(job.entries)
+        self.index.abandon(job.entries)
+        job.entries = []
+        fenced = np.zeros(ns.shards, dtype=bool)
+        for rank, writer in job.handed.items():
+            shard = rank if ns.shards > 1 else 0
+            self.fence.park(writer, job.id, shards[:, shard].ravel())
+            fenced[shard] = True
+        self.index.release_pages(shards[:, ~fenced].ravel())
 
-    def _free_quarantine(self, job: Job) -> None:
-        if job.quarantine and (not job.copying or self.clock() >= job.quarantine_deadline):
-            self.index.release_pages(job.quarantine)
-            job.quarantine = []
-        if not job.quarantine and job.state is not JobState.OPEN:
+    def _drop_if_settled(self, job: Job) -> None:
+        """A finished job leaves the engine's open jobs once no writer may still commit it."""
+        if job.state is not JobState.OPEN and not job.handed:
             job.engine.jobs.pop(job.id, None)
-        elif job.quarantine:
-            heapq.heappush(self._deadlines, (job.quarantine_deadline, next(self._seq), job.engine.id, job.id))
 
     def _finish(self, job: Job, state: JobState) -> None:
         job.state = state
@@ -317,45 +336,39 @@ class Jobs:
         tombstones[job.id] = (job.kind, state, job.cause)
         if len(tombstones) > TOMBSTONES:
             tombstones.popitem(last=False)
-        if not job.quarantine:
-            job.engine.jobs.pop(job.id, None)
+        self._drop_if_settled(job)
 
     # ------------------------------------------------------------------ sessions leaving
     def rank_gone(self, engine: Engine, rank: int, end: SessionEnd) -> None:
-        """A rank's session ended: the open jobs still waiting for it abort (``rank_<end>``), and
-        the quarantines stop waiting for it to commit."""
+        """A rank's session ended: the open jobs still waiting for it abort (``rank_<end>``; its
+        pages stay parked under its writer, whose fate the fence decides), and no job waits for
+        its commit any more."""
         cause = AbortCause(f"rank_{end.value}")
         for job in list(engine.jobs.values()):
             if job.state is JobState.OPEN and rank not in job.done_ranks:
                 self._abort(job, cause)
         for job in list(engine.jobs.values()):
-            if job.quarantine:
-                self._writer_gone(job, rank)
+            if job.handed.pop(rank, None) is not None:
+                self._drop_if_settled(job)
 
     def engine_gone(self, engine: Engine) -> None:
-        """The engine's last session ended: its open jobs abort, its quarantines are freed at once
-        (no writer of it is left to copy), and it is forgotten with its tombstones."""
+        """The engine's last session ended: its open jobs abort, and it is forgotten with its
+        tombstones (its writers' fenced pages are the fence's)."""
         for job in list(engine.jobs.values()):
             if job.state is JobState.OPEN:
                 self._abort(job, AbortCause.ENGINE_LEFT)
-            job.quarantine_deadline = 0.0
-            self._free_quarantine(job)
         del self.engines[engine.id]
 
     # ------------------------------------------------------------------ deadlines
     def expire(self) -> float | None:
-        """Abort jobs past their deadline, free quarantines past theirs. Returns the next deadline."""
+        """Abort jobs past their deadline (their writers' pages stay fenced). Returns the next deadline."""
         now = self.clock()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, engine_id, job_id = heapq.heappop(self._deadlines)
             engine = self.engines.get(engine_id)
             job = engine.jobs.get(job_id) if engine is not None else None
-            if job is None:
-                continue                      # finished, or its engine left: nothing to expire
-            if job.state is JobState.OPEN and job.deadline <= now:
+            if job is not None and job.state is JobState.OPEN and job.deadline <= now:
                 self._abort(job, AbortCause.TIMEOUT)
-            elif job.quarantine and job.quarantine_deadline <= now:
-                self._free_quarantine(job)
         return self._deadlines[0][0] if self._deadlines else None
 
     # ------------------------------------------------------------------ what is going on
@@ -380,13 +393,19 @@ class Jobs:
         return sum(1 for e in self.engines.values() for j in e.jobs.values()
                    if j.state is JobState.OPEN and (kind is None or j.kind is kind))
 
-    def quarantined(self) -> list[int]:
-        """Every fenced page (aborted store jobs' pages that a writer may still copy into)."""
-        return [p for e in self.engines.values() for j in e.jobs.values() for p in j.quarantine]
+    def handed(self) -> dict[int, list[np.ndarray]]:
+        """Writer row → the pages of open jobs it was handed and has not committed (``Fence.verify``)."""
+        out: dict[int, list[np.ndarray]] = {}
+        for engine in self.engines.values():
+            for job in engine.jobs.values():
+                if job.state is JobState.OPEN:
+                    for rank, writer in job.handed.items():
+                        pages = engine.ns.pages_for(job.entries, rank)
+                        out.setdefault(writer.row, []).append(np.frombuffer(b"".join(pages), PAGES_DTYPE))
+        return out
 
     def stats(self) -> dict:
         return {
-            "pages_quarantined": sum(len(j.quarantine) for e in self.engines.values() for j in e.jobs.values()),
             "engines": len(self.engines),
             "open_jobs": self.open_jobs(),
             "aborted_jobs": dict(self.aborted),

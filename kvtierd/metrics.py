@@ -64,10 +64,19 @@ class DaemonCollector:
         yield gauge("region_huge_bytes", "Bytes of the region the daemon's mapping got in huge pages at start "
                     "(hugetlb or THP; the rest is in 4 KiB pages).", s.huge_bytes)
         yield gauge("capacity_bytes", "Bytes of the data area (pages × page size).", s.capacity_bytes)
-        yield gauge("used_bytes", "Bytes of pages held by entries or quarantined.", s.used_bytes)
+        yield gauge("used_bytes", "Bytes of pages held by entries or fenced.", s.used_bytes)
         yield labelled(GaugeMetricFamily, "pages", "Pages by state.", "state",
-                       {"free": s.pages_free, "used": s.pages_used - s.pages_quarantined,
-                        "quarantined": s.pages_quarantined})
+                       {"free": s.pages_free, "used": s.pages_used - s.pages_fenced, "fenced": s.pages_fenced})
+        yield labelled(GaugeMetricFamily, "fenced_pages", "Pages fenced for a writer that may still copy into them, "
+                       "by why it is not proven done.", "reason", s.fenced_pages)
+        yield labelled(CounterMetricFamily, "fence_released_pages", "Fenced pages given back, by the proof that "
+                       "their writer could not write any more.", "cause", s.fence_released_pages)
+        yield gauge("fence_oldest_seconds", "Seconds since the longest-fenced writer's pages were fenced (0: none).",
+                    s.fence_oldest_seconds)
+        yield gauge("fence_grace_seconds", "The fence_grace setting: how long an unwatchable writer's pages stay "
+                    "fenced after it was last seen.", s.fence_grace_seconds)
+        yield gauge("writer_rows", "Rows of the region's writer table in use (writers attached, or gone with pages "
+                    "fenced).", s.writer_rows)
         yield labelled(GaugeMetricFamily, "entries", "Entries by state (pinned: READY and held by a load).",
                        "state", {"ready": s.entries_ready, "writing": s.entries_writing, "pinned": s.entries_pinned})
         yield labelled(CounterMetricFamily, "lookup_keys", "Keys asked by lookup, by result.", "result",

@@ -53,6 +53,8 @@ def status(view: RegionView, path: str) -> dict:
         "page_size": geo.page_size,
         "pages_total": geo.num_pages,
         "pages_held": found.pages_held,
+        "pages_fenced": found.pages_fenced,
+        "writer_rows": len(found.writers),
         "capacity_bytes": geo.capacity_bytes,
         "data_offset": geo.data_offset,
         "entries_ready": len(found.ready),
@@ -139,13 +141,16 @@ def check(view: RegionView, daemon_running: bool, verify_checksums: bool = False
     """Consistency of the tables and chains. ``ok`` is False when a restart would discard a
     damaged record. WRITING entries are not damage: while a daemon runs they are copies in
     flight; after a crash, unfinished writes that a restart discards. ``verify_checksums`` also
-    rehashes every entry that carries a checksum (reads its bytes)."""
+    rehashes every entry that carries a checksum (reads its bytes). Fenced pages are not damage
+    either: a writer may still copy into them, and a restart keeps them from everyone until it is
+    proven unable to."""
     found = scan(view, verify_checksums)
     return {
         "ok": not found.problems and not found.damaged_namespaces,
         "entries_sound": len(found.ready),
         "entries_writing": len(found.writing),
         "pages_held": found.pages_held,
+        "pages_fenced": found.pages_fenced,
         "pages_total": view.geometry.num_pages,
         "damaged_namespaces": [{"slot": s, "reason": r} for s, r in found.damaged_namespaces.items()],
         "problems": [{"slot": s, "reason": r} for s, r in found.problems],

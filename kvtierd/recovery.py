@@ -1,9 +1,11 @@
 """What a region's tables hold, judged record by record: the one judge of what a restart keeps.
 
-``scan`` decides, for every namespace and entry record, whether it is sound. A restarting
-daemon (``kvtierd.index``) keeps the sound READY entries and frees the rest; ``kvtierctl check``
-(``kvtierd.offline``) reports the rest. So ``check`` says exactly what a restart would discard.
-Nothing here changes the region, and nothing in its bytes can make it raise.
+``scan`` decides, for every namespace and entry record, whether it is sound, and which pages the
+fence table holds for a writer that may still copy into them. A restarting daemon
+(``kvtierd.index``) keeps the sound READY entries, parks the fenced pages (``kvtierd.fence``) and
+frees the rest; ``kvtierctl check`` (``kvtierd.offline``) reports the rest. So ``check`` says
+exactly what a restart would discard. Nothing here changes the region, and nothing in its bytes
+can make it raise.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import numpy as np
 
 from .contract.namespace import NamespaceId
 from .contract.protocol import MAX_KEY_BYTES, PAGES_DTYPE
-from .contract.region_format import (CHAIN_END, ENTRY_DTYPE, EntryState, RegionView, entry_checksum,
-                                     namespace_from_record, shard_checksum)
+from .contract.region_format import (CHAIN_END, ENTRY_DTYPE, FENCE_NONE, WRITER_SLOTS, EntryState, RegionView,
+                                     WriterState, entry_checksum, namespace_from_record, shard_checksum)
 
 
 @dataclass
@@ -28,6 +30,11 @@ class RegionScan:
     (slot, namespace slot, key, pages array) tuples. ``problems`` holds the records a
     restarted daemon would discard, as (slot, reason); ``writing`` the WRITING slots
     (unfinished: discarded on restart).
+
+    The fence: ``fenced`` are the pages that no sound entry holds and that the fence table gives
+    to a writer row in use (``fenced_rows``, one per page): a restart keeps them from everyone
+    until that writer is proven unable to write. ``writers`` are the rows in use; ``stale_fence``
+    the pages whose fence names no row in use (a restart clears them).
     """
 
     namespaces: dict[int, NamespaceId]
@@ -39,6 +46,10 @@ class RegionScan:
     writing: np.ndarray
     problems: list[tuple[int, str]]
     owner: np.ndarray           # page → slot of the sound entry holding it, or -1
+    fenced: np.ndarray
+    fenced_rows: np.ndarray
+    writers: np.ndarray
+    stale_fence: np.ndarray
 
     @property
     def ready(self) -> list[tuple[int, int, bytes, np.ndarray]]:
@@ -48,6 +59,10 @@ class RegionScan:
     @property
     def pages_held(self) -> int:
         return int((self.owner >= 0).sum())
+
+    @property
+    def pages_fenced(self) -> int:
+        return len(self.fenced)
 
 
 # Why scan() judges a READY record unsound, by code (0: sound so far).
@@ -173,10 +188,23 @@ def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
     owner[pages[alone[holder]]] = np.repeat(slots[alone], counts[alone])
     problems += [(slot, reason) for _, slot, reason in sorted(judged)]
     kept = np.flatnonzero(keep)
+    fenced, fenced_rows, writers, stale = _fence(view, owner)
     return RegionScan(namespaces, damaged, slots[kept], ns_of[kept],
                       keys if len(kept) == len(keys) else [keys[i] for i in kept.tolist()],
                       _rows_as_bytes(chains[cand[kept]].view(np.uint8), 4 * counts[kept]),
-                      writing, problems, owner)
+                      writing, problems, owner, fenced, fenced_rows, writers, stale)
+
+
+def _fence(view: RegionView, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(fenced pages, their rows, rows in use, stale pages): see ``RegionScan``. A page a sound
+    entry holds is that entry's whatever its fence says: READY means every writer committed."""
+    writers = np.flatnonzero(view.writers["state"] != WriterState.FREE)
+    in_use = np.zeros(WRITER_SLOTS + 1, dtype=bool)     # the last slot stands for any row out of range
+    in_use[writers] = True
+    candidates = np.flatnonzero((view.fence != FENCE_NONE) & (owner < 0))
+    rows = view.fence[candidates].astype(np.int64)
+    named = in_use[np.minimum(rows, WRITER_SLOTS)]
+    return candidates[named], rows[named], writers, candidates[~named]
 
 
 def _rows_as_bytes(rows: np.ndarray, lengths: np.ndarray) -> list[bytes]:

@@ -18,12 +18,17 @@ loop runs it between requests.
 
 Every reply is built from its shape declared in ``protocol`` (``REPLIES``, ``ADMIN_REPLIES``).
 Sessions and their liveness are the ``SessionRegistry``'s (``kvtierd.sessions``); the loop polls
-their pidfds and sweeps their heartbeats. The region file is checked every
-``region_check_interval`` (``Region.check_file``); a truncated one stops the daemon.
+their pidfds and those of writers gone whose pages are still fenced (``kvtierd.fence``), and
+sweeps heartbeats. Who a client is comes from the kernel, not from its word: a hello frame is
+received without copying, and its ``Peer-Address`` property holds the peer's credentials
+(``localhost:<uid>:<gid>:<pid>``, the pid as the daemon's PID namespace sees it, 0 when it cannot;
+``peer_of``). The region file is checked every ``region_check_interval`` (``Region.check_file``);
+a truncated one stops the daemon.
 
 Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
-requests of jobs already open are still served, and the loop ends when no load job is open any
-more or ``drain_timeout`` passed, whichever comes first.
+requests of jobs already open are still served, and the loop ends when no job is open any more
+(store copies in flight and loads) or ``drain_timeout`` passed, whichever comes first. Pages a
+writer may still copy into stay fenced in the region for the next daemon.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from .contract import protocol as P
 from .contract.namespace import NamespaceId
 from .contract.protocol import ErrorCode, RequestError
 from .histogram import Histogram
+from .processes import Process, start_ticks
 from .region import Region
 from .sessions import Session, SessionEnd, SessionRegistry
 from .store import Store
@@ -50,6 +56,11 @@ from .systemd import Notifier
 log = logging.getLogger(__name__)
 
 BURST = 256
+# Replies queued for one peer that does not read them. A well-behaved client has one request in
+# flight per socket (a pipelining one: at most ZMQ's default, 1000); past this ZMQ drops that
+# peer's replies (ROUTER_MANDATORY off) instead of growing the daemon's memory: 60,000 unread
+# stats replies took an unbounded daemon from 56 to 163 MiB. The peer only hurts itself.
+REPLY_QUEUE_PER_PEER = 1000
 MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
 PRESSURE_LOG_SECONDS = 10.0    # how often eviction pressure is reported in the log
 
@@ -72,9 +83,10 @@ class Server:
         self.admin: zmq.Socket | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
-        self.sessions = SessionRegistry(store.detach, heartbeat_timeout,
-                                        watch=lambda fd: self.poller.register(fd, zmq.POLLIN),
-                                        unwatch=self.poller.unregister)
+        watch = lambda fd: self.poller.register(fd, zmq.POLLIN)  # noqa: E731
+        self.sessions = SessionRegistry(store.detach, heartbeat_timeout, watch=watch, unwatch=self.poller.unregister,
+                                        clock=store.clock, fence=store.fence)
+        store.fence.watch_with(watch, self.poller.unregister)
         self.stopping = False
         self.started = time.time()
         self.requests: Counter = Counter()
@@ -107,7 +119,7 @@ class Server:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to vanished peers are dropped
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE_PER_PEER)    # per peer: ROUTER keeps one queue each
         # Frames up to twice the limit are read and refused with a LIMIT error; larger ones make ZMQ
         # drop the connection before allocating anything for them.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * P.MAX_FRAME_BYTES)
@@ -166,10 +178,13 @@ class Server:
             if self.stopping:
                 if drain_deadline is None:
                     drain_deadline = now + self.drain_timeout
-                    self.notifier.notify(STOPPING=1, STATUS="draining in-flight loads")
-                    log.info("stopping: draining %d open load job(s) for up to %.1fs",
-                             store.open_loads(), self.drain_timeout)
-                if store.open_loads() == 0 or now >= drain_deadline:
+                    self.notifier.notify(STOPPING=1, STATUS="draining in-flight stores and loads")
+                    log.info("stopping: draining %d open job(s) for up to %.1fs", store.open_jobs(),
+                             self.drain_timeout)
+                if store.open_jobs() == 0 or now >= drain_deadline:
+                    if store.open_jobs():
+                        log.warning("stopping with %d job(s) open after drain_timeout; pages their writers may "
+                                    "still copy into stay fenced for the next daemon", store.open_jobs())
                     break
             if watchdog is not None and now >= next_watchdog:
                 self.notifier.notify(WATCHDOG=1)
@@ -200,31 +215,45 @@ class Server:
                 except BlockingIOError:
                     pass
             self._run_calls()
+            # Deaths first: a pidfd closed here cannot be confused with one a hello opens below.
+            for fd in [fd for fd in events if isinstance(fd, int) and fd != self._wake_r]:
+                if fd in self.sessions.pidfds:
+                    self.sessions.died(fd)
+                if fd in store.fence.pidfds:
+                    store.writer_died(fd)
             if self.sock in events:
                 self._drain(self.sock, self.handle)
             if self.admin in events:
                 self._drain(self.admin, self.handle_admin)
-            for fd in [fd for fd in events if isinstance(fd, int) and fd in self.sessions.pidfds]:
-                self.sessions.died(fd)
         self.close()
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, bytes], dict]) -> None:
+    def _drain(self, sock: zmq.Socket, handle: Callable[..., dict]) -> None:
         for _ in range(BURST):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                identity = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            identity = frames[0]
-            if len(frames) != 2:
+            # The rest of a message is there once its first part is. Uncopied, the frame carries
+            # its peer's credentials (hello reads them); two recv calls cost less than one
+            # recv_multipart.
+            frame = sock.recv(copy=False)
+            parts = 1
+            while frame.more:
+                frame = sock.recv(copy=False)
+                parts += 1
+            if parts != 1:
                 self._count_error(ErrorCode.BAD_REQUEST)
-                reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {len(frames) - 1}")
+                reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {parts}")
             else:
-                reply = handle(identity, frames[1])
+                reply = handle(identity, frame.bytes, lambda: peer_of(frame))
             sock.send_multipart([identity, P.encode(reply)], copy=False)
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, identity: bytes, frame: bytes) -> dict[str, Any]:
-        """One request frame from the client socket → one reply map. Never raises."""
+    def handle(self, identity: bytes, frame: bytes,
+               peer: Callable[[], tuple[int, int] | None] | None = None) -> dict[str, Any]:
+        """One request frame from the client socket → one reply map. Never raises. ``peer`` gives
+        (uid, pid) of the socket's peer (only hello asks); without it the peer is unknown and its
+        session owes heartbeats."""
         try:
             msg = P.decode_request(frame)
         except RequestError as exc:
@@ -237,6 +266,8 @@ class Server:
         try:
             if session is None and op not in P.SESSIONLESS_OPS:
                 raise RequestError(ErrorCode.NOT_ATTACHED, f"{op} before hello: attach a session first")
+            if op == "hello":
+                return P.ok_reply(rid, self._hello(identity, session, msg, peer() if peer is not None else None))
             return P.ok_reply(rid, self.handlers[op](identity, session, msg))
         except RequestError as exc:
             self._count_error(exc.code)
@@ -248,7 +279,8 @@ class Server:
         finally:
             self.latency[op].observe(time.perf_counter() - started)
 
-    def handle_admin(self, identity: bytes, frame: bytes) -> dict[str, Any]:
+    def handle_admin(self, identity: bytes, frame: bytes, peer: Callable[[], tuple[int, int] | None] | None = None
+                     ) -> dict[str, Any]:
         """One admin request → one reply. Never raises."""
         try:
             msg = P.decode_request(frame, P.ADMIN_REQUESTS)
@@ -265,23 +297,46 @@ class Server:
         self.errors[ErrorCode(code).name] += 1
 
     # ------------------------------------------------------------------ sessions
-    def _hello(self, identity: bytes, session: Session | None, msg: dict) -> P.HelloReply:
+    def _process(self, msg: dict, peer: tuple[int, int] | None) -> Process:
+        """Who sent this hello, as the kernel says (``peer``: (uid, pid) of the socket's peer).
+        A pid claimed in the daemon's own PID namespace must be the peer's."""
+        claimed_pid, claimed_ns = msg.get("pid"), msg.get("pidns")
+        uid, pid = peer if peer is not None else (None, 0)
+        if claimed_pid and claimed_ns == self.sessions.pidns and pid and claimed_pid != pid:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"hello claims pid {claimed_pid} in the daemon's PID namespace, "
+                                                      f"but the socket's peer is pid {pid}")
+        ticks = start_ticks(pid) if pid else 0
+        if ticks is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"pid {pid} does not exist in the daemon's namespace")
+        return Process(pid, ticks, claimed_pid, claimed_ns, uid)
+
+    def _hello(self, identity: bytes, session: Session | None, msg: dict,
+               peer: tuple[int, int] | None) -> P.HelloReply:
         if msg["version"] != P.PROTOCOL_VERSION:
             raise RequestError(ErrorCode.VERSION, f"client speaks protocol {msg['version']}, this kvtierd speaks "
                                                   f"{P.PROTOCOL_VERSION}; install matching kvtierd versions")
         if self.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
+        process = self._process(msg, peer)
         if session is not None:
             self.sessions.end(session, SessionEnd.REHELLO)
-        replaced = self.sessions.proven(msg.get("replaces", -1), msg.get("replaces_token"))
-        if replaced is not None:
-            self.sessions.end(replaced, SessionEnd.REATTACHED)
+        if "replaces" in msg:
+            replaced = self.sessions.proven(msg["replaces"], msg.get("replaces_token"))
+            if replaced is not None:
+                self.sessions.end(replaced, SessionEnd.REATTACHED)
+            else:       # dropped, or a session of the daemon before a restart: its writer's pages
+                self.store.reattached(msg["replaces"], msg.get("replaces_token"))
+        held = self.store.rank_holder(msg["engine"], msg["rank"])
+        if held is not None and held.process.same_as(process):
+            # An orphan of this very process (a Client dropped without close(), a hello whose
+            # reply came too late): the process takes its rank back.
+            self.sessions.end(held, SessionEnd.TAKEN_OVER)
         ns_id = NamespaceId.from_wire(msg["namespace"], msg["world_size"])
-        pid = msg.get("pid")
-        session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], ns_id, pid)
-        watched, token = self.sessions.register(identity, session, pid, msg.get("pidns"))
+        session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], ns_id, process)
+        watched = self.sessions.register(identity, session)
+        token = session.token
         log.info("attach session=%d engine=%r %s world_size=%d pid=%s namespace=%s watched=%s", session.id,
-                 session.engine.id, session.role, msg["world_size"], pid, ns_id.name(), watched)
+                 session.engine.id, session.role, msg["world_size"], session.pid, ns_id.name(), watched)
         ns = session.engine.ns
         geo = self.region.geometry
         return P.HelloReply(
@@ -404,3 +459,14 @@ class Server:
             os.close(fd)
         while self._calls:   # nobody will run these any more
             self._calls.popleft()[1].set_exception(RuntimeError("kvtierd stopped"))
+
+
+def peer_of(frame: zmq.Frame) -> tuple[int, int] | None:
+    """(uid, pid) of the peer that sent ``frame``, from its ``Peer-Address`` property
+    (``<host>:<uid>:<gid>:<pid>`` on ipc, SO_PEERCRED; pid 0 when the daemon's PID namespace does
+    not see the process). None without the property."""
+    try:
+        _, uid, _, pid = frame.get("Peer-Address").rsplit(":", 3)
+        return int(uid), int(pid)
+    except (zmq.ZMQError, AttributeError, ValueError):
+        return None

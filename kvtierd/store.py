@@ -1,5 +1,6 @@
 """The daemon's state, as the server sees it: engines and sessions attach and detach, and the
-operations run on the entry index (``kvtierd.index``) and the job machine (``kvtierd.jobs``).
+operations run on the entry index (``kvtierd.index``), the job machine (``kvtierd.jobs``) and
+the writer fence (``kvtierd.fence``): whatever pages the fence releases go back to the index here.
 
 No sockets and no threads: the server's single loop calls these methods one request at a time,
 so nothing here locks. Every method either returns a result or raises ``RequestError`` with a
@@ -9,26 +10,36 @@ typed code, having changed nothing it should not have.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 
 from .contract.namespace import NamespaceId
-from .contract.protocol import ErrorCode, JobKind, RequestError
+from .contract.protocol import ErrorCode, RequestError
 from .contract.region_format import RegionView
+from .fence import Fence, Release
 from .index import COUNTERS as INDEX_COUNTERS
 from .index import Index
 from .jobs import COUNTERS as JOB_COUNTERS
 from .jobs import Engine, Jobs
 from .policy import DEFAULT as DEFAULT_POLICY
 from .policy import create as create_policy
+from .processes import Process
 from .sessions import Session, SessionEnd
+
+# How a session's end bears on its writer's fenced pages: these ends prove the writer cannot
+# write any more (the client waits for its copies before bye and before re-attaching; a dead
+# process writes nothing); every other end leaves them fenced (kvtierd.fence).
+PROOF_OF_END = {SessionEnd.LEFT: Release.LEFT, SessionEnd.DIED: Release.DIED,
+                SessionEnd.DEAD_AT_HELLO: Release.DIED, SessionEnd.REATTACHED: Release.REATTACHED}
 
 
 class Store:
     def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
-                 checksums: bool = False, policy: str = DEFAULT_POLICY):
+                 checksums: bool = False, policy: str = DEFAULT_POLICY, fence_grace: float = 600.0):
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
-        self.index = Index(view, create_policy(policy), verify_checksums=checksums)
-        self.jobs = Jobs(self.index, job_timeout, clock, checksums)
+        self.fence = Fence(view, fence_grace, clock)
+        self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums)
+        self.jobs = Jobs(self.index, self.fence, job_timeout, clock, checksums)
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)
 
@@ -47,9 +58,10 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
     def attach(self, engine_id: str, rank: int | None, world_size: int, ns_id: NamespaceId,
-               pid: int | None = None) -> Session:
+               process: Process = Process()) -> Session:
         """A new session of ``engine_id`` (a rank, or the coordinator when ``rank`` is None); the
-        engine's first session fixes its world size and namespace, which later ones must match."""
+        engine's first session fixes its world size and namespace, which later ones must match.
+        A writer rank gets a row in the fence's writer table."""
         if rank is not None and rank >= world_size:   # before anything is created for the engine
             raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
         engines = self.jobs.engines
@@ -68,7 +80,16 @@ class Store:
             raise RequestError(ErrorCode.LAYOUT_MISMATCH,
                                f"engine {engine_id!r} rank {rank} is already attached (session {other.id}, "
                                f"pid {other.pid}); every rank attaches once")
-        session = Session(next(self._session_ids), engine, rank, pid)
+        session_id, token = next(self._session_ids), secrets.randbits(62)
+        try:
+            writer = (self.fence.add(session_id, token, process, engine_id, rank)
+                      if rank is not None and rank in engine.writers else None)
+        except RequestError:
+            if not engine.ranks and not engine.coordinators:
+                self.jobs.engine_gone(engine)
+                engine.ns.users -= 1
+            raise
+        session = Session(session_id, engine, rank, token, process, writer)
         if rank is None:
             engine.coordinators.add(session)
         else:
@@ -76,8 +97,15 @@ class Store:
         self.sessions[session.id] = session
         return session
 
-    def detach(self, session: Session, cause: SessionEnd = SessionEnd.LEFT) -> None:
-        """End a session (bye, death, or daemon stop). Jobs that still wait for this rank abort."""
+    def rank_holder(self, engine_id: str, rank: int | None) -> Session | None:
+        """The session attached as ``rank`` of ``engine_id``, if any."""
+        engine = self.jobs.engines.get(engine_id)
+        return None if engine is None or rank is None else engine.ranks.get(rank)
+
+    def detach(self, session: Session, cause: SessionEnd = SessionEnd.LEFT, last_seen: float | None = None) -> None:
+        """End a session (bye, death, heartbeat loss, or daemon stop). Jobs that still wait for
+        this rank abort; the pages its writer may still copy into stay fenced unless ``cause``
+        proves it cannot (``PROOF_OF_END``). ``last_seen``: its last proof of life (default now)."""
         if self.sessions.pop(session.id, None) is None:
             return
         engine = session.engine
@@ -89,6 +117,18 @@ class Store:
         if not engine.ranks and not engine.coordinators:
             self.jobs.engine_gone(engine)
             engine.ns.users -= 1
+        if session.writer is not None:
+            seen = self.clock() if last_seen is None else last_seen
+            self.index.release_pages(self.fence.detach(session.writer, PROOF_OF_END.get(cause), seen))
+
+    def reattached(self, session_id: int, token: int | None) -> None:
+        """A hello names a session that is gone (dropped, or of the daemon before a restart) and its
+        token: the pages its writer was fenced for are free (the client waited for its copies)."""
+        self.index.release_pages(self.fence.reattached(session_id, token))
+
+    def writer_died(self, pidfd: int) -> None:
+        """The pidfd of a detached writer's process became readable."""
+        self.index.release_pages(self.fence.died(pidfd))
 
     # ------------------------------------------------------------------ operations
     def lookup(self, session: Session, keys: list[bytes]) -> int:
@@ -115,16 +155,21 @@ class Store:
         return self.jobs.job_states(session, job_ids)
 
     def expire(self) -> float | None:
-        """Abort jobs past their deadline, free quarantines past theirs. Returns the next deadline."""
-        return self.jobs.expire()
+        """Abort jobs past their deadline, release unwatchable writers past their grace. Returns
+        the next deadline."""
+        pages, grace = self.fence.expire(self.clock())
+        self.index.release_pages(pages)
+        deadline = self.jobs.expire()
+        return min(filter(None, (deadline, grace)), default=None)
 
     def evict(self, namespace: str | None, count: int | None) -> int:
         """Operator eviction (kvtierctl evict/clear): see ``Index.evict``."""
         return self.index.evict(namespace, count)
 
     # ------------------------------------------------------------------ what is going on
-    def open_loads(self) -> int:
-        return self.jobs.open_jobs(JobKind.LOAD)
+    def open_jobs(self) -> int:
+        """Store and load jobs still open (the drain waits for them: copies in flight)."""
+        return self.jobs.open_jobs()
 
     def eviction_pressure(self) -> tuple[int, int, int]:
         """(evictions so far, free pages, pages): what the server logs under pressure."""
@@ -135,14 +180,15 @@ class Store:
         index, jobs = self.index, self.jobs
         counters = {name: index.counters[name] for name in INDEX_COUNTERS}
         counters.update({name: jobs.counters[name] for name in JOB_COUNTERS})
-        return {**index.stats(), **jobs.stats(), "sessions": len(self.sessions), **counters}
+        return {**index.stats(), **jobs.stats(), **self.fence.stats(), "sessions": len(self.sessions), **counters}
 
     def namespace_stats(self) -> list[dict]:
         return self.index.namespace_stats()
 
     def verify(self) -> None:
         """Check the in-memory state against itself and the region's tables (tests)."""
-        self.index.verify(self.jobs.quarantined())
+        self.index.verify()
+        self.fence.verify(self.jobs.handed())
         engines = self.jobs.engines.values()
         for engine in engines:
             assert all(self.sessions.get(s.id) is s and s.engine is engine
@@ -152,7 +198,9 @@ class Store:
         assert len(self.sessions) == sum(len(e.ranks) + len(e.coordinators) for e in self.jobs.engines.values())
 
     def shutdown(self) -> None:
-        """Abort every open job (their pages are freed) and persist the access clock."""
+        """Abort every open job and persist the access clock. Pages a writer may still copy into
+        stay fenced in the region's tables, for the next daemon to recover."""
         for session in list(self.sessions.values()):
             self.detach(session, SessionEnd.DAEMON_STOPPED)
+        self.fence.close()
         self.index.persist_tick()

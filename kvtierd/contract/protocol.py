@@ -40,7 +40,9 @@ import msgpack
 from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 
 # 2: hello's "layout" map became "namespace", its "kind" field "sharding".
-PROTOCOL_VERSION = 2
+# 3: stats: pages_quarantined became pages_fenced, with fenced_pages by reason, fence releases, the
+#    oldest fence's age, the grace and the writer rows (the page fence, issue 10).
+PROTOCOL_VERSION = 3
 
 # --- limits (enforced before any allocation) ------------------------------------------------
 MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
@@ -113,6 +115,7 @@ class AbortCause(str, enum.Enum):
     RANK_HEARTBEAT_LOST = "rank_heartbeat_lost"
     RANK_REHELLO = "rank_rehello"             # the same socket said hello again
     RANK_REATTACHED = "rank_reattached"       # a new hello replaced the session (with its token)
+    RANK_TAKEN_OVER = "rank_taken_over"       # the same process attached as the same rank again
     RANK_DEAD_AT_HELLO = "rank_dead_at_hello"
     RANK_DAEMON_STOPPED = "rank_daemon_stopped"
 
@@ -154,15 +157,20 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "rank": _int(0, MAX_WORLD_SIZE - 1, nullable=True),
         "world_size": _int(1, MAX_WORLD_SIZE),
         "namespace": Field("map"),
+        # The client's pid and PID-namespace inode: a claim, checked against the socket's peer
+        # credentials (a pid in the daemon's own namespace must be the peer's).
         "pid": _int(0, 1 << 31, required=False),
         "pidns": _int(0, 1 << 63, required=False),
-        # Re-attaching after a lost reply: end this earlier session (proved by its token) first.
+        # Re-attaching (a lost reply, a daemon restart, a dropped session): end this earlier
+        # session, proved by its token, first. It also says that no copy of that session is in
+        # flight any more (the client waits for them), so the pages it was handed are free.
         "replaces": _int(0, 1 << 63, required=False),
         "replaces_token": _int(0, 1 << 63, required=False),
     },
     # A heartbeat may come from any socket: session + token (from the hello reply) name the
     # session whose liveness it proves (clients the daemon cannot watch through a pidfd).
     "ping": {"session": _int(0, 1 << 63, required=False), "token": _int(0, 1 << 63, required=False)},
+    # bye: the session ends; it says that no copy of the session is in flight (the client waits).
     "bye": {},
     "lookup": {"keys": KEYS},
     # chain (default true): the keys are a prefix chain in the order given, each extending the one
@@ -330,6 +338,11 @@ def _(name: str, value: Any, spec: Field) -> None:
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a string")
     if spec.choices is not None and value not in spec.choices:
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r}={value!r} not one of {list(spec.choices)}")
+    # The region's fixed-width fields drop trailing NULs, so "m\0" would come back from a restart
+    # as "m", another engine's namespace: no control characters in any protocol string.
+    if not value.isprintable():
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} holds a control character (NUL, newline, "
+                                                  "...); protocol strings are printable text")
     n = len(value.encode())
     if spec.lo is not None and not spec.lo <= n <= (spec.hi or MAX_STR_BYTES):
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {spec.lo}..{spec.hi} bytes long")
@@ -477,8 +490,13 @@ class StatsReply(Reply):
     page_size: int
     pages_total: int
     pages_free: int
-    pages_used: int                   # held by entries or quarantined
-    pages_quarantined: int
+    pages_used: int                   # held by entries or fenced
+    pages_fenced: int                 # held by no entry, kept for a writer that may still copy into them
+    fenced_pages: dict                # fence.Reason value (writer_alive, restart_recovery, grace) → pages
+    fence_released_pages: dict        # fence.Release value (committed, left, reattached, died, grace) → pages
+    fence_oldest_seconds: float       # since the longest-fenced writer's pages were fenced (0: none)
+    fence_grace_seconds: float        # the fence_grace setting
+    writer_rows: int                  # rows in the writer table: writers attached or gone with pages fenced
     used_bytes: int
     entries_ready: int
     entries_writing: int

@@ -10,6 +10,9 @@ Byte layout of a region file (all integers little-endian)::
     ns_offset             namespace table NS_SLOTS records of NS_DTYPE (512 B each)
     entry_offset          entry table     entry_slots records of ENTRY_DTYPE (128 B each)
     chain_offset          chain table     num_pages uint32: next page of the same entry, or CHAIN_END
+    writer_offset         writer table    WRITER_SLOTS records of WRITER_DTYPE (128 B each)
+    fence_offset          fence table     num_pages uint32: the writer row that holds the page, or
+                                          FENCE_NONE
     data_offset           data area       num_pages pages of page_size bytes; data_offset is a
                                           multiple of DATA_ALIGN (2 MiB) so that pages line up with
                                           huge pages and with cudaHostRegister chunk boundaries
@@ -23,6 +26,13 @@ run r. There is one entry slot per page because every entry takes at least one p
 Entry ``state`` is written last when an entry becomes READY, and first when it is freed, so a
 reader of the table (a restarted daemon, ``kvtierctl check``) never takes a half-written record
 for a ready one: invariant 1 ("never serve a torn block") holds across crashes.
+
+The writer and fence tables hold the page fence across the daemon's restarts (invariant 9,
+``kvtierd.fence``): a row per writer session (a process that is handed pages to copy into),
+saying how a restarted daemon proves that process gone (pid, PID namespace, start time, boot) or
+recognises it when it re-attaches (session id and token); and per page the row of the writer
+that may still copy into it. A row is written (state last) before any page names it, and every
+page naming it is cleared before the row is freed.
 """
 
 from __future__ import annotations
@@ -38,11 +48,14 @@ from .namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, NamespaceId, Sharding
 from .protocol import MAX_KEY_BYTES
 
 MAGIC = b"KVTIERD\x00"
-FORMAT_VERSION = 1
+# 2: the writer and fence tables (the page fence across restarts) before the data area.
+FORMAT_VERSION = 2
 HEADER_BYTES = 4096
 NS_SLOTS = 1024
+WRITER_SLOTS = 4096           # writer sessions attached, plus writers gone whose pages are still fenced
 DATA_ALIGN = 2 * 1024 * 1024
 CHAIN_END = 0xFFFFFFFF
+FENCE_NONE = 0xFFFFFFFF       # the page is fenced by no writer
 MIN_PAGE_SIZE = 4096
 MAX_PAGES = CHAIN_END - 1  # page indices are uint32 and CHAIN_END is reserved
 
@@ -51,6 +64,12 @@ class EntryState(enum.IntEnum):
     FREE = 0
     WRITING = 1   # pages allocated, the writer's copy or some votes are outstanding
     READY = 2     # every rank voted after the copy completed: visible to lookup and load
+
+
+class WriterState(enum.IntEnum):
+    FREE = 0
+    ATTACHED = 1  # its session is live
+    DETACHED = 2  # its session ended; pages it was handed are still fenced
 
 
 HEADER_DTYPE = np.dtype([
@@ -71,6 +90,9 @@ HEADER_DTYPE = np.dtype([
     ("max_key_bytes", "<u4"),
     ("created_unix_ns", "<u8"),
     ("tick", "<u8"),            # the daemon's access clock when it last stopped
+    ("writer_offset", "<u8"),
+    ("writer_slots", "<u8"),
+    ("fence_offset", "<u8"),
 ])
 
 # One NamespaceId per record: a column per field of the identity (namespace_record).
@@ -101,9 +123,26 @@ ENTRY_DTYPE = np.dtype([
     ("_reserved", "V24"),
 ])
 
+# One writer session: how a restarted daemon proves its process gone, or knows it again.
+WRITER_DTYPE = np.dtype([
+    ("state", "u1"),            # WriterState, written last when a row is taken
+    ("_pad", "u1"),
+    ("rank", "<u2"),
+    ("pid", "<u4"),             # in the PID namespace ``pidns``; 0: the daemon could not see the process
+    ("pidns", "<u8"),           # inode of the daemon's PID namespace when it recorded ``pid``
+    ("start_ticks", "<u8"),     # /proc/<pid>/stat starttime: tells the writer from a later process with its pid
+    ("boot", "<u8"),            # 64 bits of the boot id: every writer of another boot is dead
+    ("token", "<u8"),           # the session's token: a hello naming (session, token) settles the row
+    ("session", "<u8"),
+    ("last_seen", "<f8"),       # CLOCK_MONOTONIC seconds of its last proof of life (the grace counts from it)
+    ("engine", "S64"),          # the engine id, cut to 64 bytes (diagnostics)
+    ("_reserved", "V8"),
+])
+
 assert HEADER_DTYPE.itemsize <= HEADER_BYTES
 assert NS_DTYPE.itemsize == 512, NS_DTYPE.itemsize
 assert ENTRY_DTYPE.itemsize == 128, ENTRY_DTYPE.itemsize
+assert WRITER_DTYPE.itemsize == 128, WRITER_DTYPE.itemsize
 
 _SHARDING_CODES = {Sharding.REPLICATED: 0, Sharding.SHARDED: 1}
 _SHARDING_OF_CODE = {v: k for k, v in _SHARDING_CODES.items()}
@@ -129,6 +168,8 @@ class Geometry:
     ns_offset: int
     entry_offset: int
     chain_offset: int
+    writer_offset: int
+    fence_offset: int
     data_offset: int
 
     @property
@@ -144,17 +185,20 @@ class Geometry:
         ns_offset = HEADER_BYTES
         entry_offset = ns_offset + NS_SLOTS * NS_DTYPE.itemsize
         chain_offset = entry_offset + num_pages * ENTRY_DTYPE.itemsize
-        data_offset = _round_up(chain_offset + num_pages * 4, DATA_ALIGN)
+        writer_offset = chain_offset + num_pages * 4
+        fence_offset = writer_offset + WRITER_SLOTS * WRITER_DTYPE.itemsize
+        data_offset = _round_up(fence_offset + num_pages * 4, DATA_ALIGN)
         return cls(data_offset + num_pages * page_size, page_size, num_pages,
-                   ns_offset, entry_offset, chain_offset, data_offset)
+                   ns_offset, entry_offset, chain_offset, writer_offset, fence_offset, data_offset)
 
     @classmethod
     def for_size(cls, size_bytes: int, page_size: int) -> "Geometry":
         """The largest geometry whose file is at most ``size_bytes``."""
         if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
             raise ValueError(f"page size {page_size} must be a power of two >= {MIN_PAGE_SIZE}")
-        per_page = page_size + ENTRY_DTYPE.itemsize + 4
-        fixed = HEADER_BYTES + NS_SLOTS * NS_DTYPE.itemsize + DATA_ALIGN  # worst-case padding
+        per_page = page_size + ENTRY_DTYPE.itemsize + 4 + 4       # page, entry record, chain and fence links
+        fixed = (HEADER_BYTES + NS_SLOTS * NS_DTYPE.itemsize + WRITER_SLOTS * WRITER_DTYPE.itemsize
+                 + DATA_ALIGN)                                       # worst-case padding
         num_pages = max(0, min((size_bytes - fixed) // per_page, MAX_PAGES))
         # That bound assumed the worst-case alignment padding; take the pages the real padding leaves
         # (at most DATA_ALIGN / page_size + 1 more).
@@ -171,8 +215,10 @@ class Geometry:
     def from_header(cls, header: np.void) -> "Geometry":
         geo = cls.for_pages(int(header["num_pages"]), int(header["page_size"]))
         recorded = (int(header["file_bytes"]), int(header["ns_offset"]), int(header["entry_offset"]),
-                    int(header["chain_offset"]), int(header["data_offset"]))
-        if recorded != (geo.file_bytes, geo.ns_offset, geo.entry_offset, geo.chain_offset, geo.data_offset):
+                    int(header["chain_offset"]), int(header["writer_offset"]), int(header["fence_offset"]),
+                    int(header["data_offset"]))
+        if recorded != (geo.file_bytes, geo.ns_offset, geo.entry_offset, geo.chain_offset, geo.writer_offset,
+                        geo.fence_offset, geo.data_offset):
             raise FormatError("header geometry is inconsistent (offsets do not match page count and size)")
         return geo
 
@@ -242,7 +288,9 @@ class RegionView:
         self.raw = raw
         self.namespaces = raw[geo.ns_offset:geo.entry_offset].view(NS_DTYPE)
         self.entries = raw[geo.entry_offset:geo.chain_offset].view(ENTRY_DTYPE)
-        self.chain = raw[geo.chain_offset:geo.chain_offset + 4 * geo.num_pages].view("<u4")
+        self.chain = raw[geo.chain_offset:geo.writer_offset].view("<u4")
+        self.writers = raw[geo.writer_offset:geo.fence_offset].view(WRITER_DTYPE)
+        self.fence = raw[geo.fence_offset:geo.fence_offset + 4 * geo.num_pages].view("<u4")
         self.data = raw[geo.data_offset:geo.file_bytes]
 
     def format(self, generation: int, created_unix_ns: int) -> None:
@@ -251,6 +299,8 @@ class RegionView:
         self.namespaces[:] = np.zeros((), NS_DTYPE)
         self.entries["state"] = EntryState.FREE
         self.chain[:] = CHAIN_END
+        self.writers[:] = np.zeros((), WRITER_DTYPE)
+        self.fence[:] = FENCE_NONE
         h = self.header
         h["magic"] = MAGIC
         h["version"] = FORMAT_VERSION
@@ -263,6 +313,9 @@ class RegionView:
         h["entry_offset"] = geo.entry_offset
         h["entry_slots"] = geo.entry_slots
         h["chain_offset"] = geo.chain_offset
+        h["writer_offset"] = geo.writer_offset
+        h["writer_slots"] = WRITER_SLOTS
+        h["fence_offset"] = geo.fence_offset
         h["data_offset"] = geo.data_offset
         h["generation"] = generation
         h["clean_shutdown"] = 0
@@ -305,7 +358,8 @@ def read_geometry(raw: np.ndarray) -> Geometry:
         raise FormatError("bad magic: not a kvtierd region file")
     if int(header["version"]) != FORMAT_VERSION:
         raise FormatError(f"region format version {int(header['version'])}; this kvtierd reads {FORMAT_VERSION}")
-    if int(header["max_key_bytes"]) != MAX_KEY_BYTES or int(header["ns_slots"]) != NS_SLOTS:
+    if (int(header["max_key_bytes"]) != MAX_KEY_BYTES or int(header["ns_slots"]) != NS_SLOTS
+            or int(header["writer_slots"]) != WRITER_SLOTS):
         raise FormatError("region was written with different table limits")
     try:
         return Geometry.from_header(header)

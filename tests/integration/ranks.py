@@ -16,6 +16,13 @@ Commands (``rank.call(name, **kwargs)``):
   job's bytes copied into its pages by hand, then the process blocks forever without voting:
   the test SIGKILLs it "mid-copy". After this command the process answers nothing more.
 - ``job_status``, ``raw`` (any protocol op on this rank's session, its reply or typed error).
+- ``fill_keys`` / ``verify_keys``: blocks whose bytes are derived from their keys
+  (``key_content``), so that a block holding another key's bytes (foreign) or a mix (torn)
+  cannot pass.
+- ``gate``: the next copy this rank submits waits until ``open_gate`` (a D2H copy queued behind
+  the model's compute): the store request is answered and the pages are handed out, the bytes
+  land later, through the client's own copier path (``open_gate(wait=True)``: they landed, no
+  vote yet).
 
 Errors come back as ``RankError`` whose ``type`` is the client's exception class name
 (``JobAborted``, ``ShuttingDown``, ``DaemonUnavailable``, ...).
@@ -25,7 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +54,37 @@ class CacheSpec:
         import math
         itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}[self.dtype]
         return self.layers * math.prod(self.row_shape) * itemsize
+
+
+def key_content(key: bytes, nbytes: int) -> bytes:
+    """The bytes of the block stored under ``key``: a pure function of the key."""
+    import numpy as np
+    seed = int.from_bytes(hashlib.sha256(b"content/" + key).digest()[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+class GatedCopier:
+    """Wraps a rank's copier: once armed, the next copy submitted waits until the gate opens."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.armed = False
+        self.gate = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gated-copy")
+
+    def submit(self, desc):
+        from kvtier.copy import CopyHandle, run_memmove
+        if not self.armed:
+            return self.inner.submit(desc)
+        self.armed = False
+        gate = self.gate
+        return CopyHandle(self._pool.submit(lambda: (gate.wait(), run_memmove(desc))[1]))
+
+    def close(self) -> None:
+        self.gate.set()
+        self._pool.shutdown(wait=True)
+        self.inner.close()
 
 
 def _worker(conn) -> None:  # runs in the child
@@ -77,7 +117,9 @@ def _worker(conn) -> None:  # runs in the child
         state["client"] = Client(socket, engine_id=engine, rank=rank, world_size=world_size,
                                  namespace=NamespaceId(**layout), timeout=timeout)
         state["client"].register_kv_caches(state["kv"])
-        return {"writer": state["client"].is_writer, "pid": os.getpid()}
+        info = state["client"].info
+        return {"writer": state["client"].is_writer, "pid": os.getpid(), "watched": info.watched,
+                "session": info.session, "token": info.token}
 
     def store(job, keys, block_ids):
         decision = state["client"].store(job, keys, block_ids)
@@ -142,6 +184,38 @@ def _worker(conn) -> None:  # runs in the child
         reply = dict(state["client"].channel.call(op, **fields))
         return {k: v for k, v in reply.items() if k not in ("pages",)}
 
+    def block_bytes(b):
+        return b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in state["kv"])
+
+    def fill_keys(keys, block_ids):
+        for key, b in zip(keys, block_ids):
+            data = key_content(key, len(block_bytes(b)))
+            at = 0
+            for t in state["kv"]:
+                flat = t[b].view(torch.uint8).view(-1)
+                flat.copy_(torch.frombuffer(bytearray(data[at:at + flat.numel()]), dtype=torch.uint8))
+                at += flat.numel()
+
+    def verify_keys(keys, block_ids):
+        """Per block: True when it holds exactly its key's bytes."""
+        return [block_bytes(b) == key_content(key, len(block_bytes(b))) for key, b in zip(keys, block_ids)]
+
+    def gate():
+        client = state["client"]
+        if not isinstance(client.copier, GatedCopier):
+            client.copier = GatedCopier(client.copier)
+        client.copier.gate.clear()
+        client.copier.armed = True
+
+    def open_gate(wait=False):
+        """Let the held copy run; ``wait``: until its bytes landed (it does not vote yet)."""
+        client = state["client"]
+        if isinstance(client.copier, GatedCopier):
+            client.copier.gate.set()
+        if wait:
+            for pending in list(client._pending.values()):
+                pending.handle.wait(60)
+
     commands = {
         "connect": connect, "store": store, "load": load, "close": close,
         "fill": lambda block_ids, seed: fill(block_ids, seed),
@@ -152,6 +226,7 @@ def _worker(conn) -> None:  # runs in the child
         "store_partial_then_hang": store_partial_then_hang,
         "job_status": lambda jobs: state["client"].job_status(jobs),
         "raw": lambda op, fields=None: raw(op, **(fields or {})),
+        "fill_keys": fill_keys, "verify_keys": verify_keys, "gate": gate, "open_gate": open_gate,
     }
     def park() -> None:
         while state.get("hang"):       # store_partial_then_hang: wait here to be killed

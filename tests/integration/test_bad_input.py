@@ -16,6 +16,9 @@ from .test_tp_roundtrip import connect, keys_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 NAMESPACE = {"model": "m", "dtype": "bfloat16", "block_tokens": 16, "block_bytes": 4096, "sharding": "replicated"}
+SPEC = CacheSpec(num_blocks=16)
+GOOD_NAMESPACE = {"model": "tiny-mla", "dtype": SPEC.dtype, "block_tokens": SPEC.row_shape[0],
+                  "block_bytes": SPEC.block_bytes(), "sharding": "replicated"}     # the good engine's (connect)
 
 
 def hello(**override):
@@ -73,14 +76,15 @@ AFTER_HELLO = [
     ("release unknown job", msgpack.packb({"op": "release", "rid": 28, "job": 424243}), 28, ErrorCode.UNKNOWN_JOB),
     ("abort unknown job", msgpack.packb({"op": "abort", "rid": 29, "job": 424244}), 29, ErrorCode.UNKNOWN_JOB),
     ("ok not a bool", msgpack.packb({"op": "commit", "rid": 30, "job": 1, "ok": 1}), 30, ErrorCode.BAD_REQUEST),
-    ("second rank 0", msgpack.packb(hello(rid=31)), 31, ErrorCode.LAYOUT_MISMATCH),
+    # Rank 0 of the good engine is another process's (the same process would take its own orphan over).
+    ("second rank 0", msgpack.packb(hello(rid=31, engine="good", world_size=2, namespace=GOOD_NAMESPACE)), 31,
+     ErrorCode.LAYOUT_MISMATCH),
 ]
 
 
 def test_each_bad_request_gets_its_typed_error_while_an_engine_is_served(daemon, ranks):
-    spec = CacheSpec(num_blocks=16)
     procs = ranks(2)
-    connect(procs, daemon, "good", spec, "replicated", seeds=[11, 11])
+    connect(procs, daemon, "good", SPEC, "replicated", seeds=[11, 11])
     src = procs[0].call("hashes", block_ids=list(range(16)))
     bad = Channel(daemon.socket, timeout=10)
     squatter = Channel(daemon.socket, timeout=10)

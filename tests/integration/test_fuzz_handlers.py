@@ -324,4 +324,6 @@ def test_random_and_mutated_frames_get_one_typed_reply_each(daemon, ranks):
     clobber([good], [4, 5, 6, 7])
     load_and_verify([good], 2, keys, [4, 5, 6, 7], source)
     good.call("close")
-    assert_settled(daemon)
+    # Sessions of this process the fuzz re-helloed or took over with a store in flight keep their
+    # pages fenced while this process lives (they might still copy): living writers.
+    assert_settled(daemon, living_writers=True)

@@ -45,7 +45,7 @@ def test_rank_with_different_keys_gets_conflict_and_job_aborts(daemon, ranks):
     stats = daemon.stats()
     assert stats["aborted_jobs"] == {"conflict": 1}
     assert stats["entries_ready"] == 0 and stats["entries_writing"] == 0
-    assert stats["pages_used"] == 0         # the writer had committed: nothing is quarantined
+    assert stats["pages_used"] == 0         # the writer had committed: nothing is fenced
     assert procs[0].call("lookup", keys=keys_a) == 0
     # The job id is burnt; rank 0 asking again learns that it was aborted.
     with pytest.raises(RankError) as err:

@@ -10,13 +10,14 @@ import time
 import pytest
 import torch
 
-import kvtier.api
 from kvtier import Client, DaemonUnavailable, NamespaceId, LayoutMismatch
 from kvtierd.contract.channel import Channel
 from kvtierd.contract import protocol as P
 from kvtierd.contract.region_format import RegionView
 from kvtierd.contract.mapping import Mapping
 
+from .ranks import CacheSpec
+from .test_faults import layout_of
 from .test_jobs import wait_for
 from .test_tp_roundtrip import keys_for
 
@@ -88,32 +89,30 @@ def test_daemon_gone_for_good_raises_daemon_unavailable(daemon):
         client.close()
 
 
-def test_hello_may_replace_its_own_lost_session_but_not_anothers(daemon):
-    first, _ = make_client(daemon)
-    namespace = first.namespace.to_wire()
-    hello = dict(version=P.PROTOCOL_VERSION, engine="restart", rank=0, world_size=1, namespace=namespace)
+def test_hello_may_replace_its_own_lost_session_but_not_anothers(daemon, ranks):
+    """Rank 0 is held by another process's session: a hello naming it with a wrong token proves
+    nothing; with its token it replaces it (a client's own re-attach after a lost reply)."""
+    (first,) = ranks(1)
+    spec = CacheSpec(num_blocks=4)
+    layout = layout_of(spec, "replicated")
+    info = first.call("connect", socket=daemon.socket, engine="restart", rank=0, world_size=1, spec=spec,
+                      layout=layout, seed=0)
+    hello = dict(version=P.PROTOCOL_VERSION, engine="restart", rank=0, world_size=1, namespace=layout)
     other = Channel(daemon.socket, timeout=5)
     try:
         with pytest.raises(LayoutMismatch):                   # rank 0 is taken...
-            other.call("hello", **hello, replaces=first.session, replaces_token=first.info.token ^ 1)
-        reply = other.call("hello", **hello, replaces=first.session, replaces_token=first.info.token)
-        assert reply["session"] != first.session              # ...unless the caller proves it was its own
+            other.call("hello", **hello, replaces=info["session"], replaces_token=info["token"] ^ 1)
+        reply = other.call("hello", **hello, replaces=info["session"], replaces_token=info["token"])
+        assert reply["session"] != info["session"]            # ...unless the caller proves it was its own
         assert daemon.stats()["sessions"] == 1
     finally:
         other.close()
-        first.close()
 
 
-def test_unwatched_session_lives_by_heartbeats_and_dies_without_them(start_daemon, monkeypatch):
-    daemon = start_daemon("--heartbeat-timeout", "1.0")
-    real_stat = os.stat
-
-    def no_pid_namespace(path, *args, **kwargs):   # as if the client ran in another PID namespace
-        if path == "/proc/self/ns/pid":
-            raise OSError("no pid namespace")
-        return real_stat(path, *args, **kwargs)
-
-    monkeypatch.setattr(kvtier.api.os, "stat", no_pid_namespace)
+def test_unwatched_session_lives_by_heartbeats_and_dies_without_them(start_daemon):
+    """The daemon in a PID namespace of its own sees no client's pid (as across pods): clients
+    prove themselves alive by heartbeats, whatever pid and PID namespace they claim."""
+    daemon = start_daemon("--heartbeat-timeout", "1.0", own_pid_namespace=True)
     client, _ = make_client(daemon)
     try:
         assert client.info.watched is False and client.info.heartbeat_interval == pytest.approx(1 / 3)
@@ -130,7 +129,7 @@ def test_unwatched_session_lives_by_heartbeats_and_dies_without_them(start_daemo
     silent = Channel(daemon.socket, timeout=5)
     try:
         silent.call("hello", version=P.PROTOCOL_VERSION, engine="silent", rank=None, world_size=1,
-                    namespace=client.namespace.to_wire(), pid=os.getpid(), pidns=1)
+                    namespace=client.namespace.to_wire(), pid=os.getpid(), pidns=os.stat("/proc/self/ns/pid").st_ino)
         assert daemon.stats()["sessions"] == 1
         wait_for(lambda: daemon.stats()["sessions"] == 0, what="heartbeat timeout")
         assert "sent nothing for" in daemon.log()

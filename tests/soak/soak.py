@@ -21,7 +21,7 @@ in lockstep); the run ends at the same round on every rank of an engine.
 
 Checks (exit 1 when any fails): 0 client errors (exceptions, jobs not ok), 0 torn reads (a
 loaded block whose hash is not its key's), 0 daemon error replies, 0 aborted jobs, no pins /
-WRITING entries / quarantined pages / open jobs / sessions once all clients closed, ``kvtierctl
+WRITING entries / fenced pages / open jobs / sessions once all clients closed, ``kvtierctl
 check`` ok, evictions > 0 (the pressure was real), loads verified > 0, a clean SIGTERM stop
 (exit 0), no traceback in the daemon log, and the daemon's RSS flat after warm-up (below).
 
@@ -367,7 +367,7 @@ def run(args) -> tuple[dict, list[str]]:
             "store_written_keys": stats["store_written_keys"], "store_no_space_keys": stats["store_no_space_keys"],
             "aborted_jobs": stats["aborted_jobs"],
             "leaked_pins": stats["entries_pinned"], "writing_left": stats["entries_writing"],
-            "quarantined_left": stats["pages_quarantined"], "open_jobs_left": stats["open_jobs"],
+            "fenced_left": stats["pages_fenced"], "open_jobs_left": stats["open_jobs"],
             "sessions_left": stats["sessions"],
             "entries_ready": stats["entries_ready"], "pages_total": stats["pages_total"],
             "rss_start_mib": mib(rss_start["VmRSS"]), "rss_warm_mib": mib(rss_warm["VmRSS"]),
@@ -394,7 +394,7 @@ def run(args) -> tuple[dict, list[str]]:
             failures.append(f"daemon error replies: {stats['errors']}")
         if stats["aborted_jobs"]:
             failures.append(f"aborted jobs: {stats['aborted_jobs']}")
-        for name in ("leaked_pins", "writing_left", "quarantined_left", "open_jobs_left", "sessions_left"):
+        for name in ("leaked_pins", "writing_left", "fenced_left", "open_jobs_left", "sessions_left"):
             if figures[name]:
                 failures.append(f"{name} = {figures[name]} after all clients closed")
         if not figures["check_ok"]:

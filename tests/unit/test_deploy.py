@@ -23,6 +23,7 @@ from kvtierd import config
 from kvtierd.contract import protocol as P
 from kvtierd.histogram import Histogram
 from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
+from kvtierd.fence import Reason, Release
 from kvtierd.policy import POLICIES, create
 from kvtierd.sessions import SessionEnd
 
@@ -77,7 +78,9 @@ def snapshot(pinned: str) -> P.StatsReply:
         region="/dev/shm/kvtierd/kvtierd.region", pinned=pinned, generation=0xABC, hugepages="thp",
         huge_page_size=2 << 20, huge_bytes=1 << 30,
         page_size=65536, capacity_bytes=1 << 30, used_bytes=1 << 29,
-        pages_total=16384, pages_free=8192, pages_used=8192, pages_quarantined=16,
+        pages_total=16384, pages_free=8192, pages_used=8192, pages_fenced=16,
+        fenced_pages={reason.value: 1 for reason in Reason}, fence_released_pages={c.value: 1 for c in Release},
+        fence_oldest_seconds=1.0, fence_grace_seconds=600.0, writer_rows=2,
         entries_ready=100, entries_writing=3, entries_pinned=7, evictable=93, namespaces=1,
         lookup_hit_keys=5, lookup_miss_keys=6, load_hit_keys=7, load_miss_keys=8,
         **{field: 1 for field in STORE_KEY_OUTCOMES.values()},

@@ -209,6 +209,19 @@ def test_wrong_namespace_fields(field, value):
     fails(req("hello", namespace=dict(NAMESPACE, **{field: value})), ErrorCode.BAD_REQUEST, field)
 
 
+@pytest.mark.parametrize("value", ["m\0", "\0m", "m\n", "m\t", "m\x7f", "m\x85"])
+@pytest.mark.parametrize("where", ["engine", "model", "dtype"])
+def test_control_characters_in_strings_are_refused(where, value):
+    """A restarted daemon reads names back from fixed-width fields that drop trailing NULs: "m\\0"
+    would become "m", another engine's namespace (issue 10 item 6)."""
+    msg = req("hello", engine=value) if where == "engine" else req("hello", namespace=dict(NAMESPACE, **{where: value}))
+    fails(msg, ErrorCode.BAD_REQUEST, where, "control character")
+
+
+def test_printable_strings_pass():
+    P.decode_request(P.encode(req("hello", engine="engine a/β-1", namespace=dict(NAMESPACE, model="org/m v2 (β)"))))
+
+
 @pytest.mark.parametrize("value", [1, 0, None, "true", 1.0, b"\x01"])
 def test_commit_ok_must_be_bool(value):
     fails(req("commit", ok=value), ErrorCode.BAD_REQUEST, "ok")

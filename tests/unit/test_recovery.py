@@ -32,6 +32,17 @@ def test_sound_region():
         assert (entry.key, entry.ns.slot) == (key, ns_slot) and chain.tolist() == pages(entry.pages)
         assert (found.owner[chain] == slot).all()
     assert found.pages_held == 4 + 2 * 2 and (found.owner[pages(na.index[b"w0"].pages)] == -1).all()
+    # w0's writer holds its page, uncommitted: the fence gives it to that writer's row.
+    writer = env.store.jobs.engines["a"].ranks[0].writer
+    assert found.fenced.tolist() == pages(na.index[b"w0"].pages) and found.fenced_rows.tolist() == [writer.row]
+    assert writer.row in found.writers.tolist() and found.stale_fence.tolist() == [] and found.pages_fenced == 1
+
+
+def test_a_fence_naming_no_row_in_use_is_stale():
+    env, na, nb = region()
+    env.view.fence[15] = 77                                              # row 77 is free
+    found = scan(env.view)
+    assert found.stale_fence.tolist() == [15] and 15 not in found.fenced.tolist()
 
 
 # What scan calls each damage of store_env.DAMAGES (the records it names are the lost keys').

@@ -245,6 +245,22 @@ def test_garbage_file_refused_then_recreated(rdir, content):
         r.close()
 
 
+def test_region_of_format_version_1_refused_with_the_recreate_hint(rdir):
+    """Version 1 had no writer and fence tables: adopting it would lose the fence. Refused, named."""
+    r = open_region(rdir)
+    path = r.paths.region
+    r.view.header["version"] = 1
+    r.close()
+    with pytest.raises(RegionError) as info:
+        open_region(rdir)
+    assert "version 1" in str(info.value) and "--recreate" in str(info.value) and path in str(info.value)
+    r2 = open_region(rdir, recreate=True)
+    try:
+        assert not r2.adopted and int(r2.view.header["version"]) == 2
+    finally:
+        r2.close()
+
+
 def test_truncated_region_refused_then_recreated(rdir):
     r = open_region(rdir)
     path = r.paths.region

@@ -88,6 +88,7 @@ def test_for_size_bad_page_size(page_size):
 def test_dtype_sizes():
     assert NS_DTYPE.itemsize == 512
     assert ENTRY_DTYPE.itemsize == 128
+    assert L.WRITER_DTYPE.itemsize == 128
     assert L.HEADER_DTYPE.itemsize <= HEADER_BYTES
 
 
@@ -118,6 +119,9 @@ def test_format_then_read_geometry(kind):
     assert (again.entries["state"] == EntryState.FREE).all()
     assert (again.chain == CHAIN_END).all()
     assert (again.namespaces["in_use"] == 0).all()
+    assert (again.writers["state"] == L.WriterState.FREE).all() and len(again.writers) == L.WRITER_SLOTS
+    assert (again.fence == L.FENCE_NONE).all() and len(again.fence) == geo.num_pages
+    assert geo.chain_offset < geo.writer_offset < geo.fence_offset < geo.data_offset
     assert len(again.entries) == geo.entry_slots
     assert len(again.namespaces) == NS_SLOTS
     assert len(again.data) == geo.num_pages * geo.page_size
@@ -147,8 +151,11 @@ def test_format_wipes_previous_tables():
     view.entries["state"][:5] = EntryState.READY
     view.chain[:5] = 1
     view.namespaces["in_use"][0] = 1
+    view.writers["state"][:2] = L.WriterState.DETACHED
+    view.fence[:5] = 1
     view.format(generation=2, created_unix_ns=3)
     assert (view.entries["state"] == EntryState.FREE).all()
+    assert (view.writers["state"] == L.WriterState.FREE).all() and (view.fence == L.FENCE_NONE).all()
     assert (view.chain == CHAIN_END).all()
     assert (view.namespaces["in_use"] == 0).all()
     assert int(view.header["generation"]) == 2
@@ -164,15 +171,16 @@ def test_bad_magic(magic):
         RegionView(buf)
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFFFFFF])
+@pytest.mark.parametrize("version", [0, 1, 3, 0xFFFFFFFF])
 def test_bad_version(version):
+    """Version 1 (no writer and fence tables) is refused like any other: Region names --recreate."""
     _, buf, _ = formatted()
     buf[8:12] = version.to_bytes(4, "little")
     with pytest.raises(FormatError, match="version"):
         RegionView(buf)
 
 
-@pytest.mark.parametrize("field,value", [("max_key_bytes", 32), ("ns_slots", 16)])
+@pytest.mark.parametrize("field,value", [("max_key_bytes", 32), ("ns_slots", 16), ("writer_slots", 16)])
 def test_different_table_limits(field, value):
     _, buf, view = formatted()
     view.header[field] = value
@@ -180,8 +188,8 @@ def test_different_table_limits(field, value):
         RegionView(buf)
 
 
-@pytest.mark.parametrize("field", ["file_bytes", "ns_offset", "entry_offset", "chain_offset", "data_offset",
-                                   "num_pages", "page_size"])
+@pytest.mark.parametrize("field", ["file_bytes", "ns_offset", "entry_offset", "chain_offset", "writer_offset",
+                                   "fence_offset", "data_offset", "num_pages", "page_size"])
 def test_inconsistent_geometry_in_header(field):
     _, buf, view = formatted()
     view.header[field] = int(view.header[field]) + 4096

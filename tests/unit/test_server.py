@@ -18,12 +18,14 @@ from kvtierd.contract import protocol as P
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.protocol import ErrorCode
 from kvtierd.region import Region
+from kvtierd.processes import own_pid_namespace
 from kvtierd.server import Server
-from kvtierd.sessions import own_pid_namespace
+from kvtierd.sessions import SessionEnd
 from kvtierd.store import Store
 
 NS = NamespaceId("server-model", "bfloat16", 16, 4096)
 KEYS = [bytes([i]) * 36 for i in range(4)]
+ME = (os.getuid(), os.getpid())     # what the socket's peer credentials say of this process
 
 
 class Dispatch:
@@ -33,22 +35,28 @@ class Dispatch:
         self.server = Server(self.store, self.region, heartbeat_timeout=6.0)
         self.rids = iter(range(1, 1 << 30))
 
-    def call(self, op: str, identity: bytes = b"rank-0", admin: bool = False, **fields) -> dict:
+    def call(self, op: str, identity: bytes = b"rank-0", admin: bool = False, peer: tuple | None = None,
+             **fields) -> dict:
+        """One request; ``peer``: the (uid, pid) its socket's peer credentials would give."""
         rid = next(self.rids)
         frame = P.encode({"op": op, "rid": rid, **fields})
-        reply = (self.server.handle_admin if admin else self.server.handle)(identity, frame)
+        reply = (self.server.handle_admin if admin else self.server.handle)(identity, frame, lambda: peer)
         assert reply["rid"] == rid
         P.encode(reply)                                      # every reply goes on the wire as it is
         return reply
 
-    def ok(self, op: str, identity: bytes = b"rank-0", admin: bool = False, **fields) -> dict:
-        reply = self.call(op, identity, admin, **fields)
+    def ok(self, op: str, identity: bytes = b"rank-0", admin: bool = False, peer: tuple | None = None,
+           **fields) -> dict:
+        reply = self.call(op, identity, admin, peer, **fields)
         assert reply["ok"], reply
         return reply
 
-    def hello(self, identity: bytes = b"rank-0", rank: int | None = 0, world_size: int = 1, **fields) -> dict:
-        return self.ok("hello", identity, version=P.PROTOCOL_VERSION, engine="e", rank=rank, world_size=world_size,
-                       namespace=NS.to_wire(), pid=os.getpid(), pidns=own_pid_namespace(), **fields)
+    def hello(self, identity: bytes = b"rank-0", rank: int | None = 0, world_size: int = 1, peer: tuple = ME,
+              **fields) -> dict:
+        """This process's hello (its peer credentials known): a session the daemon watches."""
+        return self.ok("hello", identity, peer=peer, version=P.PROTOCOL_VERSION, engine="e", rank=rank,
+                       world_size=world_size, namespace=NS.to_wire(), pid=os.getpid(), pidns=own_pid_namespace(),
+                       **fields)
 
     def close(self) -> None:
         self.server.close()
@@ -110,7 +118,7 @@ def test_hello_reply(d):
     assert (h.namespace, h.pages_per_shard, h.writers) == (NS.name(), 1, [0])
     assert h.watched and h.heartbeat_interval is None and h.job_timeout == 30.0 and h.checksums is False
     other = P.HelloReply.from_wire(d.ok("hello", b"far", version=P.PROTOCOL_VERSION, engine="f", rank=None,
-                                        world_size=1, namespace=NS.to_wire()))      # no pid namespace: heartbeats
+                                        world_size=1, namespace=NS.to_wire()))      # peer unknown: heartbeats
     assert not other.watched and other.heartbeat_interval == pytest.approx(2.0)
     assert other.session != h.session and other.token != h.token
 
@@ -219,3 +227,44 @@ def test_store_hints_reach_the_policy(d):
     for bad in ({"chain": 1}, {"cold_tail": -1}, {"cold_tail": P.MAX_KEYS_PER_REQUEST + 1}, {"cold_tail": True}):
         reply = d.call("store", job=3, keys=more, **bad)
         assert not reply["ok"] and reply["code"] == ErrorCode.BAD_REQUEST, (bad, reply)
+
+
+def test_the_peer_credentials_decide_who_is_watched_not_the_claims(d):
+    """A pid claimed in the daemon's PID namespace must be the socket peer's; a claim of another
+    namespace is no reason to trust or distrust anything: the peer's pid (0: not visible) decides."""
+    hello = dict(version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1, namespace=NS.to_wire())
+    lie = d.call("hello", peer=ME, pid=os.getpid() + 1, pidns=own_pid_namespace(), **hello)
+    assert lie["code"] == ErrorCode.BAD_REQUEST and "peer is pid" in lie["message"]
+    child_ns = P.HelloReply.from_wire(d.ok("hello", peer=ME, pid=7, pidns=12345, **hello))
+    assert child_ns.watched                                  # the daemon sees it: a pidfd, no heartbeats
+    unseen = P.HelloReply.from_wire(d.ok("hello", b"far", peer=(os.getuid(), 0), **dict(hello, engine="f"),
+                                         pid=os.getpid(), pidns=own_pid_namespace()))
+    assert not unseen.watched and unseen.heartbeat_interval == pytest.approx(2.0)
+
+
+def test_a_process_takes_over_its_own_orphaned_rank(d):
+    """A Client dropped without close(), or a hello whose reply came too late, leaves a session
+    only the process's death ended: the same live process attaching as that rank again now takes it
+    over (issue 10 item 5); another process still gets LAYOUT_MISMATCH."""
+    orphan = P.HelloReply.from_wire(d.hello(b"dropped-socket"))
+    d.ok("store", b"dropped-socket", job=1, keys=KEYS[:2])              # pages handed, never committed
+    other = d.call("hello", b"other-process", peer=(os.getuid(), os.getppid()), version=P.PROTOCOL_VERSION,
+                   engine="e", rank=0, world_size=1, namespace=NS.to_wire())
+    assert other["code"] == ErrorCode.LAYOUT_MISMATCH
+    again = P.HelloReply.from_wire(d.hello(b"new-socket"))
+    assert again.session != orphan.session and [s.id for s in d.store.sessions.values()] == [again.session]
+    stats = P.StatsReply.from_wire(d.ok("stats"))
+    assert stats.aborted_jobs == {"rank_taken_over": 1}
+    # The orphan's process lives (it is this one) and might still be copying: its pages stay fenced.
+    assert stats.pages_fenced == 2 and stats.fenced_pages["writer_alive"] == 2
+    assert d.ok("ping", b"dropped-socket")["attached"] is False
+
+
+def test_a_hello_naming_a_gone_session_releases_its_writers_pages(d):
+    first = P.HelloReply.from_wire(d.hello(b"a", peer=(os.getuid(), 0)))    # unwatchable
+    d.ok("store", b"a", job=1, keys=KEYS[:3])
+    d.server.sessions.end(d.store.sessions[first.session], SessionEnd.HEARTBEAT_LOST)
+    assert P.StatsReply.from_wire(d.ok("stats")).fenced_pages["grace"] == 3
+    d.hello(b"b", peer=(os.getuid(), 0), replaces=first.session, replaces_token=first.token)
+    stats = P.StatsReply.from_wire(d.ok("stats"))
+    assert stats.pages_fenced == 0 and stats.fence_released_pages["reattached"] == 3

@@ -1,7 +1,8 @@
 """kvtierd.sessions.SessionRegistry: identities, tokens, pidfd and heartbeat liveness, ending.
 
 No sockets: the registry is driven directly, over a real store (``store_env``) whose ``detach``
-it calls, and real processes for the pidfds.
+it calls, and real processes for the pidfds. A session's process is what the kernel would say of
+the socket's peer (``Process``): a pid the daemon sees is watched, pid 0 owes heartbeats.
 """
 
 from __future__ import annotations
@@ -9,16 +10,14 @@ from __future__ import annotations
 import os
 import select
 import subprocess
-import time
 
 import pytest
 
 from kvtierd.contract.protocol import ErrorCode
-from kvtierd.sessions import SessionEnd, SessionRegistry, own_pid_namespace
+from kvtierd.processes import Process, start_ticks
+from kvtierd.sessions import SessionEnd, SessionRegistry
 
 from .store_env import Env, err, lay
-
-OTHER_PIDNS = 1          # not the daemon's: the session must send heartbeats
 
 
 class Registry:
@@ -29,17 +28,19 @@ class Registry:
         self.ended: list[tuple[int, SessionEnd]] = []
         self.watching: set[int] = set()
 
-        def end(session, cause):
+        def end(session, cause, last_seen):
             self.ended.append((session.id, cause))
-            self.env.store.detach(session, cause)
+            self.env.store.detach(session, cause, last_seen)
 
-        self.reg = SessionRegistry(end, heartbeat_timeout, watch=self.watching.add, unwatch=self.watching.remove)
+        self.reg = SessionRegistry(end, heartbeat_timeout, watch=self.watching.add, unwatch=self.watching.remove,
+                                   clock=self.env.clock, fence=self.env.store.fence)
 
-    def attach(self, identity: bytes, rank: int = 0, world_size: int = 2, pid: int | None = None,
-               pidns: int | None = OTHER_PIDNS):
-        session = self.env.store.attach("e", rank, world_size, lay("replicated", world_size), pid)
-        watched, token = self.reg.register(identity, session, pid, pidns)
-        return session, watched, token
+    def attach(self, identity: bytes, rank: int = 0, world_size: int = 2, pid: int = 0):
+        """A session whose socket peer is ``pid`` (0: a process the daemon cannot see)."""
+        process = Process(pid, start_ticks(pid) or 0) if pid else Process()
+        session = self.env.store.attach("e", rank, world_size, lay("replicated", world_size), process)
+        watched = self.reg.register(identity, session)
+        return session, watched, session.token
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def r():
 
 
 def test_identity_token_and_heartbeat(r):
-    s, watched, token = r.attach(b"id-0", pid=os.getpid())
+    s, watched, token = r.attach(b"id-0")
     assert not watched and 0 <= token < (1 << 62)
     assert r.reg.session_of(b"id-0") is s and r.reg.session_of(b"other") is None
     assert r.reg.proven(s.id, token) is s
@@ -64,31 +65,47 @@ def test_identity_token_and_heartbeat(r):
 
 def test_requests_and_heartbeats_keep_a_session_alive(r):
     s, _, token = r.attach(b"id-0")
-    r.reg.heartbeats[s.id] = time.monotonic() - 10.0
+    clock = r.env.clock
+    r.reg.heartbeats[s.id] = clock() - 10.0
     r.reg.session_of(b"id-0")                                # any request proves it alive
-    assert time.monotonic() - r.reg.heartbeats[s.id] < 5.0
-    r.reg.heartbeats[s.id] = time.monotonic() - 10.0
+    assert r.reg.heartbeats[s.id] == clock()
+    r.reg.heartbeats[s.id] = clock() - 10.0
     assert r.reg.heartbeat(s.id, token)
-    assert time.monotonic() - r.reg.heartbeats[s.id] < 5.0
+    assert r.reg.heartbeats[s.id] == clock()
 
 
 def test_sweep_ends_silent_sessions_only(r):
     quiet, _, _ = r.attach(b"quiet", rank=0)
     busy, _, _ = r.attach(b"busy", rank=1)
     r.env.store.store(quiet, 1, [b"k"])                      # rank 0 writes, rank 1 never votes
-    now = time.monotonic()
-    r.reg.heartbeats[quiet.id] = now - r.reg.heartbeat_timeout - 1
+    now = r.env.clock()
+    lost_at = now - r.reg.heartbeat_timeout - 1
+    r.reg.heartbeats[quiet.id] = lost_at
     r.reg.sweep(now)
     assert r.ended == [(quiet.id, SessionEnd.HEARTBEAT_LOST)]
     assert r.reg.session_of(b"quiet") is None and r.reg.session_of(b"busy") is busy
     assert r.env.store.jobs.aborted["rank_heartbeat_lost"] == 1
     assert quiet.id not in r.reg.heartbeats and len(r.reg) == 1
+    # Its rights ended, not its writer's fence: the page it may still copy into waits for the
+    # grace period, counted from when it was last heard of.
+    stats = r.env.stats()
+    assert stats["entries_writing"] == 0 and stats["fenced_pages"]["grace"] == 1
+    assert float(r.env.view.writers["last_seen"][quiet.writer.row]) == lost_at
+
+
+def test_sweep_persists_the_writers_last_proof_of_life(r):
+    writer, _, _ = r.attach(b"w", rank=0)
+    r.attach(b"n", rank=1)
+    heard = r.env.clock() - 3.0
+    r.reg.heartbeats[writer.id] = heard
+    r.reg.sweep(r.env.clock())
+    assert float(r.env.view.writers["last_seen"][writer.writer.row]) == heard
 
 
 def test_same_pid_namespace_is_watched_through_a_pidfd(r):
     child = subprocess.Popen(["sleep", "60"])
     try:
-        s, watched, _ = r.attach(b"child", pid=child.pid, pidns=own_pid_namespace())
+        s, watched, _ = r.attach(b"child", pid=child.pid)
         assert watched and r.reg.watched(s) and s.id not in r.reg.heartbeats
         (fd,) = r.reg.pidfds
         assert r.watching == {fd} and r.reg.pidfds[fd] is s
@@ -110,7 +127,7 @@ def test_a_pid_gone_at_hello_ends_the_session_at_once(r):
     done = subprocess.Popen(["true"])
     done.wait(10)                                            # reaped: its pid names nothing now
     with err(ErrorCode.BAD_REQUEST) as info:
-        r.attach(b"late", pid=done.pid, pidns=own_pid_namespace())
+        r.attach(b"late", pid=done.pid)
     assert "does not exist" in info.value.message
     assert [cause for _, cause in r.ended] == [SessionEnd.DEAD_AT_HELLO]
     assert r.reg.session_of(b"late") is None and len(r.reg) == 0 and r.env.store.sessions == {}

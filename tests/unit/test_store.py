@@ -30,7 +30,7 @@ def test_dead_rank_aborts_unvoted_jobs_and_drops_pins(env):
     st_.detach(sess[1], SessionEnd.DIED)
     stats = env.stats()
     assert stats["entries_pinned"] == 0 and stats["entries_writing"] == 0 and stats["open_jobs"] == 0
-    assert stats["pages_quarantined"] == 1          # rank 0 is alive and holds b's pages
+    assert stats["pages_fenced"] == 1          # rank 0 is alive and holds b's pages
     assert st_.jobs.aborted["rank_died"] == 2
     with err(ErrorCode.ABORTED):
         st_.commit(sess[0], 3, True)
@@ -62,7 +62,7 @@ def test_engine_removed_when_last_session_leaves(env):
     st_.detach(sess[1])
     assert "e" in st_.jobs.engines and env.stats()["open_jobs"] == 1
     st_.detach(sess[0])                              # writer gone before its vote: abort, free
-    assert env.stats()["open_jobs"] == 0 and env.stats()["pages_quarantined"] == 0
+    assert env.stats()["open_jobs"] == 0 and env.stats()["pages_fenced"] == 0
     assert "e" in st_.jobs.engines                        # the coordinator is still there
     st_.detach(coord)
     assert "e" not in st_.jobs.engines and st_.sessions == {}
@@ -74,16 +74,16 @@ def test_engine_removed_when_last_session_leaves(env):
     st_.verify()
 
 
-def test_engine_leaving_frees_quarantine_at_once(env):
+def test_the_last_writers_bye_releases_its_fenced_pages(env):
     sess = env.engine("e", 2)
     st_ = env.store
     st_.store(sess[0], 1, [b"a"])
     st_.abort(sess[1], 1)
-    assert env.stats()["pages_quarantined"] == 1
+    assert env.stats()["pages_fenced"] == 1
     st_.detach(sess[1])
-    assert env.stats()["pages_quarantined"] == 1
+    assert env.stats()["pages_fenced"] == 1
     st_.detach(sess[0])
-    assert env.stats()["pages_quarantined"] == 0 and env.stats()["pages_used"] == 0
+    assert env.stats()["pages_fenced"] == 0 and env.stats()["pages_used"] == 0
     st_.verify()
 
 
@@ -329,8 +329,8 @@ class StoreMachine(RuleBasedStateMachine):
             len(ns.index) for ns in self.store.index.namespaces.values())
         assert stats["entries_pinned"] == sum(
             1 for ns in self.store.index.namespaces.values() for e in ns.index.values() if e.pins)
-        if stats["pages_quarantined"]:
-            event("pages quarantined")
+        if stats["pages_fenced"]:
+            event("pages fenced")
         if stats["evictions"]:
             event("evictions")
 
