@@ -6,11 +6,12 @@
 - ``name``: ``--served-model-name``, else the model path (or ``kvtier_namespace``);
 - the page byte order of the host layout (pages.ORDERS) and, with pipeline parallelism, the stage
   (stages hold different layers);
-- ``fingerprint`` (kvtier.integrations.fingerprint): model path, revision, a digest of the
-  checkpoint's configs and sampled weight files, weight dtype, quantization (and its KV scales
-  file), load format, model overrides, KV-cache dtype, page size, layout. With
+- ``fingerprint`` (kvtier.integrations.fingerprint): model path, revision, the weights digest
+  (``fingerprint.local_weights_digest``: safetensors headers and samples of every tensor, the
+  checkpoint's config, index and quantization files), weight dtype, quantization (and its KV
+  scales file), load format, model overrides, KV-cache dtype, page size, page order. With
   ``kvtier_namespace`` set, the operator vouches for the weights: the fingerprint keeps only the
-  KV format (KV dtype, page size, layout), so engines serving the same weights from different
+  KV format (KV dtype, page size, page order), so engines serving the same weights from different
   paths share.
 
 ``sharding``: *replicated* for rank-replicated KV (MLA, where SGLang's ``is_mla_model`` is set),
@@ -42,7 +43,7 @@ from typing import Any
 from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, NamespaceId, Sharding
 from kvtierd.contract.protocol import MAX_STR_BYTES
 
-from ..fingerprint import fingerprint, weights_digest
+from ..fingerprint import fingerprint, local_weights_digest
 from .pages import HostPages
 from .settings import KvtierSettings
 
@@ -102,10 +103,10 @@ def fingerprint_parts(args: dict, pages: HostPages, settings: KvtierSettings) ->
     if settings.namespace is not None:
         return parts
     model_path, revision = args.get("model_path"), args.get("revision")
-    digest = weights_digest(model_path, revision) if model_path else None
+    digest = local_weights_digest(model_path, revision) if model_path else None
     if digest is None:
-        logger.warning("kvtier: no local copy of %r found to fingerprint its weights; the namespace keys on "
-                       "its path and revision only", model_path)
+        logger.warning("kvtier: no weight file of %r found on this node to fingerprint its weights; the namespace "
+                       "keys on its path and revision only", model_path)
     parts.update({name: args.get(name) for name in MODEL_FIELDS}, weights=digest,
                  kv_scales=_file_digest(args.get("quantization_param_path")))
     return parts

@@ -19,7 +19,8 @@ vLLM. The rest is split the way vLLM splits its own offloading code (vllm/v1/kv_
 
 - ``settings``: the ``kvtier_*`` settings, and how vLLM's keys, namespaces and engine ids map
   onto kvtierd's;
-- ``identity``: the model fingerprint in the namespace (what the KV bytes depend on);
+- ``identity``: vLLM's config mapped onto the model fingerprint in the namespace (what the KV
+  bytes depend on; the digest is ``kvtier.integrations.fingerprint``);
 - ``spec``: ``KvtierOffloadingSpec``, which builds the two sides;
 - ``manager``: the scheduler side, ``KvtierOffloadingManager``, a kvtierd *coordinator* session,
   whose I/O runs on a ``link`` thread;
