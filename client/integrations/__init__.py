@@ -9,4 +9,6 @@ Each adapter lives in its own module or package and imports its engine only when
   SGLang's ``dynamic`` storage backend (see docs/sglang.md).
 - ``kvtier.integrations.fingerprint``: the model fingerprint in the namespace (cache identity),
   engine-agnostic: both adapters map their engine's config onto it.
+- ``kvtier.integrations.common``: what else the adapters share (the engine version gate, the
+  ``kvtier_*`` settings reader, protocol-sized names).
 """

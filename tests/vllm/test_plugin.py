@@ -90,7 +90,7 @@ def test_settings_are_checked():
                          ({"kvtier_retry_s": "soon"}, "kvtier_retry_s must be a number"),
                          ({"kvtier_lookup_wait_ms": -1}, "kvtier_lookup_wait_ms must be >= 0"),
                          ({"kvtier_copier": "dma"}, "kvtier_copier must be one of auto, cpu, cuda, torch"),
-                         ({"kvtier_namespace": 7}, "kvtier_namespace must be a string")]:
+                         ({"kvtier_namespace": 7}, "kvtier_namespace must be a non-empty string")]:
         with pytest.raises(ValueError, match=match):
             KvtierSettings.from_extra_config(extra)
 

@@ -43,6 +43,7 @@ from typing import Any
 from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, NamespaceId, Sharding
 from kvtierd.contract.protocol import MAX_STR_BYTES
 
+from ..common import shorten
 from ..fingerprint import fingerprint, local_weights_digest
 from .pages import HostPages
 from .settings import KvtierSettings
@@ -57,14 +58,6 @@ class Identity:
     rank: int
     world_size: int
     fingerprint_parts: dict
-
-
-def _short(text: str, limit: int) -> str:
-    """``text`` if it fits, else a prefix plus a hash of the whole (stays unique)."""
-    if len(text.encode()) <= limit:
-        return text
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return text.encode()[: limit - 17].decode(errors="ignore") + "~" + digest
 
 
 def _file_digest(path: str | None) -> str | None:
@@ -135,8 +128,8 @@ def identify(config, pages: HostPages, settings: KvtierSettings, args: dict | No
     tag = f"sglang-{pages.kind}-{pages.order}"
     if config.pp_size > 1:
         tag += f"-pp{config.pp_rank}of{config.pp_size}"
-    model = f"{_short(name, 160)}|{tag}|{fingerprint(parts)}"
-    namespace = NamespaceId(model=_short(model, MAX_MODEL_BYTES), dtype=_short(pages.dtype, MAX_DTYPE_BYTES),
+    model = f"{shorten(name, 160)}|{tag}|{fingerprint(parts)}"
+    namespace = NamespaceId(model=shorten(model, MAX_MODEL_BYTES), dtype=shorten(pages.dtype, MAX_DTYPE_BYTES),
                             block_tokens=pages.page_size, block_bytes=pages.page_bytes,
                             sharding=Sharding.REPLICATED if replicated else Sharding.SHARDED)
     engine = settings.engine_id or f"sglang-{os.getppid()}"
@@ -149,4 +142,4 @@ def identify(config, pages: HostPages, settings: KvtierSettings, args: dict | No
         rank, world = 0, 1
     else:
         rank, world = config.tp_rank, config.tp_size
-    return Identity(namespace, _short(engine, MAX_STR_BYTES), rank, world, parts)
+    return Identity(namespace, shorten(engine, MAX_STR_BYTES), rank, world, parts)

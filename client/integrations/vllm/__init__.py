@@ -50,9 +50,10 @@ restart fail (a store is then simply not cached; a load is reported failed).
 from __future__ import annotations
 
 import logging
-import os
 
 import vllm
+
+from ..common import check_engine_version
 
 SUPPORTED_VLLM_SERIES = ("0.33",)      # vLLM's offloading plugin API is experimental: pinned per minor
 TESTED_VLLM_VERSIONS = ("0.33.0",)
@@ -75,16 +76,11 @@ def check_vllm_version(version: str | None = None) -> str:
         series = f"{parsed.major}.{parsed.minor}"
     except InvalidVersion:
         series = None
-    if series in SUPPORTED_VLLM_SERIES:
-        return version
-    message = (f"kvtier's vLLM plugin supports vLLM {', '.join(s + '.x' for s in SUPPORTED_VLLM_SERIES)} "
-               f"(tested with {', '.join(TESTED_VLLM_VERSIONS)}); this process has vLLM {version}. Install a "
-               f"supported vLLM (pip install 'vllm=={TESTED_VLLM_VERSIONS[-1]}') or a kvtierd release that "
-               f"supports vLLM {version}; {ALLOW_UNSUPPORTED_ENV}=1 tries anyway.")
-    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
-        logging.getLogger("vllm.kvtier").warning("%s (%s=1: continuing)", message, ALLOW_UNSUPPORTED_ENV)
-        return version
-    raise UnsupportedVllmVersion(message)
+    versions = f"{', '.join(s + '.x' for s in SUPPORTED_VLLM_SERIES)} (tested with {', '.join(TESTED_VLLM_VERSIONS)})"
+    return check_engine_version(
+        version, series in SUPPORTED_VLLM_SERIES, adapter="vLLM plugin", engine="vLLM", versions=versions,
+        pin=f"vllm=={TESTED_VLLM_VERSIONS[-1]}", allow_env=ALLOW_UNSUPPORTED_ENV, error=UnsupportedVllmVersion,
+        logger=logging.getLogger("vllm.kvtier"))
 
 
 check_vllm_version()

@@ -27,10 +27,10 @@ from typing import Any, Iterable, Mapping
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtierd.contract import protocol as P
-from kvtierd.contract.namespace import NamespaceId
-from kvtierd.contract.paths import default_socket
+from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, NamespaceId
 
 from ...select import COPIERS
+from ..common import read_settings, shorten
 from .identity import ModelIdentity
 
 
@@ -56,23 +56,7 @@ class KvtierSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "KvtierSettings":
         """Read and check the settings; a ``kvtier_*`` key that is not a setting is an error."""
-        unknown = sorted(k for k in extra if k.startswith("kvtier_") and k not in cls.KEYS)
-        if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config settings {unknown}; "
-                             f"kvtier's settings are {sorted(cls.KEYS)}")
-        values: dict[str, Any] = {attr: extra[key] for key, attr in cls.KEYS.items() if extra.get(key) is not None}
-        values.setdefault("socket", default_socket())
-        for name, (unit, zero_ok) in cls.NUMBERS.items():
-            if name in values:
-                try:
-                    values[name] = float(values[name])
-                except (TypeError, ValueError):
-                    raise ValueError(f"kvtier_{name} must be a number of {unit}, got {values[name]!r}") from None
-                if not (values[name] >= 0 if zero_ok else values[name] > 0):
-                    raise ValueError(f"kvtier_{name} must be {'>=' if zero_ok else '>'} 0, got {values[name]:g}")
-        for name in ("socket", "namespace", "layout", "copier", "engine_id"):
-            if name in values and not isinstance(values[name], str):
-                raise ValueError(f"kvtier_{name} must be a string, got {values[name]!r}")
+        values = read_settings(extra, cls.KEYS, cls.NUMBERS, where="kv_connector_extra_config")
         if values.get("layout", "auto") not in ("auto", "sharded"):
             raise ValueError(f"kvtier_layout must be 'auto' or 'sharded', got {values['layout']!r}")
         if values.get("copier", "auto") not in COPIERS:
@@ -100,14 +84,6 @@ def kvtier_keys(keys: Iterable[bytes]) -> list[bytes]:
     if keys and max(map(len, keys)) > P.MAX_KEY_BYTES:
         return [kvtier_key(k) for k in keys]
     return keys
-
-
-def _short(text: str, limit: int = P.MAX_STR_BYTES) -> str:
-    """``text`` if it fits a protocol string, else a prefix plus a hash of the whole (stays unique)."""
-    if len(text.encode()) <= limit:
-        return text
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return text.encode()[: limit - 17].decode(errors="ignore") + "~" + digest
 
 
 def namespace_layout(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None) -> NamespaceId:
@@ -140,11 +116,11 @@ def namespace_layout(config: OffloadingConfig, settings: KvtierSettings, model: 
         name = settings.namespace
     else:
         name, tail = model.name, f"@{model.fingerprint}{tail}"
-    return NamespaceId(model=_short(name, P.MAX_STR_BYTES - len(tail.encode())) + tail,
-                       dtype=_short(config.model.dtype, 32), block_tokens=tokens.pop(),
+    return NamespaceId(model=shorten(name, MAX_MODEL_BYTES - len(tail.encode())) + tail,
+                       dtype=shorten(config.model.dtype, MAX_DTYPE_BYTES), block_tokens=tokens.pop(),
                        block_bytes=config.worker_kv_bytes_per_block, sharding=kind)
 
 
 def kvtier_engine_id(config: OffloadingConfig, settings: KvtierSettings) -> str:
     """The engine id kvtierd sees for this vLLM engine: ``kvtier_engine_id``, else vllm-<engine_id>."""
-    return settings.engine_id or _short(f"vllm-{config.engine_id}")
+    return settings.engine_id or shorten(f"vllm-{config.engine_id}", P.MAX_STR_BYTES)
