@@ -32,11 +32,11 @@ vLLM. The rest is split the way vLLM splits its own offloading code (vllm/v1/kv_
 All sessions of one vLLM engine (one per DP rank) form one kvtier engine, with world size =
 vLLM's world size.
 
-**Replicated (MLA) layout.** ``KvtierOffloadingSpec.replicated_layout`` stays False on purpose,
-even when the kvtier namespace is replicated: when True, vLLM's worker acknowledges non-writer
-ranks' stores without calling ``submit_store``, but kvtierd needs those ranks' votes (a block is
-ready only when every rank of the job voted), so every rank must see every store. The
-deduplication happens in kvtierd instead (only rank 0 copies).
+**Replicated (MLA) namespaces.** ``KvtierOffloadingSpec.replicated_layout`` (vLLM's flag) stays
+False on purpose, even when the kvtier namespace is replicated: when True, vLLM's worker
+acknowledges non-writer ranks' stores without calling ``submit_store``, but kvtierd needs those
+ranks' votes (a block is ready only when every rank of the job voted), so every rank must see
+every store. The deduplication happens in kvtierd instead (only rank 0 copies).
 
 Supported: one KV-cache group, or several groups that use the same per-block byte ranges (vLLM's
 hybrid allocator), ``blocks_per_chunk`` = 1, TP (and DCP/PCP, sharded) within one node. Not

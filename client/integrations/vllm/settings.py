@@ -6,14 +6,15 @@
 - **Keys.** vLLM's ``OffloadKey`` (block hash ‖ 4-byte group index, 36 bytes with sha256) is the
   kvtier key as is; a key longer than kvtierd's limit is shortened to sha256(hash) ‖ group index
   (``kvtier_key``).
-- **Namespaces.** (model, KV dtype, tokens per block, bytes per block per rank, layout kind). The
-  model part is ``<model name>@<fingerprint>`` (``identity``: what determines the KV bytes,
-  weights included) with vLLM's KV-cache memory layout appended; ``kvtier_namespace`` replaces
-  name and fingerprint (for people who know their weights are identical). The namespace is
-  *replicated* exactly when vLLM's own gate says so (``OffloadingConfig.replicated_layout``: pure
-  MLA, TP > 1, no PP/PCP/DCP, single-node ``mp`` executor), else *sharded*; a replicated one keeps
-  one copy, which only rank 0 writes. ``namespace_layout`` refuses, at start-up and naming the
-  setting, the configurations the plugin does not support (the package docstring lists them).
+- **Namespaces.** ``namespace_id`` builds the engine's ``NamespaceId`` (model, KV dtype, tokens
+  per block, bytes per block per rank, sharding). The model part is ``<model name>@<fingerprint>``
+  (``identity``: what determines the KV bytes, weights included) with vLLM's KV-cache memory
+  layout appended; ``kvtier_namespace`` replaces name and fingerprint (for people who know their
+  weights are identical). The namespace is *replicated* exactly when vLLM's own gate says so
+  (``OffloadingConfig.replicated_layout``: pure MLA, TP > 1, no PP/PCP/DCP, single-node ``mp``
+  executor) and ``kvtier_sharding`` is ``auto``, else *sharded*; a replicated one keeps one copy,
+  which only rank 0 writes. ``namespace_id`` refuses, at start-up and naming the setting, the
+  configurations the plugin does not support (the package docstring lists them).
 - **Engine ids.** All sessions of one vLLM engine attach as one kvtier engine: ``vllm-<engine_id>``
   (one per DP rank), or the id the ``kvtier_engine_id`` setting names.
 """
@@ -27,7 +28,7 @@ from typing import Any, Iterable, Mapping
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtierd.contract import protocol as P
-from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, NamespaceId
+from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, NamespaceId, Sharding
 
 from ...select import COPIERS
 from ..common import read_settings, shorten
@@ -40,14 +41,14 @@ class KvtierSettings:
 
     socket: str                      # kvtierd's IPC socket
     namespace: str | None = None     # overrides the model part of the namespace
-    layout: str = "auto"             # auto: vLLM's replicated gate decides; sharded: never replicated
+    sharding: str = "auto"           # auto: vLLM's replicated gate decides; sharded: never replicated
     timeout_s: float = 5.0           # bound on one request to kvtierd
     retry_s: float = 10.0            # after kvtierd was unreachable, wait this long before reconnecting
     lookup_wait_ms: float = 10.0     # longest the scheduler waits for a batched lookup's answer
     copier: str = "auto"             # how the workers copy (kvtier.select.COPIERS: auto, cpu, cuda, torch)
     engine_id: str | None = None     # kvtier engine id; default vllm-<vLLM engine_id>
 
-    KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_layout": "layout",
+    KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_sharding": "sharding",
             "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_copier": "copier",
             "kvtier_engine_id": "engine_id", "kvtier_lookup_wait_ms": "lookup_wait_ms"}
     NUMBERS = {"timeout_s": ("seconds", False), "retry_s": ("seconds", False),   # (unit, may be 0)
@@ -57,8 +58,8 @@ class KvtierSettings:
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "KvtierSettings":
         """Read and check the settings; a ``kvtier_*`` key that is not a setting is an error."""
         values = read_settings(extra, cls.KEYS, cls.NUMBERS, where="kv_connector_extra_config")
-        if values.get("layout", "auto") not in ("auto", "sharded"):
-            raise ValueError(f"kvtier_layout must be 'auto' or 'sharded', got {values['layout']!r}")
+        if values.get("sharding", "auto") not in ("auto", "sharded"):
+            raise ValueError(f"kvtier_sharding must be 'auto' or 'sharded', got {values['sharding']!r}")
         if values.get("copier", "auto") not in COPIERS:
             raise ValueError(f"kvtier_copier must be one of {', '.join(COPIERS)}, got {values['copier']!r}")
         return cls(**values)
@@ -86,7 +87,7 @@ def kvtier_keys(keys: Iterable[bytes]) -> list[bytes]:
     return keys
 
 
-def namespace_layout(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None) -> NamespaceId:
+def namespace_id(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None) -> NamespaceId:
     """The kvtier namespace of an engine, from vLLM's offloading config and the model's identity.
 
     The model part is ``<name>@<fingerprint>|<vLLM KV-cache layout>``, or ``kvtier_namespace`` in
@@ -110,7 +111,7 @@ def namespace_layout(config: OffloadingConfig, settings: KvtierSettings, model: 
     tokens = {g.tokens_per_block for g in config.groups}
     if len(tokens) != 1:
         raise ValueError(f"KV-cache groups with different block sizes {sorted(tokens)} are not supported")
-    kind = "replicated" if config.replicated_layout and settings.layout == "auto" else "sharded"
+    replicated = config.replicated_layout and settings.sharding == "auto"
     tail = f"|{config.kv_cache_layout}" if config.kv_cache_layout else ""
     if settings.namespace:
         name = settings.namespace
@@ -118,7 +119,8 @@ def namespace_layout(config: OffloadingConfig, settings: KvtierSettings, model: 
         name, tail = model.name, f"@{model.fingerprint}{tail}"
     return NamespaceId(model=shorten(name, MAX_MODEL_BYTES - len(tail.encode())) + tail,
                        dtype=shorten(config.model.dtype, MAX_DTYPE_BYTES), block_tokens=tokens.pop(),
-                       block_bytes=config.worker_kv_bytes_per_block, sharding=kind)
+                       block_bytes=config.worker_kv_bytes_per_block,
+                       sharding=Sharding.REPLICATED if replicated else Sharding.SHARDED)
 
 
 def kvtier_engine_id(config: OffloadingConfig, settings: KvtierSettings) -> str:
