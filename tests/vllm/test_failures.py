@@ -63,7 +63,7 @@ def fill_region(daemon, block_bytes: int) -> None:
 def test_blocks_gone_before_the_load_are_recomputed(start_daemon, window):
     daemon = start_daemon(page_size="4KiB", size="8MiB")
     with running(EngineRecipe("tiny-llama", 1, daemon.socket, "race")) as (engine, ranks):
-        block_bytes = engine.manager.layout.block_bytes
+        block_bytes = engine.manager.namespace.block_bytes
         action = ((lambda: fill_region(daemon, block_bytes)) if window.startswith("another")
                   else (lambda: kvtierctl(daemon, "clear", "--all")))
         request, right_bytes = serve_twice(engine, ranks, PROMPT, action)
@@ -75,7 +75,9 @@ def test_blocks_gone_before_the_load_are_recomputed(start_daemon, window):
 
 
 def test_a_partly_evicted_prefix_loads_what_is_left_and_recomputes_the_rest(start_daemon):
-    daemon = start_daemon(page_size="4KiB")
+    # LRU: the tail is evicted by touching the head and evicting the least recently used rest; the
+    # default policy (slru) chooses other victims here, by design (tests/unit/test_policy_slru.py).
+    daemon = start_daemon("--policy", "lru", page_size="4KiB")
     kept = 2
     with running(EngineRecipe("tiny-llama", 1, daemon.socket, "partial")) as (engine, ranks):
         manager = engine.manager
@@ -84,7 +86,7 @@ def test_a_partly_evicted_prefix_loads_what_is_left_and_recomputes_the_rest(star
             # The lookup touched the prefix in order, so its head is least recently used: touch the
             # head again, then evict the LRU rest.
             keys = [make_offload_key(h, 0) for h in engine.scheduler.requests["again"].block_hashes[:FULL]]
-            toucher = Client(daemon.socket, engine_id="toucher", rank=None, world_size=1, namespace=manager.layout)
+            toucher = Client(daemon.socket, engine_id="toucher", rank=None, world_size=1, namespace=manager.namespace)
             try:
                 touched = toucher.lookup(keys[:kept])
             finally:
