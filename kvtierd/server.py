@@ -54,6 +54,16 @@ MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
 PRESSURE_LOG_SECONDS = 10.0    # how often eviction pressure is reported in the log
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, bounded, for an error reply or a log line; never raises
+    (the message of an exception raised while handling a hostile frame may be huge or may fail to render)."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "?"
+    return f"{type(exc).__name__}: {text[:P.MAX_ERROR_CHARS]}"
+
+
 class Server:
     def __init__(self, store: Store, region: Region, gid: int | None = None, notifier: Notifier | None = None,
                  drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0, region_check_interval: float = 5.0):
@@ -227,9 +237,8 @@ class Server:
         """One request frame from the client socket → one reply map. Never raises."""
         try:
             msg = P.decode_request(frame)
-        except RequestError as exc:
-            self._count_error(exc.code)
-            return P.error_reply(P.request_id(frame), exc.code, exc.message)
+        except Exception as exc:   # RequestError; anything else is a decoder bug, and costs this request only
+            return self._refusal(frame, exc)
         op, rid = msg["op"], msg.get("rid", 0)
         self.requests[op] += 1
         started = time.perf_counter()
@@ -244,7 +253,7 @@ class Server:
         except Exception as exc:  # a bug must cost one request, not the daemon
             log.exception("internal error handling %s", op)
             self._count_error(ErrorCode.INTERNAL)
-            return P.error_reply(rid, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            return P.error_reply(rid, ErrorCode.INTERNAL, f"internal error: {_describe(exc)}")
         finally:
             self.latency[op].observe(time.perf_counter() - started)
 
@@ -252,14 +261,27 @@ class Server:
         """One admin request → one reply. Never raises."""
         try:
             msg = P.decode_request(frame, P.ADMIN_REQUESTS)
+        except Exception as exc:
+            return self._refusal(frame, exc)
+        try:
             return P.ok_reply(msg.get("rid", 0), self.admin_handlers[msg["op"]](msg))
         except RequestError as exc:
             self._count_error(exc.code)
-            return P.error_reply(P.request_id(frame), exc.code, exc.message)
+            return P.error_reply(msg.get("rid", 0), exc.code, exc.message)
         except Exception as exc:
             log.exception("internal error handling an admin request")
             self._count_error(ErrorCode.INTERNAL)
-            return P.error_reply(P.request_id(frame), ErrorCode.INTERNAL, f"internal error: {exc}")
+            return P.error_reply(msg.get("rid", 0), ErrorCode.INTERNAL, f"internal error: {_describe(exc)}")
+
+    def _refusal(self, frame: bytes, exc: Exception) -> dict[str, Any]:
+        """The error reply to a frame that did not decode into a valid request."""
+        if isinstance(exc, RequestError):
+            code, message = exc.code, exc.message
+        else:
+            log.error("decoding a request raised %s", _describe(exc))
+            code, message = ErrorCode.BAD_REQUEST, f"undecodable request ({type(exc).__name__})"
+        self._count_error(code)
+        return P.error_reply(P.request_id(frame), code, message)
 
     def _count_error(self, code: ErrorCode) -> None:
         self.errors[ErrorCode(code).name] += 1

@@ -26,6 +26,10 @@ Validation happens here, before any handler runs and before anything is allocate
 the frame size is checked before decoding, the decoder is bounded (``decode_request``), and every
 field of every op is checked against its ``Field`` spec (type, range, length). A request that
 fails any check gets a ``BAD_REQUEST``/``LIMIT`` error naming the field; the daemon keeps serving.
+Error texts never quote a value the decoder did not bound (only strings of at most MAX_STR_BYTES
+and ints), and ``error_reply`` cuts every message to MAX_ERROR_CHARS: a hostile frame cannot make
+the daemon build a reply larger than a few hundred bytes, nor walk a structure it nested 1,000
+deep (issue 11: ``repr`` of such an op raised RecursionError).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ MAX_STR_BYTES = 256                    # engine ids, model names, dtype names
 MAX_WORLD_SIZE = 64
 MAX_JOB_ID = (1 << 63) - 1
 MAX_JOBS_PER_QUERY = 4096
+MAX_ERROR_CHARS = 512                  # an error reply's message is cut to this many characters
+MAX_PID = 1 << 22                      # the kernel's largest pid_max (PID_MAX_LIMIT on 64-bit)
 
 PAGES_DTYPE = "<u4"                    # page indices on the wire and in the region's chain table
 
@@ -114,6 +120,7 @@ class AbortCause(str, enum.Enum):
     RANK_REHELLO = "rank_rehello"             # the same socket said hello again
     RANK_REATTACHED = "rank_reattached"       # a new hello replaced the session (with its token)
     RANK_DEAD_AT_HELLO = "rank_dead_at_hello"
+    RANK_DISCONNECTED = "rank_disconnected"   # its connection ended without bye
     RANK_DAEMON_STOPPED = "rank_daemon_stopped"
 
 
@@ -154,7 +161,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "rank": _int(0, MAX_WORLD_SIZE - 1, nullable=True),
         "world_size": _int(1, MAX_WORLD_SIZE),
         "namespace": Field("map"),
-        "pid": _int(0, 1 << 31, required=False),
+        "pid": _int(1, MAX_PID, required=False),
         "pidns": _int(0, 1 << 63, required=False),
         # Re-attaching after a lost reply: end this earlier session (proved by its token) first.
         "replaces": _int(0, 1 << 63, required=False),
@@ -228,11 +235,23 @@ def decode_request(frame: bytes, ops: dict[str, dict[str, Field]] = REQUESTS) ->
         raise RequestError(ErrorCode.BAD_REQUEST, f"undecodable msgpack frame: {type(exc).__name__}") from None
     if not isinstance(msg, dict):
         raise RequestError(ErrorCode.BAD_REQUEST, "request must be a msgpack map")
+    try:
+        return _validate(msg, ops)
+    except RequestError:
+        raise
+    except Exception as exc:  # a check that failed in a way nobody foresaw: the request's error, nothing more
+        raise RequestError(ErrorCode.BAD_REQUEST, f"malformed request ({type(exc).__name__})") from None
+
+
+def _validate(msg: dict[str, Any], ops: dict[str, dict[str, Field]]) -> dict[str, Any]:
     op = msg.get("op")
-    if not isinstance(op, str) or op not in ops:
-        if ops is REQUESTS and isinstance(op, str) and op in ADMIN_REQUESTS:
+    if type(op) is not str:
+        # Never repr() the value: it may be a structure nested 1,000 deep, or megabytes long.
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field 'op' must be a string, got {type(op).__name__}")
+    if op not in ops:
+        if ops is REQUESTS and op in ADMIN_REQUESTS:
             raise RequestError(ErrorCode.FORBIDDEN, f"{op} is an admin operation: use the admin socket")
-        raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")
+        raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")   # a str of <= MAX_STR_BYTES
     rid = msg.get("rid", 0)
     if type(rid) is not int or not 0 <= rid < (1 << 63):
         raise RequestError(ErrorCode.BAD_REQUEST, "field 'rid' must be a non-negative int")
@@ -555,6 +574,8 @@ def ok_reply(rid: int, reply: Reply) -> dict[str, Any]:
 
 
 def error_reply(rid: int, code: ErrorCode, message: str, **fields: Any) -> dict[str, Any]:
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS - 3] + "..."
     fields.update(rid=rid, ok=False, code=int(code), error=ErrorCode(code).name, message=message)
     return fields
 
