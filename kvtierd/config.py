@@ -146,6 +146,16 @@ SETTINGS: tuple[Setting, ...] = (
             "one mapped (not removed, replaced or truncated).", lo=0.1, hi=3600),
     Setting("drain_timeout", "float", "10", "On SIGTERM: seconds to let in-flight loads finish (new jobs are "
             "refused meanwhile) before stopping.", lo=0, hi=3600),
+    Setting("max_connections", "int", "4096", "Connections to the client socket at most, from all peers; more are "
+            "closed at once. The daemon raises its open-files limit to the hard limit at start and lowers this "
+            "(with a warning) when the limit cannot hold it: set LimitNOFILE in the unit.", lo=16, hi=1 << 20),
+    Setting("max_connections_per_peer", "int", "256", "Connections to the client socket at most from one peer (a "
+            "process; every process of a uid whose pid the daemon cannot see counts as one peer).", lo=2,
+            hi=1 << 20),
+    Setting("max_sessions", "int", "2048", "Attached sessions at most (every engine has at least one); a hello past "
+            "it gets LIMIT.", lo=1, hi=1 << 20),
+    Setting("max_sessions_per_peer", "int", "128", "Attached sessions at most from one peer (see "
+            "max_connections_per_peer).", lo=1, hi=1 << 20),
     Setting("metrics_address", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus endpoint (/metrics), or "
             "off. Loopback by default: bind elsewhere only behind a firewall."),
     Setting("recreate", "bool", "false", "Replace an existing region whose header or geometry does not match "

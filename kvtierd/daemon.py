@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import resource
 import sys
 import time
 
@@ -42,10 +43,45 @@ def setup_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
+# Descriptors kept free of the connection and session caps: the region, lock and sockets, ZMQ's own
+# (two per socket and per context), the metrics endpoint's, logs.
+FD_RESERVE = 256
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-files limit to the hard one (no privilege needed); returns the new soft limit.
+
+    Every client connection holds a descriptor in the daemon and every watched session a pidfd:
+    at the usual soft limit of 1,024 a thousand idle connections made ZMQ abort the daemon."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
+def fit_fd_caps(nofile: int, max_connections: int, max_sessions: int) -> tuple[int, int]:
+    """(connections, sessions) caps that fit the open-files limit: every connection takes a
+    descriptor, every watched session a pidfd, and FD_RESERVE stay free for everything else."""
+    room = nofile - FD_RESERVE
+    if room >= max_connections + max_sessions:
+        return max_connections, max_sessions
+    connections = max(16, room * max_connections // (max_connections + max_sessions))
+    sessions = max(1, room - connections)
+    log.warning("the open-files limit (%d) cannot hold max_connections=%d plus max_sessions=%d; serving at most %d "
+                "connections and %d sessions. Raise the hard limit (LimitNOFILE= in the unit, ulimit -Hn) to lift "
+                "this", nofile, max_connections, max_sessions, connections, sessions)
+    return connections, sessions
+
+
 class Daemon:
     def __init__(self, config: Config):
         self.config = config
         c = config
+        max_connections, max_sessions = fit_fd_caps(raise_fd_limit(), c.max_connections, c.max_sessions)
         self.notifier = Notifier()
         last = [-1]
 
@@ -77,7 +113,9 @@ class Daemon:
                              self.region.new_generation())
             self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
                                  drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
-                                 region_check_interval=c.region_check_interval)
+                                 region_check_interval=c.region_check_interval, max_connections=max_connections,
+                                 max_connections_per_peer=c.max_connections_per_peer, max_sessions=max_sessions,
+                                 max_sessions_per_peer=c.max_sessions_per_peer)
             try:
                 self.server.listen()
             except BaseException:

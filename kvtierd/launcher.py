@@ -21,7 +21,7 @@ from .contract.paths import DEFAULT_NAME, DaemonPaths
 
 class DaemonProcess:
     def __init__(self, directory: str, *args: str, name: str = DEFAULT_NAME, env: dict[str, str] | None = None,
-                 start_timeout: float = 60.0, call_timeout: float = 30.0):
+                 start_timeout: float = 60.0, call_timeout: float = 30.0, wrapper: tuple[str, ...] = ()):
         self.dir = directory
         self.name = name
         self.paths = DaemonPaths(directory, name)
@@ -33,12 +33,13 @@ class DaemonProcess:
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout  # seconds from launch to serving before giving up
         self.call_timeout = call_timeout    # seconds a request waits for its reply
+        self.wrapper = list(wrapper)        # a command the daemon runs under, e.g. ("prlimit", "--nofile=1024:1024", "--")
         self.proc: subprocess.Popen | None = None
 
     def launch(self) -> "DaemonProcess":
         """Start the process without waiting for it to serve."""
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvtierd", *self.args], stdout=log,
+            self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "kvtierd", *self.args], stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         return self
 

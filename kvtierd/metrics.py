@@ -82,6 +82,10 @@ class DaemonCollector:
                       s.bytes_saved_dedup)
         yield labelled(GaugeMetricFamily, "sessions", "Attached client sessions by role.", "role", s.session_roles)
         yield gauge("engines", "Engines with at least one attached session.", s.engines)
+        yield gauge("connections", "Open connections to the client socket.", s.connections)
+        yield labelled(CounterMetricFamily, "connections_refused", "Connections closed at once, past a cap "
+                       "(total: max_connections; per_peer: max_connections_per_peer).", "cap",
+                       {"total": 0, "per_peer": 0, **s.connections_refused})
         yield gauge("open_jobs", "Jobs waiting for copies, votes or releases.", s.open_jobs)
         yield labelled(CounterMetricFamily, "errors", "Error replies by code.", "code", s.errors)
         yield _histogram("kvtierd_request_duration_seconds", "Time to handle one request, by operation.", "op",

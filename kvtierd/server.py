@@ -16,6 +16,11 @@ one reply without touching a socket, so dispatch runs (and is tested) without th
 (the metrics endpoint) never touch the store; they hand a function to ``call_in_loop`` and the
 loop runs it between requests.
 
+Every message is read part by part: a request is one frame, and the parts of a multi-part
+message are dropped without being copied (``_drain``). Each request comes with the connection it
+arrived on (``peers.Connections``: the peer's uid and pid, counted and capped per peer and in
+all); a session is tied to its connection and ends with it.
+
 Every reply is built from its shape declared in ``protocol`` (``REPLIES``, ``ADMIN_REPLIES``).
 Sessions and their liveness are the ``SessionRegistry``'s (``kvtierd.sessions``); the loop polls
 their pidfds and sweeps their heartbeats. The region file is checked every
@@ -42,6 +47,7 @@ from .contract import protocol as P
 from .contract.namespace import NamespaceId
 from .contract.protocol import ErrorCode, RequestError
 from .histogram import Histogram
+from .peers import Conn, Connections
 from .region import Region
 from .sessions import Session, SessionEnd, SessionRegistry
 from .store import Store
@@ -66,7 +72,9 @@ def _describe(exc: BaseException) -> str:
 
 class Server:
     def __init__(self, store: Store, region: Region, gid: int | None = None, notifier: Notifier | None = None,
-                 drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0, region_check_interval: float = 5.0):
+                 drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0, region_check_interval: float = 5.0,
+                 max_connections: int = 4096, max_connections_per_peer: int = 256, max_sessions: int = 2048,
+                 max_sessions_per_peer: int = 128):
         self.store = store
         self.region = region
         self.gid = gid                    # the client group, which gets the client socket
@@ -84,7 +92,9 @@ class Server:
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.sessions = SessionRegistry(store.detach, heartbeat_timeout,
                                         watch=lambda fd: self.poller.register(fd, zmq.POLLIN),
-                                        unwatch=self.poller.unregister)
+                                        unwatch=self.poller.unregister, max_sessions=max_sessions,
+                                        max_sessions_per_peer=max_sessions_per_peer)
+        self.connections = Connections(max_connections, max_connections_per_peer, self.sessions.disconnected)
         self.stopping = False
         self.started = time.time()
         self.requests: Counter = Counter()
@@ -93,7 +103,7 @@ class Server:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self.metrics_address: str | None = None
         self.handlers: dict[str, Callable[[bytes, Session | None, dict], P.Reply]] = {
-            "hello": self._hello, "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
+            "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
             "store": self._store, "commit": self._commit, "load": self._load, "release": self._release,
             "abort": self._abort, "jobs": self._jobs, "stats": self._stats,
         }
@@ -104,16 +114,19 @@ class Server:
 
     def listen(self) -> None:
         """Bind the client and admin sockets: from now on clients can connect."""
-        self.sock = self._bind(self.socket_path, 0o117, self.gid)           # 0660, client group
+        self.sock = self._bind(self.socket_path, 0o117, self.gid, self.connections)   # 0660, client group
         self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
+        self.poller.register(self.connections.monitor, zmq.POLLIN)
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.admin, zmq.POLLIN)
 
-    def _bind(self, path: str, umask: int, gid: int | None) -> zmq.Socket:
+    def _bind(self, path: str, umask: int, gid: int | None, connections: Connections | None = None) -> zmq.Socket:
         if len(path.encode()) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {path} is {len(path)} bytes; ipc paths are limited to "
                              f"{MAX_SOCKET_PATH}. Choose a shorter --dir or --name")
         sock = zmq.Context.instance().socket(zmq.ROUTER)
+        if connections is not None:
+            connections.watch(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to vanished peers are dropped
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -210,6 +223,7 @@ class Server:
                 except BlockingIOError:
                     pass
             self._run_calls()
+            self.connections.poll()           # connections come and go before their requests are read
             if self.sock in events:
                 self._drain(self.sock, self.handle)
             if self.admin in events:
@@ -218,23 +232,32 @@ class Server:
                 self.sessions.died(fd)
         self.close()
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, bytes], dict]) -> None:
+    def _drain(self, sock: zmq.Socket, handle: Callable[..., dict]) -> None:
         for _ in range(BURST):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                identity = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            identity = frames[0]
-            if len(frames) != 2:
+            # ROUTER delivers whole messages: the parts after the routing identity are all there.
+            # The request frame is not copied (msgpack reads ZMQ's buffer); nor are the parts of a
+            # multi-part message, which are refused (a client sends one frame per request).
+            frame = sock.recv(copy=False)
+            if frame.more:
+                parts = 1
+                while sock.recv(copy=False).more:
+                    parts += 1
                 self._count_error(ErrorCode.BAD_REQUEST)
-                reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {len(frames) - 1}")
+                reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {parts + 1}")
+            elif sock is self.sock:
+                reply = handle(identity, frame.buffer, frame)
             else:
-                reply = handle(identity, frames[1])
+                reply = handle(identity, frame.buffer)
             sock.send_multipart([identity, P.encode(reply)], copy=False)
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, identity: bytes, frame: bytes) -> dict[str, Any]:
-        """One request frame from the client socket → one reply map. Never raises."""
+    def handle(self, identity: bytes, frame: bytes, source: zmq.Frame | None = None) -> dict[str, Any]:
+        """One request frame from the client socket → one reply map. Never raises. ``source`` is
+        the ZMQ frame it came in (its connection; None without sockets, as in unit tests)."""
         try:
             msg = P.decode_request(frame)
         except Exception as exc:   # RequestError; anything else is a decoder bug, and costs this request only
@@ -242,10 +265,13 @@ class Server:
         op, rid = msg["op"], msg.get("rid", 0)
         self.requests[op] += 1
         started = time.perf_counter()
-        session = self.sessions.session_of(identity)
+        conn = self.connections.of(source, fresh=op == "hello")
+        session = self.sessions.session_of(identity, conn)
         try:
             if session is None and op not in P.SESSIONLESS_OPS:
                 raise RequestError(ErrorCode.NOT_ATTACHED, f"{op} before hello: attach a session first")
+            if op == "hello":          # the one op that needs the connection: the session is tied to it
+                return P.ok_reply(rid, self._hello(identity, session, msg, conn))
             return P.ok_reply(rid, self.handlers[op](identity, session, msg))
         except RequestError as exc:
             self._count_error(exc.code)
@@ -287,21 +313,25 @@ class Server:
         self.errors[ErrorCode(code).name] += 1
 
     # ------------------------------------------------------------------ sessions
-    def _hello(self, identity: bytes, session: Session | None, msg: dict) -> P.HelloReply:
+    def _hello(self, identity: bytes, session: Session | None, msg: dict, conn: Conn | None = None) -> P.HelloReply:
         if msg["version"] != P.PROTOCOL_VERSION:
             raise RequestError(ErrorCode.VERSION, f"client speaks protocol {msg['version']}, this kvtierd speaks "
                                                   f"{P.PROTOCOL_VERSION}; install matching kvtierd versions")
         if self.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
+        if conn is None and self.sock is not None:
+            raise RequestError(ErrorCode.LIMIT, "this connection was closed (by its peer, or past the settings "
+                                                "max_connections, max_connections_per_peer): connect again later")
         if session is not None:
             self.sessions.end(session, SessionEnd.REHELLO)
         replaced = self.sessions.proven(msg.get("replaces", -1), msg.get("replaces_token"))
         if replaced is not None:
             self.sessions.end(replaced, SessionEnd.REATTACHED)
+        self.sessions.admit(conn)
         ns_id = NamespaceId.from_wire(msg["namespace"], msg["world_size"])
         pid = msg.get("pid")
         session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], ns_id, pid)
-        watched, token = self.sessions.register(identity, session, pid, msg.get("pidns"))
+        watched, token = self.sessions.register(identity, session, pid, msg.get("pidns"), conn)
         log.info("attach session=%d engine=%r %s world_size=%d pid=%s namespace=%s watched=%s", session.id,
                  session.engine.id, session.role, msg["world_size"], pid, ns_id.name(), watched)
         ns = session.engine.ns
@@ -387,6 +417,8 @@ class Server:
             region_problem=self.region.problem,
             sessions_heartbeat=len(self.sessions.heartbeats),
             checksums=self.store.checksums,
+            connections=len(self.connections),
+            connections_refused=dict(self.connections.refused),
         )
 
     # ------------------------------------------------------------------ admin ops
@@ -408,6 +440,9 @@ class Server:
     def close(self) -> None:
         """End every session, close the sockets (when bound) and the wake pipe."""
         self.sessions.close()
+        if self.connections.monitor is not None:
+            self.poller.unregister(self.connections.monitor)
+            self.connections.close()
         for sock, path in ((self.sock, self.socket_path), (self.admin, self.admin_socket_path)):
             if sock is None:
                 continue

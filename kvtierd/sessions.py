@@ -15,17 +15,25 @@ liveness:
   request, or a heartbeat (``ping`` with the session id and the token from its hello reply, sent
   from any socket), at least every ``heartbeat_timeout`` seconds; otherwise ``sweep`` ends it.
 
-The pid and the PID-namespace inode are the client's word: ZMQ does not tell the daemon who is
-on the other end of the socket (docs/design.md, "Known limits").
+A session is tied to the connection it said hello on (``peers.Conn``): when that connection
+ends, the session ends (``disconnected``), so a session cannot outlive its socket, whatever pid it
+claimed; a request under the session's routing identity from any other connection is not the
+session's. The table is bounded: at most ``max_sessions`` sessions, and ``max_sessions_per_peer``
+from one peer (``admit``).
+
+The pid and the PID-namespace inode a hello reports are the client's word; the connection's
+credentials are the kernel's (``peers``).
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import os
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -33,6 +41,7 @@ from .contract.protocol import ErrorCode, RequestError
 
 if TYPE_CHECKING:
     from .jobs import Engine
+    from .peers import Conn
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +55,7 @@ class SessionEnd(str, enum.Enum):
     REHELLO = "rehello"                 # the same socket said hello again
     REATTACHED = "reattached"           # a new hello replaced it, proving it with its token
     DEAD_AT_HELLO = "dead_at_hello"     # its pid was gone by the time of its hello
+    DISCONNECTED = "disconnected"       # the connection it said hello on ended (its process may live on)
     DAEMON_STOPPED = "daemon_stopped"
 
 
@@ -75,6 +85,12 @@ class _Link:
     identity: bytes
     token: int
     pidfd: int | None
+    conn: "Conn | None"          # the connection it said hello on (None: no socket, as in unit tests)
+
+
+# pidfd_open failing for want of descriptors or memory says nothing about the process: such a
+# session is not watched (it owes heartbeats) rather than refused as dead.
+_CANNOT_WATCH = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 class SessionRegistry:
@@ -86,48 +102,75 @@ class SessionRegistry:
 
     def __init__(self, end: Callable[[Session, SessionEnd], None], heartbeat_timeout: float = 15.0,
                  watch: Callable[[int], None] = lambda fd: None, unwatch: Callable[[int], None] = lambda fd: None,
-                 pidns: int | None = None):
+                 pidns: int | None = None, max_sessions: int = 2048, max_sessions_per_peer: int = 128):
         self._end = end
         self.heartbeat_timeout = heartbeat_timeout
         self._watch, self._unwatch = watch, unwatch
         self.pidns = own_pid_namespace() if pidns is None else pidns
+        self.max_sessions = max_sessions
+        self.max_sessions_per_peer = max_sessions_per_peer
         self._by_identity: dict[bytes, _Link] = {}
         self._by_id: dict[int, _Link] = {}
+        self._by_conn: dict[int, list[_Link]] = {}      # connection serial → the sessions tied to it
+        self.per_peer: Counter = Counter()               # peer → its sessions
         self.pidfds: dict[int, Session] = {}            # pidfd → the session it watches
         self.heartbeats: dict[int, float] = {}          # unwatched session id → when it last proved alive
 
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def session_of(self, identity: bytes) -> Session | None:
-        """The session speaking from this identity, if any; a request proves it alive."""
+    def session_of(self, identity: bytes, conn: "Conn | None" = None) -> Session | None:
+        """The session speaking from this identity on this connection, if any; a request proves it
+        alive. The same routing identity on another connection (a client may choose its own) is not it."""
         link = self._by_identity.get(identity)
-        if link is None:
+        if link is None or link.conn is not conn:
             return None
         if link.session.id in self.heartbeats:
             self.heartbeats[link.session.id] = time.monotonic()
         return link.session
+
+    def admit(self, conn: "Conn | None") -> None:
+        """Raise LIMIT when a new session (from ``conn``'s peer) would exceed the table's bounds."""
+        if len(self._by_id) >= self.max_sessions:
+            raise RequestError(ErrorCode.LIMIT, f"kvtierd holds its maximum of {self.max_sessions} sessions "
+                                                "(setting max_sessions)")
+        if conn is not None and self.per_peer[conn.peer] >= self.max_sessions_per_peer:
+            raise RequestError(ErrorCode.LIMIT, f"{conn.describe()} already holds {self.max_sessions_per_peer} "
+                                                "sessions (setting max_sessions_per_peer)")
 
     def proven(self, session_id: int | None, token: int | None) -> Session | None:
         """The session with this id, if ``token`` is its token (a heartbeat, or a hello replacing it)."""
         link = self._by_id.get(session_id)
         return link.session if link is not None and link.token == token else None
 
-    def register(self, identity: bytes, session: Session, pid: int | None, pidns: int | None) -> tuple[bool, int]:
-        """Tie a new session to its identity and watch it. Returns (watched through a pidfd, token).
+    def register(self, identity: bytes, session: Session, pid: int | None, pidns: int | None,
+                 conn: "Conn | None" = None) -> tuple[bool, int]:
+        """Tie a new session to its identity and connection and watch it. Returns (watched through
+        a pidfd, token).
 
         A pid in the daemon's PID namespace is watched through a pidfd; if it no longer exists
-        the session ends at once and BAD_REQUEST is raised. Any other session owes heartbeats.
+        the session ends at once and BAD_REQUEST is raised. Any other session owes heartbeats, as
+        does one whose pidfd could not be opened for want of descriptors (EMFILE).
         """
-        link = _Link(session, identity, secrets.randbits(62), None)
+        link = _Link(session, identity, secrets.randbits(62), None, conn)
         self._by_identity[identity] = link
         self._by_id[session.id] = link
+        if conn is not None:
+            self._by_conn.setdefault(conn.serial, []).append(link)
+            self.per_peer[conn.peer] += 1
         if pid and pidns is not None and pidns == self.pidns:
             try:
                 link.pidfd = os.pidfd_open(pid)
-            except OSError:
+            except OSError as exc:
+                if exc.errno not in _CANNOT_WATCH:
+                    self.end(session, SessionEnd.DEAD_AT_HELLO)
+                    raise RequestError(ErrorCode.BAD_REQUEST,
+                                       f"pid {pid} does not exist in the daemon's namespace") from None
+                log.warning("cannot watch pid %d (%s): its session owes heartbeats", pid, exc.strerror)
+            except Exception:             # a pid the kernel cannot take (the protocol bounds it): no session
                 self.end(session, SessionEnd.DEAD_AT_HELLO)
-                raise RequestError(ErrorCode.BAD_REQUEST, f"pid {pid} does not exist in the daemon's namespace")
+                raise
+        if link.pidfd is not None:
             self.pidfds[link.pidfd] = session
             self._watch(link.pidfd)
         else:
@@ -151,6 +194,14 @@ class SessionRegistry:
         link = self._by_id.pop(session.id, None)
         if link is not None:
             self._by_identity.pop(link.identity, None)
+            if link.conn is not None:
+                tied = self._by_conn[link.conn.serial]
+                tied.remove(link)
+                if not tied:
+                    del self._by_conn[link.conn.serial]
+                self.per_peer[link.conn.peer] -= 1
+                if not self.per_peer[link.conn.peer]:
+                    del self.per_peer[link.conn.peer]
             if link.pidfd is not None:
                 self._unwatch(link.pidfd)
                 os.close(link.pidfd)
@@ -158,6 +209,11 @@ class SessionRegistry:
         self.heartbeats.pop(session.id, None)
         self._end(session, cause)
         log.info("detach session=%d engine=%r %s cause=%s", session.id, session.engine.id, session.role, cause.value)
+
+    def disconnected(self, conn: "Conn") -> None:
+        """The connection ``conn`` ended: the sessions tied to it end too."""
+        for link in list(self._by_conn.get(conn.serial, ())):
+            self.end(link.session, SessionEnd.DISCONNECTED)
 
     def died(self, pidfd: int) -> None:
         """The pidfd became readable: its process died."""

@@ -103,9 +103,10 @@ def huge_op(socket_path: str) -> dict:
 
 
 # ------------------------------------------------------------------ item 2: descriptors
-def idle_connections(socket_path: str, n: int) -> dict:
+def idle_connections(socket_path: str, n: int, during=lambda: None) -> dict:
     """Open ``n`` raw unix connections to the client socket and send nothing; report how many the
-    daemon closed at once (those past its per-peer cap). Closes them all before returning."""
+    daemon closed at once (those past its per-peer cap) and what ``during()`` returned while they
+    were held. Closes them all before returning."""
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < n + 256:
@@ -121,6 +122,7 @@ def idle_connections(socket_path: str, n: int) -> dict:
                 continue
             socks.append(s)
         time.sleep(1.0)
+        seen = during()
         closed = 0
         for s in socks:
             s.setblocking(False)
@@ -135,7 +137,7 @@ def idle_connections(socket_path: str, n: int) -> dict:
                 pass
             except OSError:
                 closed += 1
-        return {"opened": len(socks), "closed_by_daemon": closed}
+        return {"opened": len(socks), "closed_by_daemon": closed, "during": seen}
     finally:
         for s in socks:
             s.close()

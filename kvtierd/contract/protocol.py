@@ -538,6 +538,8 @@ class StatsReply(Reply):
     region_problem: str | None        # removed | replaced by another file | truncated
     sessions_heartbeat: int
     checksums: bool
+    connections: int                  # open connections to the client socket
+    connections_refused: dict         # why connections were closed at once (total | per_peer) → count
 
 
 @_shape

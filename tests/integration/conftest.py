@@ -20,13 +20,13 @@ pytestmark = pytest.mark.integration
 
 
 def new_daemon(*args: str, size: str = "32MiB", job_timeout: float = 20.0, page_size: str = "64KiB",
-                env: dict[str, str] | None = None, root: str = "/tmp") -> DaemonProcess:
+                env: dict[str, str] | None = None, root: str = "/tmp", wrapper: tuple[str, ...] = ()) -> DaemonProcess:
     """A test daemon in its own fresh directory (removed by ``cleanup``), small and unpinned."""
     # root="/dev/shm" for tests that pin the region with CUDA: since Linux 6.5 the kernel may
     # refuse to pin file-backed pages that are not on tmpfs.
     return DaemonProcess(tempfile.mkdtemp(prefix="kvt-", dir=root), "--size", size, "--page-size", page_size,
                          "--pin", "off", "--job-timeout", str(job_timeout), "--log-level", "debug",
-                         "--metrics-address", "127.0.0.1:0", *args, env=env, start_timeout=30.0)
+                         "--metrics-address", "127.0.0.1:0", *args, env=env, start_timeout=30.0, wrapper=wrapper)
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ import pytest
 from tests import attacks
 from tests.keyed import KeyedEngine, keys_of
 
+from .test_faults import wait_for
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
@@ -70,4 +72,72 @@ def test_one_frame_cannot_end_the_daemon_nor_grow_its_reply(daemon, engine):
     assert out["reply_bytes"] < 2048
     after = served_correctly(good, "item1-after")
     assert after["verified"] >= before["verified"] + 8
+    assert_alive(daemon)
+
+
+# ------------------------------------------------------------------ item 2
+@pytest.mark.parametrize("nofile", ["1024:1024", "1024:"], ids=["hard-1024", "soft-1024"])
+def test_idle_connections_past_the_open_files_limit_cannot_end_the_daemon(start_daemon, engine, nofile):
+    # Issue 11 item 2: at the soft limit of 1,024 about 1,010 idle connections made ZMQ abort the
+    # daemon. It now raises the soft limit to the hard one, fits its caps to the limit, and closes
+    # a peer's connections past max_connections_per_peer at once.
+    daemon = start_daemon(wrapper=("prlimit", f"--nofile={nofile}", "--"))
+    good = engine(daemon)
+    served_correctly(good, "item2-before")
+    # stats over the admin socket: this process is the attacker, its client connections are capped
+    out = attacks.idle_connections(daemon.socket, 1100, during=lambda: (fds_of(daemon), daemon.call("stats", admin=True)))
+    fds, stats = out["during"]
+    assert fds < 1024 - 64, f"{fds} descriptors open with {out['opened']} idle connections"
+    assert out["closed_by_daemon"] >= out["opened"] - 256, out
+    assert stats["connections"] <= 256 + 8 and sum(stats["connections_refused"].values()) >= out["closed_by_daemon"], stats
+    served_correctly(good, "item2-after")
+    assert_alive(daemon)
+
+
+def test_sessions_of_closed_sockets_end_and_give_their_descriptors_back(daemon, engine):
+    # Issue 11 item 2: each pidfd-watched session kept its pidfd after its socket closed; ~600
+    # connect/hello/close rounds exhausted the daemon's descriptors.
+    good = engine(daemon)
+    served_correctly(good, "fd-before")
+    baseline = fds_of(daemon)
+    out = attacks.hello_and_vanish(daemon.socket, 600, pid=os.getpid())
+    assert out["attached"] == 600
+    wait_for(lambda: daemon.stats()["sessions"] == 1, what="the vanished sessions to end")
+    assert fds_of(daemon) <= baseline + 16
+    served_correctly(good, "fd-after")
+    assert_alive(daemon)
+
+
+# ------------------------------------------------------------------ item 3
+def test_sessions_claiming_an_immortal_pid_end_with_their_socket(daemon, engine):
+    # Issue 11 item 3: hello with pid=1 gave a session, an engine and a descriptor that lived until
+    # the daemon stopped (2,000 rounds left 2,401 sessions).
+    good = engine(daemon)
+    baseline = fds_of(daemon)
+    out = attacks.hello_and_vanish(daemon.socket, 2000, pid=1)
+    assert out["attached"] == 2000
+    stats = wait_for(lambda: (s := daemon.stats())["sessions"] == 1 and s, what="the vanished sessions to end")
+    assert stats["engines"] == 1
+    assert fds_of(daemon) <= baseline + 16
+    served_correctly(good, "pid1-after")
+    assert_alive(daemon)
+
+
+def test_sessions_with_an_impossible_pid_are_refused_and_leave_nothing(daemon, engine):
+    # Issue 11 item 3: pid 2^31 got INTERNAL (OverflowError) and left an unwatched session that
+    # never expired and held its rank.
+    good = engine(daemon)
+    attacks.pid_out_of_range(daemon.socket)
+    stats = assert_alive(daemon)
+    assert stats["sessions"] == 1 and stats["engines"] == 1, stats
+    served_correctly(good, "pid-range")
+
+
+def test_sessions_per_peer_are_bounded(daemon, engine):
+    # The session table is bounded: max_sessions in all, max_sessions_per_peer (128) from one process.
+    good = engine(daemon)
+    out = attacks.session_flood(daemon.socket, 160)
+    assert out == {"attached": 128, "limit": 32}, out
+    wait_for(lambda: daemon.stats()["sessions"] == 1, what="the flood's sessions to end")
+    served_correctly(good, "flood-after")
     assert_alive(daemon)

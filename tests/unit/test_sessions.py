@@ -14,6 +14,7 @@ import time
 import pytest
 
 from kvtierd.contract.protocol import ErrorCode
+from kvtierd.peers import Conn
 from kvtierd.sessions import SessionEnd, SessionRegistry, own_pid_namespace
 
 from .store_env import Env, err, lay
@@ -132,3 +133,44 @@ def test_role():
     coord = env.store.attach("e", None, 2, lay("replicated", 2))
     rank = env.store.attach("e", 1, 2, lay("replicated", 2))
     assert (coord.role, rank.role) == ("coordinator", "rank 1")
+
+
+def test_a_pidfd_that_cannot_be_opened_for_want_of_descriptors_means_heartbeats_not_death(r):
+    # Issue 11 item 2: EMFILE from pidfd_open was taken for "pid does not exist".
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    held = []
+    try:
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        s, watched, _ = r.attach(b"id-emfile", pid=os.getpid(), pidns=own_pid_namespace())
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert not watched and s.id in r.reg.heartbeats and r.ended == []
+
+
+def test_a_session_ends_with_its_connection_and_is_not_its_identity_on_another():
+    reg = Registry()
+    reg.reg.max_sessions_per_peer = 2
+    a, b = Conn(1, 10, 100, 0, 0), Conn(2, 11, 100, 0, 0)       # two connections of pid 100
+    s = reg.env.store.attach("e", 0, 2, lay("replicated", 2), None)
+    reg.reg.register(b"id-a", s, None, None, a)
+    assert reg.reg.session_of(b"id-a", a) is s and reg.reg.session_of(b"id-a", b) is None
+    assert reg.reg.session_of(b"id-a") is None          # no connection is not its connection either
+    t = reg.env.store.attach("e", 1, 2, lay("replicated", 2), None)
+    reg.reg.register(b"id-b", t, None, None, b)
+    with pytest.raises(Exception) as limit:
+        reg.reg.admit(Conn(3, 12, 100, 0, 0))
+    assert limit.value.code == ErrorCode.LIMIT and "max_sessions_per_peer" in limit.value.message
+    reg.reg.admit(Conn(4, 13, 101, 0, 0))                 # another peer
+    reg.reg.disconnected(a)
+    assert reg.ended == [(s.id, SessionEnd.DISCONNECTED)] and reg.reg.per_peer[a.peer] == 1
+    reg.reg.admit(Conn(3, 12, 100, 0, 0))
+    reg.reg.close()
+    reg.env.store.verify()
