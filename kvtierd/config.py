@@ -156,6 +156,12 @@ SETTINGS: tuple[Setting, ...] = (
             "it gets LIMIT.", lo=1, hi=1 << 20),
     Setting("max_sessions_per_peer", "int", "128", "Attached sessions at most from one peer (see "
             "max_connections_per_peer).", lo=1, hi=1 << 20),
+    Setting("max_job_keys_per_engine", "int", "262144", "Keys (plus one per job) one engine's open jobs may hold; "
+            "a job past it gets LIMIT. About 120 bytes of daemon memory per key.", lo=1024, hi=1 << 30),
+    Setting("max_job_keys", "int", "1048576", "Keys (plus one per job) the open jobs of all engines may hold "
+            "together: bounds the memory jobs take (about 120 MiB at the default).", lo=1024, hi=1 << 32),
+    Setting("max_tombstones", "int", "131072", "Finished job ids remembered (for a precise error to a late "
+            "request), oldest forgotten first, across all engines; about 200 bytes each.", lo=1024, hi=1 << 26),
     Setting("metrics_address", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus endpoint (/metrics), or "
             "off. Loopback by default: bind elsewhere only behind a firewall."),
     Setting("recreate", "bool", "false", "Replace an existing region whose header or geometry does not match "

@@ -97,7 +97,9 @@ class Daemon:
         self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
                                   recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress)
         try:
-            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums)
+            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums,
+                               max_job_keys=c.max_job_keys, max_job_keys_per_engine=c.max_job_keys_per_engine,
+                               max_tombstones=c.max_tombstones)
             # The recovered index (up to millions of entries) lives as long as the daemon: keep it
             # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
             gc.freeze()

@@ -24,10 +24,11 @@ from .sessions import Session, SessionEnd
 
 class Store:
     def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
-                 checksums: bool = False, policy: str = "lru"):
+                 checksums: bool = False, policy: str = "lru", **job_limits: int):
+        """``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
         self.index = Index(view, create_policy(policy), verify_checksums=checksums)
-        self.jobs = Jobs(self.index, job_timeout, clock, checksums)
+        self.jobs = Jobs(self.index, job_timeout, clock, checksums, **job_limits)
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)
 

@@ -183,3 +183,36 @@ def session_flood(socket_path: str, n: int) -> dict:
         for raw in raws:
             raw.close()
         ctx.term()
+
+
+# ------------------------------------------------------------------ item 4: memory one client can pin
+def open_jobs_flood(socket_path: str, jobs: int, keys: int = P.MAX_KEYS_PER_REQUEST, engine: str = "hoarder") -> dict:
+    """Open ``jobs`` load jobs of ``keys`` keys each from one session and never release them;
+    count how many the daemon took and how many it refused with LIMIT. The session ends (and its
+    jobs abort) when the connection closes."""
+    raw = Raw(socket_path, timeout=60)
+    try:
+        assert raw.ask(hello(engine=engine, pid=os.getpid(), pidns=pidns()))["ok"]
+        taken = limited = 0
+        for j in range(jobs):
+            ks = [j.to_bytes(4, "little") + i.to_bytes(4, "little") for i in range(keys)]
+            reply = raw.ask({"op": "load", "rid": 10 + j, "job": j, "keys": ks})
+            if reply["ok"]:
+                taken += 1
+            else:
+                refused(reply, ErrorCode.LIMIT)
+                limited += 1
+        return {"taken": taken, "limited": limited}
+    finally:
+        raw.close()
+
+
+def many_parts(socket_path: str, parts: int = 40, part_bytes: int = 8 << 20) -> dict:
+    """One message of ``parts`` frames of ``part_bytes`` (MAXMSGSIZE bounds a frame, not a message)."""
+    raw = Raw(socket_path, timeout=60)
+    try:
+        blob = b"\x00" * (part_bytes - 16)
+        code = refused(raw.ask(pack({"op": "ping", "rid": 3}), *[blob] * (parts - 1)), ErrorCode.BAD_REQUEST)
+        return {"code": code, "sent_bytes": parts * part_bytes}
+    finally:
+        raw.close()

@@ -501,6 +501,8 @@ class StatsReply(Reply):
     engines: int
     sessions: int
     open_jobs: int
+    open_job_keys: int                # keys (+1 per job) of the open jobs (bounded by max_job_keys)
+    tombstones: int                   # finished job ids remembered (bounded by max_tombstones)
     aborted_jobs: dict                # AbortCause value → jobs
     vote_wait: dict                   # histogram snapshot: first request of a store job → its last vote
     # monotonic counters

@@ -6,6 +6,7 @@ process, every block's bytes a function of its key) keeps being served correct b
 | 1 | an op nested 1,000 deep; a 4 MB op | test_one_frame_cannot_end_the_daemon_nor_grow_its_reply |
 | 2 | idle connections past the open-files limit (prlimit) | test_idle_connections_* |
 | 3 | hello claiming pid 1 then vanishing; pid 2^31; a session flood | test_sessions_* |
+| 4 | 1,000 never-released 8,192-key load jobs; tombstones of many jobs; a 40-part message | test_memory_* |
 
 The attacks themselves are ``tests/attacks.py`` (the hostile soak cycles through the same ones).
 """
@@ -52,6 +53,10 @@ def served_correctly(engine: KeyedEngine, prefix: str, n: int = 8) -> dict:
 
 def fds_of(daemon) -> int:
     return len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+
+
+def rss_mib(daemon) -> float:
+    return daemon.rss()["VmRSS"] / (1 << 20)
 
 
 def assert_alive(daemon) -> dict:
@@ -140,4 +145,57 @@ def test_sessions_per_peer_are_bounded(daemon, engine):
     assert out == {"attached": 128, "limit": 32}, out
     wait_for(lambda: daemon.stats()["sessions"] == 1, what="the flood's sessions to end")
     served_correctly(good, "flood-after")
+    assert_alive(daemon)
+
+
+# ------------------------------------------------------------------ item 4
+def test_memory_of_open_jobs_is_bounded(daemon, engine):
+    # Issue 11 item 4: 1,000 never-released 8,192-key load jobs took the daemon from 104 to 1,052 MiB.
+    good = engine(daemon)
+    served_correctly(good, "jobs-before")
+    before = rss_mib(daemon)
+    out = attacks.open_jobs_flood(daemon.socket, 1000)
+    per_engine = 262144 // (8192 + 1)                    # max_job_keys_per_engine's default
+    assert out == {"taken": per_engine, "limited": 1000 - per_engine}, out
+    assert rss_mib(daemon) < before + 100
+    wait_for(lambda: daemon.stats()["open_jobs"] == 0, what="the hoarder's jobs to abort with its session")
+    served_correctly(good, "jobs-after")
+    assert_alive(daemon)
+
+
+def test_memory_of_tombstones_is_bounded_across_engines(start_daemon, engine):
+    # Issue 11 item 4: each engine kept up to 65,536 tombstones (~21.5 MiB), engines unbounded.
+    daemon = start_daemon("--max-tombstones", "1024")
+    good = engine(daemon)
+    raws = []
+    try:
+        for e in range(3):
+            raw = attacks.Raw(daemon.socket)
+            raws.append(raw)
+            assert raw.ask(attacks.hello(engine=f"tomb-{e}", pid=os.getpid(), pidns=attacks.pidns()))["ok"]
+            for j in range(1000):
+                assert raw.ask({"op": "load", "rid": 2, "job": j, "keys": [b"k"]})["ok"]
+                assert raw.ask({"op": "release", "rid": 3, "job": j})["ok"]
+        assert daemon.stats()["tombstones"] == 1024
+        # The newest are remembered: a late request for one gets its precise error.
+        reply = raws[-1].ask({"op": "load", "rid": 4, "job": 999, "keys": [b"k"]})
+        assert reply["code"] == attacks.ErrorCode.CONFLICT, reply
+    finally:
+        for raw in raws:
+            raw.close()
+    served_correctly(good, "tombs-after")
+    assert_alive(daemon)
+
+
+def test_memory_of_a_many_part_message_is_not_copied(daemon, engine):
+    # Issue 11 item 4: MAXMSGSIZE bounds a frame, not a message; a 40-part message of 8 MiB
+    # frames was copied part by part before being refused. ZMQ assembles the whole message before
+    # the daemon can see it (its peak is the message's size: docs/reliability.md, Security); the
+    # daemon refuses it without copying a part, and holds nothing of it afterwards.
+    good = engine(daemon)
+    before = rss_mib(daemon)
+    out = attacks.many_parts(daemon.socket)
+    assert out["code"] == attacks.ErrorCode.BAD_REQUEST
+    assert rss_mib(daemon) < before + 64, (before, daemon.rss())
+    served_correctly(good, "parts-after")
     assert_alive(daemon)

@@ -75,7 +75,7 @@ def snapshot(pinned: str) -> P.StatsReply:
         lookup_hit_keys=5, lookup_miss_keys=6, load_hit_keys=7, load_miss_keys=8,
         **{field: 1 for field in STORE_KEY_OUTCOMES.values()},
         store_jobs_done=9, load_jobs_done=10, evictions=11, operator_evictions=0,
-        bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1,
+        bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1, open_job_keys=9, tombstones=5,
         aborted_jobs={cause: 1 for cause in abort_causes()},
         session_roles={role: 1 for role in session_roles()},
         errors={code.name: 1 for code in P.ErrorCode},
