@@ -108,6 +108,8 @@ class _Heartbeat(threading.Thread):
         self.join(5)
 
 
+SECRET_ENV = "KVTIER_ENGINE_SECRET"      # the engine secret when Client(engine_secret=) is not given
+
 # Ops that may be sent again after re-attaching: they do not refer to a job of the old daemon.
 _RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort"})
 
@@ -115,8 +117,16 @@ _RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort"})
 class Client:
     def __init__(self, socket_path: str | None = None, *, engine_id: str, rank: int | None, world_size: int,
                  namespace: NamespaceId, copier: str = "auto", pin: str = "auto", timeout: float = 10.0,
-                 reconnect_timeout: float = 30.0):
+                 reconnect_timeout: float = 30.0, engine_secret: bytes | str | None = None):
         self.socket_path = socket_path or default_socket()
+        # The engine's sessions are bound together: the daemon lets a session join engine_id only
+        # from the uid of its first session and, when that one presented a secret, with the same
+        # secret. Every process of an engine passes the same one (or sets KVTIER_ENGINE_SECRET).
+        secret = engine_secret if engine_secret is not None else os.environ.get(SECRET_ENV) or None
+        self.engine_secret = secret.encode() if isinstance(secret, str) else secret
+        if self.engine_secret is not None and not P.MIN_SECRET_BYTES <= len(self.engine_secret) <= P.MAX_SECRET_BYTES:
+            raise ValueError(f"an engine secret is {P.MIN_SECRET_BYTES}..{P.MAX_SECRET_BYTES} bytes "
+                             f"(engine_secret / {SECRET_ENV}); got {len(self.engine_secret)}")
         self.rank = rank
         self.world_size = world_size
         self.namespace = namespace
@@ -148,6 +158,8 @@ class Client:
                       namespace=self.namespace.to_wire(), pid=os.getpid())
         if pidns is not None:        # unknown: the daemon cannot watch us and expects heartbeats
             fields["pidns"] = pidns
+        if self.engine_secret is not None:
+            fields["secret"] = self.engine_secret
         previous = self.info
         if previous is not None:   # re-attaching: the daemon may still hold our old session (a lost reply)
             fields.update(replaces=previous.session, replaces_token=previous.token)

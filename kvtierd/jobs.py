@@ -67,6 +67,10 @@ class Engine:
     ranks: dict[int, Session] = field(default_factory=dict)
     coordinators: set = field(default_factory=set)
     jobs: dict[int, "Job"] = field(default_factory=dict)
+    # Who may attach more sessions to it: the uid its first session came from (None without a
+    # socket, as in unit tests) and the digest of the secret that session presented, if any.
+    uid: int | None = None
+    secret: bytes | None = None
     open_keys: int = 0                  # keys (+1 per job) of its open jobs
     # Its tombstones are keyed by this serial, not the id: they go with the engine, since a
     # restarted engine (new sessions, same id) may count job ids from 0 again.

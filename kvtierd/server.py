@@ -330,7 +330,8 @@ class Server:
         self.sessions.admit(conn)
         ns_id = NamespaceId.from_wire(msg["namespace"], msg["world_size"])
         pid = msg.get("pid")
-        session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], ns_id, pid)
+        session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], ns_id, pid,
+                                    uid=None if conn is None else conn.uid, secret=msg.get("secret"))
         watched, token = self.sessions.register(identity, session, pid, msg.get("pidns"), conn)
         log.info("attach session=%d engine=%r %s world_size=%d pid=%s namespace=%s watched=%s", session.id,
                  session.engine.id, session.role, msg["world_size"], pid, ns_id.name(), watched)

@@ -8,6 +8,8 @@ typed code, having changed nothing it should not have.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import time
 
@@ -47,17 +49,28 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
     def attach(self, engine_id: str, rank: int | None, world_size: int, ns_id: NamespaceId,
-               pid: int | None = None) -> Session:
+               pid: int | None = None, uid: int | None = None, secret: bytes | None = None) -> Session:
         """A new session of ``engine_id`` (a rank, or the coordinator when ``rank`` is None); the
-        engine's first session fixes its world size and namespace, which later ones must match."""
+        engine's first session fixes its world size and namespace, which later ones must match,
+        and who may join it: later sessions must come from the same ``uid`` (the peer's, as the
+        kernel reports it) and present the same ``secret`` (or none, if the first had none)."""
         if rank is not None and rank >= world_size:   # before anything is created for the engine
             raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
         engines = self.jobs.engines
         engine = engines.get(engine_id)
+        digest = None if secret is None else hashlib.sha256(secret).digest()
         if engine is None:
-            engine = Engine(engine_id, world_size, self.index.namespace(ns_id))
+            engine = Engine(engine_id, world_size, self.index.namespace(ns_id), uid=uid, secret=digest)
             engine.ns.users += 1
             engines[engine_id] = engine
+        elif engine.uid != uid:
+            raise RequestError(ErrorCode.FORBIDDEN, f"engine {engine_id!r} is attached from uid {engine.uid}; a "
+                                                    f"session from uid {uid} cannot join it (choose another engine id)")
+        elif not hmac.compare_digest(engine.secret or b"", digest or b""):
+            raise RequestError(ErrorCode.FORBIDDEN, f"engine {engine_id!r} was attached with "
+                               f"{'a secret' if engine.secret else 'no secret'} and this session presents "
+                               f"{'another' if digest else 'none'}: every session of an engine presents the same "
+                               "one (Client(engine_secret=...), KVTIER_ENGINE_SECRET)")
         elif engine.world_size != world_size or engine.ns.id != ns_id:
             raise RequestError(ErrorCode.LAYOUT_MISMATCH,
                                f"engine {engine_id!r} is attached with world size {engine.world_size} and namespace "

@@ -216,3 +216,20 @@ def many_parts(socket_path: str, parts: int = 40, part_bytes: int = 8 << 20) -> 
         return {"code": code, "sent_bytes": parts * part_bytes}
     finally:
         raw.close()
+
+
+# ------------------------------------------------------------------ item 5: borrowed identity
+def borrow_identity(socket_path: str, engine: str, world_size: int, namespace: dict, ranks=(None,)) -> dict:
+    """Try to attach as ``engine`` (its coordinator, or a rank slot), without its secret and with a
+    wrong one; every attempt must get FORBIDDEN."""
+    raw = Raw(socket_path)
+    try:
+        codes = []
+        for rank in ranks:
+            for extra in ({}, {"secret": os.urandom(32)}):
+                reply = raw.ask(hello(engine=engine, rank=rank, world_size=world_size, namespace=namespace,
+                                      pid=os.getpid(), pidns=pidns(), **extra))
+                codes.append(refused(reply, ErrorCode.FORBIDDEN))
+        return {"attempts": len(codes)}
+    finally:
+        raw.close()

@@ -56,6 +56,7 @@ MAX_JOB_ID = (1 << 63) - 1
 MAX_JOBS_PER_QUERY = 4096
 MAX_ERROR_CHARS = 512                  # an error reply's message is cut to this many characters
 MAX_PID = 1 << 22                      # the kernel's largest pid_max (PID_MAX_LIMIT on 64-bit)
+MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 64   # an engine secret (hello's ``secret``)
 
 PAGES_DTYPE = "<u4"                    # page indices on the wire and in the region's chain table
 
@@ -163,6 +164,9 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "namespace": Field("map"),
         "pid": _int(1, MAX_PID, required=False),
         "pidns": _int(0, 1 << 63, required=False),
+        # Binds the engine's sessions together: the first session of an engine fixes it, every
+        # later one must present the same (docs/reliability.md, Security).
+        "secret": Field("bytes", lo=MIN_SECRET_BYTES, hi=MAX_SECRET_BYTES, required=False),
         # Re-attaching after a lost reply: end this earlier session (proved by its token) first.
         "replaces": _int(0, 1 << 63, required=False),
         "replaces_token": _int(0, 1 << 63, required=False),
@@ -345,6 +349,14 @@ def _(name: str, value: Any, spec: Field) -> None:
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r}={value!r} not one of {list(spec.choices)}")
     n = len(value.encode())
     if spec.lo is not None and not spec.lo <= n <= (spec.hi or MAX_STR_BYTES):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {spec.lo}..{spec.hi} bytes long")
+
+
+@_register("bytes")
+def _(name: str, value: Any, spec: Field) -> None:
+    if type(value) is not bytes:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be bytes")
+    if not spec.lo <= len(value) <= spec.hi:
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {spec.lo}..{spec.hi} bytes long")
 
 

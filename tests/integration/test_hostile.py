@@ -7,6 +7,7 @@ process, every block's bytes a function of its key) keeps being served correct b
 | 2 | idle connections past the open-files limit (prlimit) | test_idle_connections_* |
 | 3 | hello claiming pid 1 then vanishing; pid 2^31; a session flood | test_sessions_* |
 | 4 | 1,000 never-released 8,192-key load jobs; tombstones of many jobs; a 40-part message | test_memory_* |
+| 5 | attaching as another engine's coordinator or free rank, to abort or vote on its jobs | test_identity_* |
 
 The attacks themselves are ``tests/attacks.py`` (the hostile soak cycles through the same ones).
 """
@@ -198,4 +199,47 @@ def test_memory_of_a_many_part_message_is_not_copied(daemon, engine):
     assert out["code"] == attacks.ErrorCode.BAD_REQUEST
     assert rss_mib(daemon) < before + 64, (before, daemon.rss())
     served_correctly(good, "parts-after")
+    assert_alive(daemon)
+
+
+# ------------------------------------------------------------------ item 5
+def test_identity_an_engines_sessions_cannot_be_borrowed(daemon):
+    # Issue 11 item 5: any client could attach as another engine's coordinator (same engine id,
+    # world size and namespace) and abort its jobs, or take a free rank slot and vote.
+    ns = dict(attacks.NAMESPACE, model="victim")
+    secret = os.urandom(32)
+    victim = attacks.Raw(daemon.socket)
+    second = attacks.Raw(daemon.socket)
+    try:
+        assert victim.ask(attacks.hello(engine="victim", rank=0, world_size=2, namespace=ns, secret=secret))["ok"]
+        keys = [b"victim-key-%d" % i for i in range(4)]
+        assert victim.ask({"op": "store", "rid": 2, "job": 7, "keys": keys})["ok"]   # rank 0 copies, rank 1 votes later
+        out = attacks.borrow_identity(daemon.socket, "victim", 2, ns, ranks=(None, 1))
+        assert out["attempts"] == 4
+        # The engine's own rank 1, with its secret, joins and votes: the job completes untouched.
+        assert second.ask(attacks.hello(engine="victim", rank=1, world_size=2, namespace=ns, secret=secret))["ok"]
+        assert second.ask({"op": "store", "rid": 3, "job": 7, "keys": keys})["ok"]
+        assert victim.ask({"op": "commit", "rid": 4, "job": 7, "ok": True})["ok"]
+        assert victim.ask({"op": "lookup", "rid": 5, "keys": keys})["hits"] == 4
+    finally:
+        victim.close()
+        second.close()
+    stats = assert_alive(daemon)
+    assert stats["aborted_jobs"] == {} and stats["errors"]["FORBIDDEN"] == 4, stats
+
+
+def test_identity_a_secret_is_all_or_nothing_for_an_engine(daemon):
+    # An engine whose first session presented no secret takes no session that presents one, and
+    # the other way round: a thief cannot pick the rule.
+    ns = dict(attacks.NAMESPACE, model="plain")
+    first = attacks.Raw(daemon.socket)
+    try:
+        assert first.ask(attacks.hello(engine="plain", rank=0, world_size=2, namespace=ns))["ok"]
+        other = attacks.Raw(daemon.socket)
+        attacks.refused(other.ask(attacks.hello(engine="plain", rank=1, world_size=2, namespace=ns,
+                                                secret=os.urandom(16))), attacks.ErrorCode.FORBIDDEN)
+        assert other.ask(attacks.hello(engine="plain", rank=1, world_size=2, namespace=ns))["ok"]
+    finally:
+        first.close()
+        other.close()
     assert_alive(daemon)
