@@ -32,6 +32,7 @@ import errno
 import logging
 import os
 import secrets
+import select
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class SessionEnd(str, enum.Enum):
     REATTACHED = "reattached"           # a new hello replaced it, proving it with its token
     DEAD_AT_HELLO = "dead_at_hello"     # its pid was gone by the time of its hello
     DISCONNECTED = "disconnected"       # the connection it said hello on ended (its process may live on)
+    REGION_REPLACED = "region_replaced"  # the data file was truncated under the daemon and replaced
     DAEMON_STOPPED = "daemon_stopped"
 
 
@@ -91,6 +93,7 @@ class _Link:
 # pidfd_open failing for want of descriptors or memory says nothing about the process: such a
 # session is not watched (it owes heartbeats) rather than refused as dead.
 _CANNOT_WATCH = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+DISCONNECT_GRACE = 1.0     # seconds a watched session outlives its connection, for its pidfd to tell a death
 
 
 class SessionRegistry:
@@ -115,6 +118,7 @@ class SessionRegistry:
         self.per_peer: Counter = Counter()               # peer → its sessions
         self.pidfds: dict[int, Session] = {}            # pidfd → the session it watches
         self.heartbeats: dict[int, float] = {}          # unwatched session id → when it last proved alive
+        self.disconnected_at: dict[int, float] = {}     # watched session id → when its connection ended
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -193,7 +197,8 @@ class SessionRegistry:
         """End a session: forget its identity, token and watch, then the store detaches it."""
         link = self._by_id.pop(session.id, None)
         if link is not None:
-            self._by_identity.pop(link.identity, None)
+            if self._by_identity.get(link.identity) is link:
+                del self._by_identity[link.identity]
             if link.conn is not None:
                 tied = self._by_conn[link.conn.serial]
                 tied.remove(link)
@@ -207,13 +212,23 @@ class SessionRegistry:
                 os.close(link.pidfd)
                 del self.pidfds[link.pidfd]
         self.heartbeats.pop(session.id, None)
+        self.disconnected_at.pop(session.id, None)
         self._end(session, cause)
         log.info("detach session=%d engine=%r %s cause=%s", session.id, session.engine.id, session.role, cause.value)
 
     def disconnected(self, conn: "Conn") -> None:
-        """The connection ``conn`` ended: the sessions tied to it end too."""
+        """The connection ``conn`` ended: the sessions tied to it end too. A process that dies
+        closes its sockets a moment before its pidfd says so: a watched session whose process
+        still runs is given DISCONNECT_GRACE for its pidfd to tell (``died``), and ends as
+        DISCONNECTED after it (``sweep``); its routing identity is gone at once."""
         for link in list(self._by_conn.get(conn.serial, ())):
-            self.end(link.session, SessionEnd.DISCONNECTED)
+            if link.pidfd is None:
+                self.end(link.session, SessionEnd.DISCONNECTED)
+            elif select.select([link.pidfd], [], [], 0)[0]:
+                self.died(link.pidfd)
+            else:
+                self._by_identity.pop(link.identity, None)
+                self.disconnected_at[link.session.id] = time.monotonic()
 
     def died(self, pidfd: int) -> None:
         """The pidfd became readable: its process died."""
@@ -223,7 +238,11 @@ class SessionRegistry:
         self.end(session, SessionEnd.DIED)
 
     def sweep(self, now: float) -> None:
-        """End the unwatched sessions that sent nothing for longer than heartbeat_timeout."""
+        """End the unwatched sessions that sent nothing for longer than heartbeat_timeout, and the
+        watched ones whose connection ended more than DISCONNECT_GRACE ago."""
+        for session_id, gone in list(self.disconnected_at.items()):
+            if now - gone > DISCONNECT_GRACE:
+                self.end(self._by_id[session_id].session, SessionEnd.DISCONNECTED)
         for session_id, seen in list(self.heartbeats.items()):
             if now - seen > self.heartbeat_timeout:
                 session = self._by_id[session_id].session
@@ -231,7 +250,7 @@ class SessionRegistry:
                             session.pid, session.role, session.engine.id, now - seen)
                 self.end(session, SessionEnd.HEARTBEAT_LOST)
 
-    def close(self) -> None:
-        """End every session (the daemon stops)."""
+    def close(self, cause: SessionEnd = SessionEnd.DAEMON_STOPPED) -> None:
+        """End every session (the daemon stops, or its data file is replaced)."""
         for link in list(self._by_id.values()):
-            self.end(link.session, SessionEnd.DAEMON_STOPPED)
+            self.end(link.session, cause)

@@ -174,3 +174,28 @@ def test_a_session_ends_with_its_connection_and_is_not_its_identity_on_another()
     reg.reg.admit(Conn(3, 12, 100, 0, 0))
     reg.reg.close()
     reg.env.store.verify()
+
+
+def test_a_watched_session_whose_connection_ends_gets_a_moment_for_its_pidfd_to_tell_a_death(r):
+    # A dying process closes its sockets a moment before its pidfd becomes readable: its session
+    # ends as DIED (what proves a writer gone), not DISCONNECTED. A living one ends as DISCONNECTED.
+    child = subprocess.Popen(["sleep", "60"])
+    alive, dying = Conn(1, 10, child.pid, 0, 0), Conn(2, 11, child.pid, 0, 0)
+    try:
+        s_alive = r.env.store.attach("e", 0, 2, lay("replicated", 2), child.pid)
+        r.reg.register(b"alive", s_alive, child.pid, own_pid_namespace(), alive)
+        r.reg.disconnected(alive)
+        assert r.ended == [] and r.reg.session_of(b"alive", alive) is None     # gone from its identity
+        r.reg.sweep(time.monotonic() + 0.5)
+        assert r.ended == []
+        r.reg.sweep(time.monotonic() + 5)
+        assert r.ended == [(s_alive.id, SessionEnd.DISCONNECTED)]
+        s_dying = r.env.store.attach("e", 1, 2, lay("replicated", 2), child.pid)
+        r.reg.register(b"dying", s_dying, child.pid, own_pid_namespace(), dying)
+        child.kill()
+        child.wait()
+        r.reg.disconnected(dying)
+        assert r.ended[-1] == (s_dying.id, SessionEnd.DIED)
+    finally:
+        child.kill()
+        child.wait()
