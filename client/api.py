@@ -46,7 +46,7 @@ from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.paths import default_socket
 from kvtierd.contract.protocol import (HelloReply, JobsReply, LoadReply, LookupReply, StatsReply, StoreOutcome,
                                       StoreReply)
-from kvtierd.contract.region_format import RegionView, shard_checksum
+from kvtierd.contract.region_format import HEADER_BYTES, DataHeader, FormatError, shard_checksum
 
 from .copy import Copier, CopyHandle
 from .kvcache import KVCacheLayout
@@ -232,11 +232,15 @@ class Client:
         info = self.info
         mapping = Mapping.of_file(info.region)
         try:
-            view = RegionView(mapping.buffer)
-            if int(view.header["generation"]) != info.generation or view.geometry.data_offset != info.data_offset:
-                raise KvtierError(f"region {info.region} does not match what kvtierd announced; "
-                                  "another daemon may have replaced it")
-            del view
+            try:
+                found = DataHeader.read(np.frombuffer(mapping.buffer, dtype=np.uint8)[:HEADER_BYTES]) \
+                    if mapping.size >= HEADER_BYTES else None
+            except FormatError:
+                found = None
+            announced = DataHeader(info.generation, info.page_size, info.num_pages, info.data_offset, info.file_bytes)
+            if found != announced or mapping.size < info.file_bytes:
+                raise KvtierError(f"region file {info.region} is not the one kvtierd announced (generation "
+                                  f"{info.generation:x}, {info.file_bytes} bytes); it was replaced or truncated")
         except BaseException:
             mapping.close()
             raise

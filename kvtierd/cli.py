@@ -55,12 +55,12 @@ def daemon_main(argv: list[str] | None = None) -> int:
 # inspect and check read the region file, so they also work when the daemon is down.
 
 
-def _paths(args: argparse.Namespace) -> tuple[str, str, str, str]:
-    """(socket, admin socket, region, lock) of the daemon the flags/env point at."""
+def _paths(args: argparse.Namespace) -> tuple[str, str, DaemonPaths, str]:
+    """(socket, admin socket, the region's paths, lock) of the daemon the flags/env point at."""
     paths = DaemonPaths(args.dir or os.environ.get("KVTIERD_DIR") or default_directory(),
                         args.name or os.environ.get("KVTIERD_NAME") or DEFAULT_NAME)
     socket = args.socket or paths.socket
-    return socket, admin_socket_for(socket), args.region or paths.region, paths.lock
+    return socket, admin_socket_for(socket), paths, paths.lock
 
 
 def _call(path: str, timeout: float, op: str, **fields: Any) -> dict[str, Any]:
@@ -213,6 +213,7 @@ def format_check(data: dict, args: argparse.Namespace) -> str:
     lines = [f"{'OK' if data['ok'] else 'DAMAGED'}: {data['entries_sound']} sound entries holding "
              f"{data['pages_held']} of {data['pages_total']} pages; {data['entries_writing']} being written"
              + (" (in flight)" if data["daemon_running"] else " (unfinished: a restart discards them)")]
+    lines += data["header_problems"]
     for ns in data["damaged_namespaces"]:
         lines.append(f"namespace slot {ns['slot']}: {ns['reason']}")
     for p in data["problems"]:
@@ -275,7 +276,6 @@ def ctl_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", help="daemon name [env KVTIERD_NAME; default kvtierd]")
     parser.add_argument("--socket", default=os.environ.get("KVTIERD_SOCKET"),
                         help="client socket, instead of <dir>/<name>.sock [env KVTIERD_SOCKET]")
-    parser.add_argument("--region", help="region file, instead of <dir>/<name>.region")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     parser.add_argument("--version", action="version", version=f"kvtierctl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

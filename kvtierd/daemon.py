@@ -141,7 +141,7 @@ class Daemon:
         geo = self.region.geometry
         log.info("ready: socket=%s region=%s size=%s pages=%d page_size=%s capacity=%s data_offset=%d "
                  "pinned=%s prefault=%s generation=%x started_in=%.2fs admin_socket=%s", self.server.socket_path,
-                 self.region.paths.region, format_size(geo.file_bytes), geo.num_pages, format_size(geo.page_size),
+                 self.region.paths.region, format_size(geo.total_bytes), geo.num_pages, format_size(geo.page_size),
                  format_size(geo.capacity_bytes), geo.data_offset, self.region.pinned, self.region.prefault,
                  self.region.generation, time.monotonic() - started, self.server.admin_socket_path)
         self.notifier.notify(READY=1, STATUS=f"serving {self.server.socket_path}: {geo.num_pages} pages of "

@@ -230,6 +230,9 @@ class Jobs:
             self._abort(job, AbortCause.VOTE_FAILED)
             self._writer_gone(job, rank)        # a writer voting no is not copying any more
             return
+        if checksums is None and self.checksums and rank in job.engine.writers:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"this kvtierd keeps checksums (setting checksums): the commit "
+                               f"of job {job_id} must carry the checksum of rank {rank}'s shard of each entry")
         if checksums is not None:
             writes = len(job.entries) if rank in job.engine.writers else 0
             if rank not in job.engine.writers or len(checksums) != len(job.entries):

@@ -24,7 +24,10 @@ all); a session is tied to its connection and ends with it.
 Every reply is built from its shape declared in ``protocol`` (``REPLIES``, ``ADMIN_REPLIES``).
 Sessions and their liveness are the ``SessionRegistry``'s (``kvtierd.sessions``); the loop polls
 their pidfds and sweeps their heartbeats. The region file is checked every
-``region_check_interval`` (``Region.check_file``); a truncated one stops the daemon.
+``region_check_interval`` (``Region.check_files``): a truncated metadata file stops the daemon; a
+truncated data file (any member of the client group can do that) is replaced while the daemon
+serves on (``_replace_data``): every session ends, every entry goes (its bytes went with the
+file), and clients re-attach to the new file under a new generation.
 
 Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
 requests of jobs already open are still served, and the loop ends when no load job is open any
@@ -207,10 +210,13 @@ class Server:
                 self.sessions.sweep(now)
                 next_sweep = now + min(0.5, self.heartbeat_timeout / 4)
             if now >= next_region_check:
-                if not self.region.check_file():     # truncated: any access past its end is a SIGBUS
+                action = self.region.check_files()
+                if action == "stop":               # the metadata: its next access may be a SIGBUS
                     self.exit_code = 1
                     self.drain_timeout = 0.0
                     self.request_stop()
+                elif action == "replace data":
+                    self._replace_data()
                 next_region_check = now + self.region_check_interval
             deadline = store.expire()
             wake_at = min(filter(None, [deadline, next_watchdog if watchdog else None, next_pressure,
@@ -340,7 +346,7 @@ class Server:
         return P.HelloReply(
             session=session.id, version=P.PROTOCOL_VERSION, daemon_pid=os.getpid(),
             region=self.region.paths.region, generation=self.region.generation,
-            file_bytes=geo.file_bytes, page_size=geo.page_size, num_pages=geo.num_pages,
+            file_bytes=geo.data_bytes, page_size=geo.page_size, num_pages=geo.num_pages,
             data_offset=geo.data_offset, namespace=ns.id.name(), pages_per_shard=ns.pages_per_shard,
             writers=sorted(session.engine.writers), job_timeout=self.store.job_timeout,
             watched=watched, token=token, heartbeat_interval=None if watched else self.heartbeat_timeout / 3,
@@ -412,7 +418,7 @@ class Server:
             metrics_address=self.metrics_address,
             generation=self.region.generation,
             pinned=self.region.pinned,
-            file_bytes=self.region.geometry.file_bytes,
+            file_bytes=self.region.geometry.data_bytes,
             daemon_pid=os.getpid(),
             stopping=self.stopping,
             region_problem=self.region.problem,
@@ -436,6 +442,17 @@ class Server:
 
     def _clear(self, msg: dict) -> P.EvictReply:
         return P.EvictReply(self.store.evict(msg.get("namespace"), None))
+
+    def _replace_data(self) -> None:
+        """The data file was truncated under the daemon: its blocks are gone. End every session
+        (their jobs abort, their pins drop), drop every entry, and serve a fresh data file under a
+        new generation; clients re-attach and remap. The daemon never touched the truncated file."""
+        log.critical("region file %s was truncated (a member of the client group can do that): its cached "
+                     "blocks are gone; ending every session and replacing it", self.region.paths.region)
+        self.sessions.close(SessionEnd.REGION_REPLACED)
+        dropped = self.store.drop_all()
+        generation = self.region.replace_data()
+        log.warning("region file replaced: %d entries dropped, new generation %x", dropped, generation)
 
     # ------------------------------------------------------------------ stop
     def close(self) -> None:

@@ -130,6 +130,12 @@ class Store:
         """Abort jobs past their deadline, free quarantines past theirs. Returns the next deadline."""
         return self.jobs.expire()
 
+    def drop_all(self) -> int:
+        """Drop every entry (the data file holding their bytes is gone). Call with no session
+        attached: no job is open, nothing is pinned. Returns how many were dropped."""
+        assert not self.sessions, "drop_all with sessions attached"
+        return self.index.evict(None, None)
+
     def evict(self, namespace: str | None, count: int | None) -> int:
         """Operator eviction (kvtierctl evict/clear): see ``Index.evict``."""
         return self.index.evict(namespace, count)

@@ -1,9 +1,10 @@
-"""A well-behaved engine whose every block's bytes are a function of its key.
+"""A well-behaved engine whose every block's bytes are a function of its model and key.
 
 ``KeyedEngine`` is a spawned process holding a TP=1 ``kvtier.Client`` and a small CPU KV cache
 (NumPy arrays seen through torch). ``round(keys)`` is what an engine does for one prompt: look up
 the keys, load the hits into clobbered blocks and compare every loaded block with the bytes its
-key defines (``content``), then store the keys that missed. A load that is not ok (the daemon
+model and key define (``content``: another model's block under the same key is a wrong block),
+then store the keys that missed. A load that is not ok (the daemon
 aborted the job, or restarted) is a miss, never a wrong block; a wrong block is a loaded block of
 an ok job whose bytes are not its key's. The counters come back with every round.
 
@@ -23,9 +24,9 @@ LAYERS = 2
 BLOCKS = 32
 
 
-def content(key: bytes, nbytes: int = BLOCK_BYTES):
+def content(model: str, key: bytes, nbytes: int = BLOCK_BYTES):
     import numpy as np
-    seed = int.from_bytes(hashlib.sha256(b"keyed/" + key).digest()[:8], "little")
+    seed = int.from_bytes(hashlib.sha256(model.encode() + b"/" + key).digest()[:8], "little")
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
@@ -33,8 +34,8 @@ def keys_of(prefix: str, n: int) -> list[bytes]:
     return [hashlib.sha256(f"{prefix}/{i}".encode()).digest() + b"\0\0\0\0" for i in range(n)]
 
 
-def namespace(model: str = "keyed") -> dict:
-    return {"model": model, "dtype": "uint8", "block_tokens": 16, "block_bytes": BLOCK_BYTES,
+def namespace(model: str = "keyed", block_bytes: int = BLOCK_BYTES) -> dict:
+    return {"model": model, "dtype": "uint8", "block_tokens": 16, "block_bytes": block_bytes,
             "sharding": "replicated"}
 
 
@@ -46,23 +47,27 @@ def _worker(conn) -> None:
 
     state: dict[str, Any] = {"jobs": 0}
     totals: Counter = Counter()
-    row = BLOCK_BYTES // LAYERS
-    arrays = [np.zeros((BLOCKS, row), dtype=np.uint8) for _ in range(LAYERS)]
+    arrays: list = []
 
     def connect(socket: str, engine: str, model: str = "keyed", timeout: float = 20.0, secret: bytes | None = None,
-                reconnect_timeout: float = 60.0) -> dict:
+                reconnect_timeout: float = 60.0, block_bytes: int = BLOCK_BYTES) -> dict:
         kwargs = {} if secret is None else {"engine_secret": secret}
+        state.update(model=model, block_bytes=block_bytes, row=block_bytes // LAYERS)
+        arrays[:] = [np.zeros((BLOCKS, block_bytes // LAYERS), dtype=np.uint8) for _ in range(LAYERS)]
         state["client"] = Client(socket, engine_id=engine, rank=0, world_size=1,
-                                 namespace=NamespaceId(**namespace(model)), pin="off", copier="cpu", timeout=timeout,
-                                 reconnect_timeout=reconnect_timeout, **kwargs)
+                                 namespace=NamespaceId(**namespace(model, block_bytes)), pin="off", copier="cpu",
+                                 timeout=timeout, reconnect_timeout=reconnect_timeout, **kwargs)
         state["client"].register_kv_caches([torch.from_numpy(a) for a in arrays])
         return {"session": state["client"].session}
+
+    def expected(key: bytes) -> "np.ndarray":
+        return content(state["model"], key, state["block_bytes"])
 
     def block(b: int) -> "np.ndarray":
         return np.concatenate([a[b] for a in arrays])
 
     def put(b: int, key: bytes) -> None:
-        data = content(key)
+        data, row = expected(key), state["row"]
         for i, a in enumerate(arrays):
             a[b] = data[i * row:(i + 1) * row]
 
@@ -88,7 +93,7 @@ def _worker(conn) -> None:
             (result,) = client.wait([job], timeout=60)
             if result.ok:
                 for i in range(loaded):
-                    if np.array_equal(block(dst[i]), content(keys[i])):
+                    if np.array_equal(block(dst[i]), expected(keys[i])):
                         out["verified"] += 1
                     else:
                         out["wrong"] += 1

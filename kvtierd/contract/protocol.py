@@ -44,7 +44,9 @@ import msgpack
 from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 
 # 2: hello's "layout" map became "namespace", its "kind" field "sharding".
-PROTOCOL_VERSION = 2
+# 3: the region is two files: hello's "region" is the data file, whose header the client checks
+#    (region_format.DataHeader); "file_bytes" is that file's size. hello takes a "secret".
+PROTOCOL_VERSION = 3
 
 # --- limits (enforced before any allocation) ------------------------------------------------
 MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
@@ -122,6 +124,7 @@ class AbortCause(str, enum.Enum):
     RANK_REATTACHED = "rank_reattached"       # a new hello replaced the session (with its token)
     RANK_DEAD_AT_HELLO = "rank_dead_at_hello"
     RANK_DISCONNECTED = "rank_disconnected"   # its connection ended without bye
+    RANK_REGION_REPLACED = "rank_region_replaced"   # the region file was truncated and replaced
     RANK_DAEMON_STOPPED = "rank_daemon_stopped"
 
 

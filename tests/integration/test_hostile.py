@@ -8,6 +8,7 @@ process, every block's bytes a function of its key) keeps being served correct b
 | 3 | hello claiming pid 1 then vanishing; pid 2^31; a session flood | test_sessions_* |
 | 4 | 1,000 never-released 8,192-key load jobs; tombstones of many jobs; a 40-part message | test_memory_* |
 | 5 | attaching as another engine's coordinator or free rank, to abort or vote on its jobs | test_identity_* |
+| 6 | byte edits of a stopped region: a revived record, a page, a link, a namespace, a checksum, a tick | test_metadata_* |
 
 The attacks themselves are ``tests/attacks.py`` (the hostile soak cycles through the same ones).
 """
@@ -243,3 +244,86 @@ def test_identity_a_secret_is_all_or_nothing_for_an_engine(daemon):
         first.close()
         other.close()
     assert_alive(daemon)
+
+
+# ------------------------------------------------------------------ item 6
+def region_tables(daemon):
+    """The stopped daemon's tables and pages, writable: (view, close)."""
+    from kvtierd.contract.mapping import Mapping
+    from kvtierd.contract.region_format import RegionView
+    meta, data = Mapping.of_file(daemon.paths.meta), Mapping.of_file(daemon.region)
+    view = RegionView(meta.buffer, data.buffer)
+
+    def close():
+        view.data = view.data_file = None
+        meta.close()
+        data.close()
+    return view, close
+
+
+def slot_of(view, key: bytes, state: int | None = None) -> int:
+    from kvtierd.contract.protocol import MAX_KEY_BYTES
+    match = (view.entries["key_len"] == len(key)) & (view.entries["key"][:, :len(key)] == list(key)).all(axis=1)
+    if state is not None:
+        match &= view.entries["state"] == state
+    (slot,) = match.nonzero()[0]
+    return int(slot)
+
+
+def test_metadata_byte_edits_of_a_stopped_region_are_caught(start_daemon, engine):
+    # Issue 11 item 6: single-byte edits of a stopped region made the restarted daemon serve wrong
+    # blocks (a stale FREE record revived, an entry's first page, a chain link); with --checksums an
+    # entry's namespace field moved model X's block to model Y, a zeroed checksum turned
+    # verification off; a tick of 2^64-1 made every request fail with INTERNAL and the clean stop
+    # crash while kvtierctl check said OK.
+    import numpy as np
+    from .test_kvtierctl import ctl_json
+    daemon = start_daemon("--checksums", page_size="16KiB")
+    x = engine(daemon, "x", model="mx")
+    y = engine(daemon, "y", model="my", block_bytes=32768)      # 2 pages a block
+    z = engine(daemon, "z", model="mz")
+    k = {name: keys_of(f"meta-{name}", 1)[0] for name in ("x1", "x2", "x3", "x4", "x5", "x6", "y1")}
+    x.call("round", keys=[k["x1"], k["x2"]])
+    x.call("round", keys=[k["x3"], k["x4"], k["x5"], k["x6"]])
+    assert daemon.call("evict", admin=True, count=2)["evicted"] == 2     # x1, x2: their records FREE
+    y.call("round", keys=[k["y1"]])                              # y1 takes their two pages, and x1's slot
+    assert daemon.stop() == 0
+
+    view, close = region_tables(daemon)
+    try:
+        held = set()
+        for slot in np.flatnonzero(view.entries["state"] == 2).tolist():
+            held.update(view.chain_of(slot).tolist())
+        spare = [p for p in range(view.geometry.num_pages) if p not in held]
+        revived = slot_of(view, k["x2"], state=0)
+        assert int(view.entries["first_page"][revived]) in view.chain_of(slot_of(view, k["y1"])).tolist()
+        view.entries["state"][revived] = 2                       # a stale record's state byte revived
+        edited = {"revived": revived}
+        edited["first_page"] = slot_of(view, k["x3"])
+        view.entries["first_page"][edited["first_page"]] = spare[0]
+        edited["chain_link"] = slot_of(view, k["y1"])
+        view.chain[int(view.entries["first_page"][edited["chain_link"]])] = spare[1]
+        edited["namespace"] = slot_of(view, k["x4"])             # model mx's block claims to be model mz's
+        z_slot = next(s for s in np.flatnonzero(view.namespaces["in_use"]).tolist()
+                      if bytes(view.namespaces["model"][s]).rstrip(b"\0") == b"mz")
+        view.entries["ns"][edited["namespace"]] = z_slot
+        edited["checksum"] = slot_of(view, k["x5"])              # checksum zeroed, and a byte of its block changed
+        view.entries["checksum"][edited["checksum"]] = 0
+        view.data[int(view.entries["first_page"][edited["checksum"]]) * view.geometry.page_size + 100] ^= 0xFF
+        edited["tick"] = slot_of(view, k["x6"])
+        view.entries["tick"][edited["tick"]] = (1 << 64) - 1
+    finally:
+        close()
+
+    report = ctl_json(daemon, "check", expect=1)
+    assert not report["ok"]
+    assert {p["slot"] for p in report["problems"]} == set(edited.values()), report["problems"]
+    daemon.start()
+    for engine_, keys in ((x, [k["x2"], k["x3"], k["x4"], k["x5"], k["x6"]]), (y, [k["y1"]]), (z, [k["x4"]])):
+        engine_.call("round", keys=keys)                         # misses: stored again
+        totals = engine_.call("round", keys=keys)
+        assert totals.get("wrong", 0) == 0, totals
+        assert totals["verified"] >= len(keys), totals
+    assert_alive(daemon)
+    assert daemon.stop() == 0
+    assert ctl_json(daemon, "check")["ok"]

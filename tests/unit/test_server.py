@@ -105,7 +105,7 @@ def test_hello_reply(d):
     geo = d.region.geometry
     assert (h.version, h.daemon_pid, h.region, h.generation) == (P.PROTOCOL_VERSION, os.getpid(),
                                                                  d.region.paths.region, d.region.generation)
-    assert (h.file_bytes, h.page_size, h.num_pages, h.data_offset) == (geo.file_bytes, geo.page_size,
+    assert (h.file_bytes, h.page_size, h.num_pages, h.data_offset) == (geo.data_bytes, geo.page_size,
                                                                         geo.num_pages, geo.data_offset)
     assert (h.namespace, h.pages_per_shard, h.writers) == (NS.name(), 1, [0])
     assert h.watched and h.heartbeat_interval is None and h.job_timeout == 30.0 and h.checksums is False
