@@ -164,6 +164,9 @@ SETTINGS: tuple[Setting, ...] = (
             "request), oldest forgotten first, across all engines; about 200 bytes each.", lo=1024, hi=1 << 26),
     Setting("metrics_address", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus endpoint (/metrics), or "
             "off. Loopback by default: bind elsewhere only behind a firewall."),
+    Setting("metrics_cache_seconds", "float", "1", "A scrape of /metrics within this many seconds of the last "
+            "rendering gets the same page: scraping in a loop (any local user can) costs the request loop one "
+            "snapshot per period.", lo=0, hi=3600),
     Setting("recreate", "bool", "false", "Replace an existing region whose header or geometry does not match "
             "(its cached blocks are lost)."),
     Setting("prefault_threads", "int", "4", "Threads that prefault the region at start.", lo=1, hi=256),

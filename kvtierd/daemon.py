@@ -131,7 +131,7 @@ class Daemon:
             from .metrics import start_endpoint   # prometheus-client only where metrics are served
             try:
                 self.metrics_server, bound = start_endpoint(
-                    c.metrics_address, lambda: self.server.call_in_loop(self.server.stats))
+                    c.metrics_address, lambda: self.server.call_in_loop(self.server.stats), c.metrics_cache_seconds)
             except ValueError:
                 self.server.close()
                 self.region.close(clean=False)

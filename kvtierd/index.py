@@ -182,8 +182,10 @@ class Index:
 
     # ------------------------------------------------------------------ namespaces
     def namespace(self, ns_id: NamespaceId) -> Namespace:
-        """The namespace of ``ns_id``, recorded in the namespace table when it is new (a table slot
-        of an empty namespace that no engine uses is taken over when the table is full)."""
+        """The namespace of ``ns_id``, recorded in the namespace table when it is new. When the
+        table is full, the slot of a namespace no attached engine uses is taken over — the one
+        whose entries were used least recently, its entries evicted — so namespaces that an engine
+        (or an attacker) left behind cannot keep new models out, across restarts too."""
         ns = self.namespaces.get(ns_id)
         if ns is not None:
             return ns
@@ -193,20 +195,32 @@ class Index:
                                f"the region has {self.geometry.num_pages}")
         table = self.view.namespaces
         free = np.flatnonzero(table["in_use"] == 0)
-        if len(free) == 0:
-            empty = [n for n in self.namespaces.values() if not n.index and not n.users]
-            if not empty:
-                raise RequestError(ErrorCode.NO_SPACE, f"all {len(table)} namespace slots are in use")
-            slot = empty[0].slot
-            del self.namespaces[empty[0].id]
-        else:
-            slot = int(free[0])
+        slot = int(free[0]) if len(free) else self._reclaim_namespace()
         table[slot] = namespace_record(ns_id, NS_CHECKSUMS if self.checksums else 0)
         ns = Namespace(slot, ns_id, self.page_size, int(namespace_identities(table[slot:slot + 1])[0]))
         self.namespaces[ns_id] = ns
         self.ns_by_slot[slot] = ns
         log.info("namespace %d: %s", slot, ns_id.name())
         return ns
+
+    def _reclaim_namespace(self) -> int:
+        """Free the table slot of the unused namespace used least recently (evicting its entries)."""
+        unused = [n for n in self.namespaces.values() if not n.users]
+        if not unused:
+            raise RequestError(ErrorCode.NO_SPACE, f"all {len(self.view.namespaces)} namespace slots are held by "
+                                                   "attached engines")
+
+        def last_used(ns: Namespace) -> int:
+            return int(self._ticks[list(map(_SLOT, ns.index.values()))].max()) if ns.index else -1
+        victim = min(unused, key=last_used)
+        entries = list(victim.index.values())   # no engine uses it: no job holds them, none pinned
+        self._evict(entries)
+        del self.namespaces[victim.id]
+        del self.ns_by_slot[victim.slot]
+        self.view.namespaces[victim.slot]["in_use"] = 0
+        log.warning("namespace table full: namespace %d (%s) taken over, %d of its entries evicted", victim.slot,
+                    victim.id.name(), len(entries))
+        return victim.slot
 
     def namespace_stats(self) -> list[dict]:
         return [{"slot": ns.slot, "name": ns.id.name(), "entries": len(ns.index),

@@ -226,8 +226,14 @@ class Region:
             else:
                 _reserve(paths.region, wanted.data_bytes, DATA_MODE, gid, directory)
             data = Mapping.of_file(paths.region)
-            meta.prefault(threads=1)
-            method = data.prefault(threads=prefault_threads, progress=progress)
+            try:
+                meta.prefault(threads=1)
+                method = data.prefault(threads=prefault_threads, progress=progress)
+            except OSError as exc:      # EFAULT: a page that cannot be backed (reserved above, so rare)
+                vfs = os.statvfs(directory)
+                raise RegionError(f"cannot fault in the region ({exc.strerror}): {directory} has "
+                                  f"{_gib(vfs.f_bavail * vfs.f_frsize)} free for {_gib(wanted.total_bytes)}; free "
+                                  "space there or lower --size") from None
             pinned = data.pin(pin)
             view.attach_data(data.buffer)
             view.header["clean_shutdown"] = 0   # a daemon runs on it now

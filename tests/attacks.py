@@ -233,3 +233,35 @@ def borrow_identity(socket_path: str, engine: str, world_size: int, namespace: d
         return {"attempts": len(codes)}
     finally:
         raw.close()
+
+
+# ------------------------------------------------------------------ item 8: namespace slots
+def fill_namespaces(socket_path: str, n: int, prefix: str = "squat") -> dict:
+    """``n`` engines, each of its own model, each storing one block and leaving: the namespace
+    table fills with namespaces nobody uses. Counts the hellos that got NO_SPACE."""
+    ctx = zmq.Context()
+    attached = refused_ = 0
+    try:
+        for i in range(n):
+            raw = Raw(socket_path, ctx)
+            try:
+                reply = raw.ask(hello(engine=f"{prefix}-{i}", namespace=dict(NAMESPACE, model=f"{prefix}-{i}")))
+                if not reply["ok"]:
+                    refused(reply, ErrorCode.NO_SPACE)
+                    refused_ += 1
+                    continue
+                attached += 1
+                assert raw.ask({"op": "store", "rid": 2, "job": 1, "keys": [b"k"]})["ok"]
+                assert raw.ask({"op": "commit", "rid": 3, "job": 1, "ok": True})["ok"]
+                assert raw.ask({"op": "bye", "rid": 4})["ok"]
+            finally:
+                raw.close()
+    finally:
+        ctx.term()
+    return {"attached": attached, "no_space": refused_}
+
+
+def scrape(address: str) -> bytes:
+    import urllib.request
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        return r.read()

@@ -9,6 +9,8 @@ process, every block's bytes a function of its key) keeps being served correct b
 | 4 | 1,000 never-released 8,192-key load jobs; tombstones of many jobs; a 40-part message | test_memory_* |
 | 5 | attaching as another engine's coordinator or free rank, to abort or vote on its jobs | test_identity_* |
 | 6 | byte edits of a stopped region: a revived record, a page, a link, a namespace, a checksum, a tick | test_metadata_* |
+| 7 | the files, as `nobody` with and without the client group | tests/integration/test_access.py |
+| 8 | a damaged region offline; 1,024 namespaces left behind; a sparse region on a full filesystem; a scrape loop | test_low_* |
 
 The attacks themselves are ``tests/attacks.py`` (the hostile soak cycles through the same ones).
 """
@@ -327,3 +329,84 @@ def test_metadata_byte_edits_of_a_stopped_region_are_caught(start_daemon, engine
     assert_alive(daemon)
     assert daemon.stop() == 0
     assert ctl_json(daemon, "check")["ok"]
+
+
+# ------------------------------------------------------------------ item 8
+@pytest.mark.parametrize("damage", ["garbage header", "truncated"])
+def test_low_offline_kvtierctl_says_what_is_wrong_with_a_damaged_region(daemon, damage):
+    # Issue 11 item 8: kvtierctl status/namespaces/entries/check/inspect printed UnboundLocalError.
+    from .test_kvtierctl import run
+    assert daemon.stop() == 0
+    if damage == "truncated":
+        os.truncate(daemon.paths.meta, 100)
+    else:
+        with open(daemon.paths.meta, "r+b") as f:
+            f.write(b"not a header" * 10)
+    for command in (["status"], ["namespaces"], ["entries"], ["check"], ["inspect", "page", "0"]):
+        err = run(daemon, *command, expect=1).stderr
+        assert "UnboundLocalError" not in err and "Traceback" not in err, err
+        assert ("too short" if damage == "truncated" else "bad magic") in err, err
+
+
+def test_low_namespaces_left_behind_cannot_keep_a_new_model_out(start_daemon, engine):
+    # Issue 11 item 8: a client filled all 1,024 namespace slots in 1.6 s (each holding a block) and
+    # kept every new model out, across restarts too.
+    daemon = start_daemon(size="128MiB", page_size="16KiB")
+    out = attacks.fill_namespaces(daemon.socket, 1024)
+    assert out == {"attached": 1024, "no_space": 0}, out
+    assert daemon.stats()["namespaces"] == 1024
+    assert daemon.stop() == 0
+    daemon.start()                                   # across a restart
+    good = engine(daemon, "newcomer", model="a-new-model")
+    served_correctly(good, "newcomer")
+    stats = assert_alive(daemon)
+    assert stats["namespaces"] == 1024 and stats["entries_ready"] == 1023 + 8
+
+
+def test_low_a_sparse_region_on_a_full_filesystem_is_refused_naming_the_space(tmp_path):
+    # Issue 11 item 8: such a region was refused with "madvise(MADV_POPULATE_WRITE): Bad address".
+    import subprocess
+    from kvtierd.launcher import DaemonProcess
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount(2): makes a 24 MiB tmpfs to fill")
+    try:
+        os.makedirs(mnt / "kvt")
+        daemon = DaemonProcess(str(mnt / "kvt"), "--size", "16MiB", "--pin", "off", "--metrics-address", "off")
+        daemon.start()
+        assert daemon.stop() == 0
+        size = os.path.getsize(daemon.region)
+        with open(daemon.region, "r+b") as f:       # the same file, its blocks given back: sparse
+            head = f.read(4096)
+            f.truncate(0)
+            f.truncate(size)
+            f.write(head)
+        with open(mnt / "filler", "wb") as f:      # and the filesystem full (but for the log's few KiB)
+            while True:
+                try:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+                except OSError:
+                    break
+            f.truncate(max(0, f.tell() - (1 << 20)))
+        daemon.launch()
+        assert daemon.proc.wait(30) == 1
+        log = daemon.log()
+        assert "Bad address" not in log and "free" in log and "--size" in log, log[-2000:]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_low_a_scrape_loop_costs_the_daemon_one_snapshot_per_period(start_daemon, engine):
+    # Issue 11 item 8: /metrics scraped in a loop by any local user took a snapshot on the request
+    # loop per scrape. The page is kept for metrics_cache_seconds.
+    daemon = start_daemon("--metrics-cache-seconds", "60")
+    good = engine(daemon)
+    address = daemon.stats()["metrics_address"]
+    first = attacks.scrape(address)
+    served_correctly(good, "scraped")             # lookups and jobs that the counters would show
+    pages = {attacks.scrape(address) for _ in range(50)}
+    assert pages == {first}
+    assert b"kvtierd_lookup_keys_total" in first
