@@ -229,7 +229,8 @@ class Server:
                 except BlockingIOError:
                     pass
             self._run_calls()
-            self.connections.poll()           # connections come and go before their requests are read
+            if self.connections.monitor in events:   # connections come and go before their requests are read
+                self.connections.poll()
             if self.sock in events:
                 self._drain(self.sock, self.handle)
             if self.admin in events:

@@ -110,7 +110,7 @@ def test_sessions_of_closed_sockets_end_and_give_their_descriptors_back(daemon, 
     served_correctly(good, "fd-before")
     baseline = fds_of(daemon)
     out = attacks.hello_and_vanish(daemon.socket, 600, pid=os.getpid())
-    assert out["attached"] == 600
+    assert out["attached"] >= 128 and out["attached"] + out["limit"] == 600, out
     wait_for(lambda: daemon.stats()["sessions"] == 1, what="the vanished sessions to end")
     assert fds_of(daemon) <= baseline + 16
     served_correctly(good, "fd-after")
@@ -124,7 +124,7 @@ def test_sessions_claiming_an_immortal_pid_end_with_their_socket(daemon, engine)
     good = engine(daemon)
     baseline = fds_of(daemon)
     out = attacks.hello_and_vanish(daemon.socket, 2000, pid=1)
-    assert out["attached"] == 2000
+    assert out["attached"] >= 128 and out["attached"] + out["limit"] == 2000, out
     stats = wait_for(lambda: (s := daemon.stats())["sessions"] == 1 and s, what="the vanished sessions to end")
     assert stats["engines"] == 1
     assert fds_of(daemon) <= baseline + 16
