@@ -28,7 +28,6 @@ most the first sample + ``--rss-slack-mib``, and not growing (the second half's 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -45,6 +44,7 @@ from kvtierd.launcher import DaemonProcess  # noqa: E402
 from tests.keyed import KeyedEngine, keys_of, namespace  # noqa: E402
 from tests import attacks  # noqa: E402
 from tests.procs import ChildError  # noqa: E402
+from tests.soak.report import finish  # noqa: E402
 
 CTX = mp.get_context("spawn")
 SECRET = b"hostile-soak-engine-secret"
@@ -301,24 +301,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     figures, failures = run(args)
-    print("kvtierd hostile soak")
-    width = max((len(k) for k in figures), default=0)
-    for k, v in figures.items():
-        print(f"  {k:<{width}}  {v}")
-    print(f"  daemon alive: {'yes' if figures.get('daemon_exit') == 0 else 'NO'}; RSS {figures.get('rss_mib_min')}.."
-          f"{figures.get('rss_mib_max')} MiB; fds {figures.get('fds_min')}..{figures.get('fds_max')}; "
-          f"wrong blocks: {figures.get('wrong_blocks')}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"figures": figures, "failures": failures}, f, indent=1, default=str)
-    if failures:
-        print("FAILED:")
-        for failure in failures:
-            print(f"  - {failure}")
-        return 1
-    print("OK")
-    return 0
-
+    summary = (f"daemon alive: {'yes' if figures.get('daemon_exit') == 0 else 'NO'}; RSS {figures.get('rss_mib_min')}"
+               f"..{figures.get('rss_mib_max')} MiB; fds {figures.get('fds_min')}..{figures.get('fds_max')}; "
+               f"wrong blocks: {figures.get('wrong_blocks')}")
+    return finish("kvtierd hostile soak", figures, failures, args.json, summary)
 
 if __name__ == "__main__":
     sys.exit(main())

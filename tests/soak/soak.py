@@ -443,20 +443,8 @@ def mib(n: int) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     figures, failures = run(args)
-    width = max((len(k) for k in figures), default=0)
-    print("kvtierd soak")
-    for k, v in figures.items():
-        print(f"  {k:<{width}}  {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"figures": figures, "failures": failures}, f, indent=1)
-    if failures:
-        print("FAILED:")
-        for failure in failures:
-            print(f"  - {failure}")
-        return 1
-    print("OK")
-    return 0
+    from tests.soak.report import finish    # the repository root is on sys.path by now (__main__)
+    return finish("kvtierd soak", figures, failures, args.json)
 
 
 if __name__ == "__main__":
