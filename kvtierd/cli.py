@@ -52,7 +52,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------ kvtierctl
 # Each command: (help, add_arguments, fetch(args) -> data, format(data, args) -> str, exit code(data)).
 # Live commands talk the protocol (the admin socket for admin ones); status, namespaces, entries,
-# inspect and check read the region file, so they also work when the daemon is down.
+# inspect and check read the region's files, so they also work when the daemon is down.
 
 
 def _paths(args: argparse.Namespace) -> tuple[str, str, DaemonPaths, str]:
@@ -222,12 +222,12 @@ def format_check(data: dict, args: argparse.Namespace) -> str:
 
 
 COMMANDS: dict[str, tuple] = {
-    "status": ("the daemon's state (live), or the region file's (daemon down)", None, fetch_status,
+    "status": ("the daemon's state (live), or the region's files' (daemon down)", None, fetch_status,
                lambda d, a: _pairs(d), None),
     "stats": ("all counters and occupancy of a running daemon", None, fetch_stats, format_stats, None),
     "namespaces": ("namespaces recorded in the region, with their entry counts", None, fetch_namespaces,
                    lambda d, a: _table(d, ["slot", "entries", "entry_pages", "name"]), None),
-    "entries": ("list entries (reads the region file)",
+    "entries": ("list entries (reads the region's metadata file)",
                 lambda p: (p.add_argument("--namespace", help="only this namespace (as kvtierctl namespaces names it)"),
                            p.add_argument("--sort", choices=("age", "size"), default="age",
                                           help="age: least recently used first; size: largest first"),
@@ -268,8 +268,8 @@ def _bench():
 def ctl_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtierctl",
-        description="Inspect and manage a kvtierd. status, namespaces, entries, inspect and check read the region "
-                    "file and work with the daemon down; stats, clients, evict and clear talk to the daemon "
+        description="Inspect and manage a kvtierd. status, namespaces, entries, inspect and check read the region's "
+                    "files and work with the daemon down; stats, clients, evict and clear talk to the daemon "
                     "(clients, evict and clear on its admin socket, which only the daemon's user can open); bench "
                     "starts daemons of its own.")
     parser.add_argument("--dir", help="daemon directory [env KVTIERD_DIR; default as kvtierd's]")

@@ -125,10 +125,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("dir", "str", default_directory,
-            "Directory of the region file, its lock and the socket (default: /dev/shm/kvtierd, else "
+            "Directory of the region's files, its lock and the sockets (default: /dev/shm/kvtierd, else "
             "$XDG_RUNTIME_DIR/kvtierd, else /tmp/kvtierd-UID)."),
-    Setting("name", "str", DEFAULT_NAME, "Base name of <dir>/<name>.region, .lock and .sock; one daemon per name."),
-    Setting("size", "size", "512MiB", "Size of the region file (metadata + pages).", lo=8 << 20, hi=1 << 50),
+    Setting("name", "str", DEFAULT_NAME, "Base name of <dir>/<name>.region, .meta, .lock and .sock; one daemon per name."),
+    Setting("size", "size", "512MiB", "Size of the region: its metadata file plus its region file (the pages).", lo=8 << 20, hi=1 << 50),
     Setting("page_size", "size", "64KiB", "Fixed page size of the data area (a power of two).",
             lo=4096, hi=1 << 30),
     Setting("pin", "choice", "auto", "Pin the region: auto (cudaHostRegister, else mlock, else unpinned "
@@ -141,9 +141,10 @@ SETTINGS: tuple[Setting, ...] = (
             "daemon cannot watch through a pidfd (another PID namespace) is declared dead.", lo=0.5, hi=86400),
     Setting("checksums", "bool", "false", "Writers hash each block (xxh64) after copying; the hash is kept in the "
             "entry table and verified when a restarted daemon recovers the region and by kvtierctl check "
-            "--checksums.", ),
-    Setting("region_check_interval", "float", "5", "Seconds between checks that the region file is still the "
-            "one mapped (not removed, replaced or truncated).", lo=0.1, hi=3600),
+            "--checksums. Turned on, a restart drops the entries stored while it was off.", ),
+    Setting("region_check_interval", "float", "5", "Seconds between checks that the region's files are still the "
+            "ones mapped (not removed, replaced or truncated; a truncated region file is replaced at once).",
+            lo=0.1, hi=3600),
     Setting("drain_timeout", "float", "10", "On SIGTERM: seconds to let in-flight loads finish (new jobs are "
             "refused meanwhile) before stopping.", lo=0, hi=3600),
     Setting("max_connections", "int", "4096", "Connections to the client socket at most, from all peers; more are "
