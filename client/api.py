@@ -60,7 +60,7 @@ from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.paths import default_socket
 from kvtierd.contract.protocol import (HelloReply, JobsReply, LoadReply, LookupReply, StatsReply, StoreOutcome,
                                       StoreReply)
-from kvtierd.contract.region_format import RegionView, shard_checksum
+from kvtierd.contract.region_format import HEADER_BYTES, DataHeader, FormatError, shard_checksum
 
 from .copy import Copier, CopyHandle
 from .kvcache import KVCacheLayout
@@ -145,6 +145,8 @@ class _PopulateLog:
             log.info("kvtier: populating region mapping: %d%%", 100 * done // total)
 
 
+SECRET_ENV = "KVTIER_ENGINE_SECRET"      # the engine secret when Client(engine_secret=) is not given
+
 # Ops that may be sent again after re-attaching: they do not refer to a job of the old daemon.
 _RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort"})
 
@@ -152,8 +154,17 @@ _RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort"})
 class Client:
     def __init__(self, socket_path: str | None = None, *, engine_id: str, rank: int | None, world_size: int,
                  namespace: NamespaceId, copier: str = "auto", pin: str = "auto", timeout: float = 10.0,
-                 reconnect_timeout: float = 30.0, populate_threads: int = 2):
+                 reconnect_timeout: float = 30.0, populate_threads: int = 2,
+                 engine_secret: bytes | str | None = None):
         self.socket_path = socket_path or default_socket()
+        # The engine's sessions are bound together: the daemon lets a session join engine_id only
+        # from the uid of its first session and, when that one presented a secret, with the same
+        # secret. Every process of an engine passes the same one (or sets KVTIER_ENGINE_SECRET).
+        secret = engine_secret if engine_secret is not None else os.environ.get(SECRET_ENV) or None
+        self.engine_secret = secret.encode() if isinstance(secret, str) else secret
+        if self.engine_secret is not None and not P.MIN_SECRET_BYTES <= len(self.engine_secret) <= P.MAX_SECRET_BYTES:
+            raise ValueError(f"an engine secret is {P.MIN_SECRET_BYTES}..{P.MAX_SECRET_BYTES} bytes "
+                             f"(engine_secret / {SECRET_ENV}); got {len(self.engine_secret)}")
         self.rank = rank
         self.world_size = world_size
         self.namespace = namespace
@@ -189,6 +200,8 @@ class Client:
                       namespace=self.namespace.to_wire(), pid=os.getpid())
         if pidns is not None:        # unknown: the daemon cannot watch us and expects heartbeats
             fields["pidns"] = pidns
+        if self.engine_secret is not None:
+            fields["secret"] = self.engine_secret
         previous = self.info
         if previous is not None:   # re-attaching: the daemon may still hold our old session (a lost reply)
             fields.update(replaces=previous.session, replaces_token=previous.token)
@@ -263,11 +276,15 @@ class Client:
         info = self.info
         mapping = Mapping.of_file(info.region)
         try:
-            view = RegionView(mapping.buffer)
-            if int(view.header["generation"]) != info.generation or view.geometry.data_offset != info.data_offset:
-                raise KvtierError(f"region {info.region} does not match what kvtierd announced; "
-                                  "another daemon may have replaced it")
-            del view
+            try:
+                found = DataHeader.read(np.frombuffer(mapping.buffer, dtype=np.uint8)[:HEADER_BYTES]) \
+                    if mapping.size >= HEADER_BYTES else None
+            except FormatError:
+                found = None
+            announced = DataHeader(info.generation, info.page_size, info.num_pages, info.data_offset, info.file_bytes)
+            if found != announced or mapping.size < info.file_bytes:
+                raise KvtierError(f"region file {info.region} is not the one kvtierd announced (generation "
+                                  f"{info.generation:x}, {info.file_bytes} bytes); it was replaced or truncated")
         except BaseException:
             mapping.close()
             raise

@@ -137,7 +137,7 @@ def bench_daemon(directory: str, size: int, page_size: int, *flags: str, job_tim
 
 def region_size(pages: int, page_size: int) -> int:
     """The --size that gives exactly ``pages`` pages of ``page_size``."""
-    return Geometry.for_pages(pages, page_size).file_bytes
+    return Geometry.for_pages(pages, page_size).total_bytes
 
 
 def bench_namespace(name: str, block_bytes: int, sharding: str = "replicated") -> NamespaceId:

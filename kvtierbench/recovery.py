@@ -18,9 +18,9 @@ from kvtierd.store import Store
 from .harness import QUICK, Context, big_region, say, target
 
 
-def _time_store_recovery(region: str) -> dict:
-    """Open the stopped daemon's region and time the store's recovery alone (scan + index build)."""
-    mapping = Mapping.of_file(region)
+def _time_store_recovery(metadata: str) -> dict:
+    """Open the stopped daemon's region metadata and time the store's recovery alone (scan + index build)."""
+    mapping = Mapping.of_file(metadata)
     try:
         view = RegionView(mapping.buffer)
         t0 = time.perf_counter()
@@ -45,7 +45,7 @@ def run(ctx: Context) -> dict:
     daemon.stop()
     ctx.big = None
     try:
-        alone = _time_store_recovery(daemon.region)
+        alone = _time_store_recovery(daemon.paths.meta)
         say(f"recovery: scan {alone['scan_s']:.3f} s, Store(view) {alone['store_recovery_s']:.3f} s "
             f"for {alone['recovered']:,} entries")
         # A restart is one sample of a few seconds: the median of several rides out other load.

@@ -52,15 +52,15 @@ def daemon_main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------ kvtierctl
 # Each command: (help, add_arguments, fetch(args) -> data, format(data, args) -> str, exit code(data)).
 # Live commands talk the protocol (the admin socket for admin ones); status, namespaces, entries,
-# inspect and check read the region file, so they also work when the daemon is down.
+# inspect and check read the region's files, so they also work when the daemon is down.
 
 
-def _paths(args: argparse.Namespace) -> tuple[str, str, str, str]:
-    """(socket, admin socket, region, lock) of the daemon the flags/env point at."""
+def _paths(args: argparse.Namespace) -> tuple[str, str, DaemonPaths, str]:
+    """(socket, admin socket, the region's paths, lock) of the daemon the flags/env point at."""
     paths = DaemonPaths(args.dir or os.environ.get("KVTIERD_DIR") or default_directory(),
                         args.name or os.environ.get("KVTIERD_NAME") or DEFAULT_NAME)
     socket = args.socket or paths.socket
-    return socket, admin_socket_for(socket), args.region or paths.region, paths.lock
+    return socket, admin_socket_for(socket), paths, paths.lock
 
 
 def _call(path: str, timeout: float, op: str, **fields: Any) -> dict[str, Any]:
@@ -225,6 +225,7 @@ def format_check(data: dict, args: argparse.Namespace) -> str:
     lines = [f"{'OK' if data['ok'] else 'DAMAGED'}: {data['entries_sound']} sound entries holding "
              f"{data['pages_held']} of {data['pages_total']} pages; {data['entries_writing']} being written"
              + (" (in flight)" if data["daemon_running"] else " (unfinished: a restart discards them)")]
+    lines += data["header_problems"]
     for ns in data["damaged_namespaces"]:
         lines.append(f"namespace slot {ns['slot']}: {ns['reason']}")
     for p in data["problems"]:
@@ -233,12 +234,12 @@ def format_check(data: dict, args: argparse.Namespace) -> str:
 
 
 COMMANDS: dict[str, tuple] = {
-    "status": ("the daemon's state (live), or the region file's (daemon down)", None, fetch_status,
+    "status": ("the daemon's state (live), or the region's files' (daemon down)", None, fetch_status,
                lambda d, a: _pairs(d), None),
     "stats": ("all counters and occupancy of a running daemon", None, fetch_stats, format_stats, None),
     "namespaces": ("namespaces recorded in the region, with their entry counts", None, fetch_namespaces,
                    lambda d, a: _table(d, ["slot", "entries", "entry_pages", "name"]), None),
-    "entries": ("list entries (reads the region file)",
+    "entries": ("list entries (reads the region's metadata file)",
                 lambda p: (p.add_argument("--namespace", help="only this namespace (as kvtierctl namespaces names it)"),
                            p.add_argument("--sort", choices=("age", "size"), default="age",
                                           help="age: least recently used first; size: largest first"),
@@ -279,15 +280,14 @@ def _bench():
 def ctl_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtierctl",
-        description="Inspect and manage a kvtierd. status, namespaces, entries, inspect and check read the region "
-                    "file and work with the daemon down; stats, clients, evict and clear talk to the daemon "
+        description="Inspect and manage a kvtierd. status, namespaces, entries, inspect and check read the region's "
+                    "files and work with the daemon down; stats, clients, evict and clear talk to the daemon "
                     "(clients, evict and clear on its admin socket, which only the daemon's user can open); bench "
                     "starts daemons of its own.")
     parser.add_argument("--dir", help="daemon directory [env KVTIERD_DIR; default as kvtierd's]")
     parser.add_argument("--name", help="daemon name [env KVTIERD_NAME; default kvtierd]")
     parser.add_argument("--socket", default=os.environ.get("KVTIERD_SOCKET"),
                         help="client socket, instead of <dir>/<name>.sock [env KVTIERD_SOCKET]")
-    parser.add_argument("--region", help="region file, instead of <dir>/<name>.region")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     parser.add_argument("--version", action="version", version=f"kvtierctl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

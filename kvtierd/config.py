@@ -127,10 +127,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("dir", "str", default_directory,
-            "Directory of the region file, its lock and the socket (default: /dev/shm/kvtierd, else "
+            "Directory of the region's files, its lock and the sockets (default: /dev/shm/kvtierd, else "
             "$XDG_RUNTIME_DIR/kvtierd, else /tmp/kvtierd-UID)."),
-    Setting("name", "str", DEFAULT_NAME, "Base name of <dir>/<name>.region, .lock and .sock; one daemon per name."),
-    Setting("size", "size", "512MiB", "Size of the region file (metadata + pages).", lo=8 << 20, hi=1 << 50),
+    Setting("name", "str", DEFAULT_NAME, "Base name of <dir>/<name>.region, .meta, .lock and .sock; one daemon per name."),
+    Setting("size", "size", "512MiB", "Size of the region: its metadata file plus its region file (the pages).", lo=8 << 20, hi=1 << 50),
     Setting("page_size", "size", "64KiB", "Fixed page size of the data area (a power of two).",
             lo=4096, hi=1 << 30),
     Setting("pin", "choice", "auto", "Pin the region: auto (cudaHostRegister, else mlock, else unpinned "
@@ -152,16 +152,36 @@ SETTINGS: tuple[Setting, ...] = (
             "free pages sooner and widen the residual risk (docs/reliability.md).", lo=1, hi=86400 * 7),
     Setting("checksums", "bool", "false", "Writers hash each block (xxh64) after copying; the hash is kept in the "
             "entry table and verified when a restarted daemon recovers the region and by kvtierctl check "
-            "--checksums.", ),
+            "--checksums. Turned on, a restart drops the entries stored while it was off.", ),
     Setting("policy", "choice", DEFAULT_POLICY, "Eviction policy: slru (segmented LRU that keeps blocks used again "
             "apart from blocks seen once, with a memory of evicted keys; the measured best), lru, s3fifo or tinylfu. "
             "docs/operations.md says how to choose; kvtierctl stats shows its counters.", choices=tuple(POLICIES)),
-    Setting("region_check_interval", "float", "5", "Seconds between checks that the region file is still the "
-            "one mapped (not removed, replaced or truncated).", lo=0.1, hi=3600),
+    Setting("region_check_interval", "float", "5", "Seconds between checks that the region's files are still the "
+            "ones mapped (not removed, replaced or truncated; a truncated region file is replaced at once).",
+            lo=0.1, hi=3600),
     Setting("drain_timeout", "float", "10", "On SIGTERM: seconds to let in-flight stores and loads finish (new "
             "jobs are refused meanwhile) before stopping.", lo=0, hi=3600),
+    Setting("max_connections", "int", "4096", "Connections to the client socket at most, from all peers; more are "
+            "closed at once. The daemon raises its open-files limit to the hard limit at start and lowers this "
+            "(with a warning) when the limit cannot hold it: set LimitNOFILE in the unit.", lo=16, hi=1 << 20),
+    Setting("max_connections_per_peer", "int", "256", "Connections to the client socket at most from one peer (a "
+            "process; every process of a uid whose pid the daemon cannot see counts as one peer).", lo=2,
+            hi=1 << 20),
+    Setting("max_sessions", "int", "2048", "Attached sessions at most (every engine has at least one); a hello past "
+            "it gets LIMIT.", lo=1, hi=1 << 20),
+    Setting("max_sessions_per_peer", "int", "128", "Attached sessions at most from one peer (see "
+            "max_connections_per_peer).", lo=1, hi=1 << 20),
+    Setting("max_job_keys_per_engine", "int", "262144", "Keys (plus one per job) one engine's open jobs may hold; "
+            "a job past it gets LIMIT. About 120 bytes of daemon memory per key.", lo=1024, hi=1 << 30),
+    Setting("max_job_keys", "int", "1048576", "Keys (plus one per job) the open jobs of all engines may hold "
+            "together: bounds the memory jobs take (about 120 MiB at the default).", lo=1024, hi=1 << 32),
+    Setting("max_tombstones", "int", "131072", "Finished job ids remembered (for a precise error to a late "
+            "request), oldest forgotten first, across all engines; about 200 bytes each.", lo=1024, hi=1 << 26),
     Setting("metrics_address", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus endpoint (/metrics), or "
             "off. Loopback by default: bind elsewhere only behind a firewall."),
+    Setting("metrics_cache_seconds", "float", "1", "A scrape of /metrics within this many seconds of the last "
+            "rendering gets the same page: scraping in a loop (any local user can) costs the request loop one "
+            "snapshot per period.", lo=0, hi=3600),
     Setting("recreate", "bool", "false", "Replace an existing region whose header or geometry does not match "
             "(its cached blocks are lost)."),
     Setting("prefault_threads", "int", "4", "Threads that prefault the region at start.", lo=1, hi=256),

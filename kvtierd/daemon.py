@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import resource
 import sys
 import time
 
@@ -42,10 +43,45 @@ def setup_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
+# Descriptors kept free of the connection and session caps: the region, lock and sockets, ZMQ's own
+# (two per socket and per context), the metrics endpoint's, logs.
+FD_RESERVE = 256
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-files limit to the hard one (no privilege needed); returns the new soft limit.
+
+    Every client connection holds a descriptor in the daemon and every watched session a pidfd:
+    at the usual soft limit of 1,024 a thousand idle connections made ZMQ abort the daemon."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
+def fit_fd_caps(nofile: int, max_connections: int, max_sessions: int) -> tuple[int, int]:
+    """(connections, sessions) caps that fit the open-files limit: every connection takes a
+    descriptor, every watched session a pidfd, and FD_RESERVE stay free for everything else."""
+    room = nofile - FD_RESERVE
+    if room >= max_connections + max_sessions:
+        return max_connections, max_sessions
+    connections = max(16, room * max_connections // (max_connections + max_sessions))
+    sessions = max(1, room - connections)
+    log.warning("the open-files limit (%d) cannot hold max_connections=%d plus max_sessions=%d; serving at most %d "
+                "connections and %d sessions. Raise the hard limit (LimitNOFILE= in the unit, ulimit -Hn) to lift "
+                "this", nofile, max_connections, max_sessions, connections, sessions)
+    return connections, sessions
+
+
 class Daemon:
     def __init__(self, config: Config):
         self.config = config
         c = config
+        max_connections, max_sessions = fit_fd_caps(raise_fd_limit(), c.max_connections, c.max_sessions)
         self.notifier = Notifier()
         last = [-1]
 
@@ -63,7 +99,8 @@ class Daemon:
                                   huge=c.hugepages)
         try:
             self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
-                               fence_grace=c.fence_grace)
+                               fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
+                               max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones)
             # The recovered index (up to millions of entries) lives as long as the daemon: keep it
             # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
             gc.freeze()
@@ -80,7 +117,9 @@ class Daemon:
             log.info("eviction policy: %s", c.policy)
             self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
                                  drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
-                                 region_check_interval=c.region_check_interval)
+                                 region_check_interval=c.region_check_interval, max_connections=max_connections,
+                                 max_connections_per_peer=c.max_connections_per_peer, max_sessions=max_sessions,
+                                 max_sessions_per_peer=c.max_sessions_per_peer)
             try:
                 self.server.listen()
             except BaseException:
@@ -94,7 +133,7 @@ class Daemon:
             from .metrics import start_endpoint   # prometheus-client only where metrics are served
             try:
                 self.metrics_server, bound = start_endpoint(
-                    c.metrics_address, lambda: self.server.call_in_loop(self.server.stats))
+                    c.metrics_address, lambda: self.server.call_in_loop(self.server.stats), c.metrics_cache_seconds)
             except ValueError:
                 self.server.close()
                 self.region.close(clean=False)
@@ -104,7 +143,7 @@ class Daemon:
         geo, backing = self.region.geometry, self.region.backing
         log.info("ready: socket=%s region=%s size=%s pages=%d page_size=%s capacity=%s data_offset=%d "
                  "pinned=%s prefault=%s hugepages=%s huge_page_size=%s huge_bytes=%s generation=%x started_in=%.2fs "
-                 "admin_socket=%s", self.server.socket_path, self.region.paths.region, format_size(geo.file_bytes),
+                 "admin_socket=%s", self.server.socket_path, self.region.paths.region, format_size(geo.total_bytes),
                  geo.num_pages, format_size(geo.page_size), format_size(geo.capacity_bytes), geo.data_offset,
                  self.region.pinned, self.region.prefault, backing.kind, format_size(backing.page_size),
                  format_size(backing.huge_bytes),

@@ -17,7 +17,11 @@ entries go at once but the pages stay fenced, *parked* under the writer (``park`
   boot changed: ``died``, ``recover``;
 - only for a writer the daemon cannot watch (pid 0: a sibling PID namespace, e.g. another pod),
   ``grace`` seconds after it was last seen: ``expire``. A writer frozen longer than that could
-  still scribble over reused pages; docs/reliability.md states that residual risk.
+  still scribble over reused pages; docs/reliability.md states that residual risk;
+- the data file was truncated under the daemon and replaced by a new one (``reset``): every page
+  the fence named was a page of the old file, and a writer still copying copies into its own
+  mapping of that old file, never into the new one (it maps the new file only when it attaches
+  again, after waiting for its copies).
 
 A watchable writer keeps its pages for as long as it lives, however long it stalls: they are
 reported (``stats``: fenced pages by reason, and the age of the oldest), never released on a
@@ -64,6 +68,7 @@ class Release(str, enum.Enum):
     REATTACHED = "reattached"     # a hello named the session and its token (the copies were waited for)
     DIED = "died"                 # its process is gone: pidfd, or after a restart pid/start time/boot
     GRACE = "grace"               # a writer the daemon cannot watch was not seen for the grace period
+    REGION_REPLACED = "region_replaced"   # the data file was truncated and replaced: its pages are gone
 
 
 class Reason(str, enum.Enum):
@@ -288,6 +293,14 @@ class Fence:
             for writer, t in seen:
                 writer.last_seen = t
             self.rows["last_seen"][np.fromiter((w.row for w in writers), np.intp, len(writers))] = times
+
+    def reset(self) -> np.ndarray:
+        """The data file was replaced (every session ended first): release every writer and clear
+        both tables, since the pages they named are gone. Returns the pages released."""
+        assert not any(w.attached for w in self.writers.values()), "reset with writers attached"
+        freed = [self._release(writer, Release.REGION_REPLACED) for writer in list(self.writers.values())]
+        self.table[:] = FENCE_NONE
+        return np.concatenate(freed) if freed else NO_PAGES
 
     # ------------------------------------------------------------------ internals
     def _watch_fd(self, writer: Writer, fd: int) -> None:

@@ -212,7 +212,8 @@ def plan(setting: str, found: Offer) -> Plan:
 
 def size_for(size: int, p: Plan) -> int:
     """The bytes the region's geometry may use: ``size`` in whole pages of the plan's alignment
-    (the file is then rounded up to that alignment, and stays within ``size``)."""
+    (each of the region's files is then rounded up to that alignment where the filesystem needs
+    it: ``kvtierd.region``)."""
     usable = size // p.align * p.align
     if usable < p.align or usable <= 0:
         raise HugePagesUnavailable(f"size {size} is below one {_size(p.align)} huge page of "

@@ -33,7 +33,8 @@ import numpy as np
 
 from .contract.namespace import NamespaceId
 from .contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
-from .contract.region_format import ENTRY_DTYPE, EntryState, RegionView, entry_checksum, namespace_record
+from .contract.region_format import (ENTRY_DTYPE, NS_CHECKSUMS, TICK_LIMIT, EntryState, RegionView, entry_checksum,
+                                     entry_record_sums, namespace_identities, namespace_record)
 from .fence import Fence
 from .pages import FreeStack
 from .policy import Policy
@@ -77,11 +78,12 @@ class Namespace:
     """One namespace's entries, and what every entry of it has in common."""
 
     __slots__ = ("slot", "id", "index", "shards", "pages_per_shard", "entry_pages", "shard_bytes", "record",
-                 "users")
+                 "users", "identity")
 
-    def __init__(self, slot: int, ns_id: NamespaceId, page_size: int):
+    def __init__(self, slot: int, ns_id: NamespaceId, page_size: int, identity: int):
         self.slot = slot                  # in the region's namespace table
         self.id = ns_id
+        self.identity = identity          # namespace_identities of its record: every entry's record_sum covers it
         self.index: dict[bytes, Entry] = {}
         self.shards = ns_id.shards
         self.pages_per_shard = ns_id.pages_per_shard(page_size)
@@ -121,10 +123,12 @@ class Index:
         self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
         self.entry_count = {EntryState.WRITING: 0, EntryState.READY: 0}
         self.pinned_entries = 0
-        self.tick = int(view.header["tick"])      # the access clock (recovery orders by it)
+        self.checksums = verify_checksums         # entries carry data checksums (their namespaces' flag)
+        self.tick = 0                             # the access clock (recovery orders by it)
         self.counters: Counter = Counter()
         self._states = view.entries["state"]      # columns of the entry table, for vectorised writes
         self._ticks = view.entries["tick"]
+        self._sums = view.entries["record_sum"]
         # The entry table as rows of bytes: NumPy scatters whole structured records ~100x slower
         # than the same bytes as uint8 rows.
         self._records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
@@ -150,19 +154,25 @@ class Index:
         in the tables can make recovery raise.
         """
         view = self.view
-        found = scan(view, verify_checksums=verify_checksums)
+        # With checksums on, an entry stored without one (the setting was off) is not kept: every
+        # entry served was verified at recovery.
+        found = scan(view, verify_checksums=verify_checksums, require_checksums=verify_checksums)
         for slot, why in found.damaged_namespaces.items():
             log.warning("namespace slot %d is damaged (%s); discarding it and its entries", slot, why)
             view.namespaces[slot]["in_use"] = 0
+        flag = NS_CHECKSUMS if verify_checksums else 0
         for slot, ns_id in found.namespaces.items():
-            ns = Namespace(slot, ns_id, self.page_size)
+            ns = Namespace(slot, ns_id, self.page_size, int(namespace_identities(view.namespaces[slot:slot + 1])[0]))
             self.namespaces[ns_id] = ns
             self.ns_by_slot[slot] = ns
+            if int(view.namespaces[slot]["flags"]) & NS_CHECKSUMS != flag:
+                view.namespaces[slot] = namespace_record(ns_id, flag)   # the setting changed: it follows
         states = self._states
         for slot, why in found.problems:
             log.warning("entry %d discarded: %s", slot, why)
             states[slot] = EntryState.FREE
         states[found.writing] = EntryState.FREE
+        self._sums[states != EntryState.READY] = 0
         # A region holds millions of entries: the objects are built with C-level loops (map, zip).
         slots = found.ready_slots.tolist()
         kept = list(map(Entry, slots, map(self.ns_by_slot.__getitem__, found.ready_ns.tolist()), found.ready_keys,
@@ -178,15 +188,19 @@ class Index:
         fenced = self.fence.recover(found)
         self.pages = FreeStack(self.geometry.num_pages, np.concatenate([np.flatnonzero(found.owner >= 0), fenced]))
         self.slots = FreeStack(self.geometry.entry_slots, np.flatnonzero(states != EntryState.FREE))
-        if len(view.entries):
-            self.tick = max(self.tick, int(view.entries["tick"].max()))
+        # The clock goes on from the newest tick kept (scan refused any at or past TICK_LIMIT).
+        header_tick = int(view.header["tick"])
+        self.tick = max(header_tick if header_tick < TICK_LIMIT else 0,
+                        int(self._ticks[slots].max()) if slots else 0)
         return {"ready": len(kept), "writing_discarded": len(found.writing),
                 "corrupt_discarded": len(found.problems), "pages_fenced": len(fenced)}
 
     # ------------------------------------------------------------------ namespaces
     def namespace(self, ns_id: NamespaceId) -> Namespace:
-        """The namespace of ``ns_id``, recorded in the namespace table when it is new (a table slot
-        of an empty namespace that no engine uses is taken over when the table is full)."""
+        """The namespace of ``ns_id``, recorded in the namespace table when it is new. When the
+        table is full, the slot of a namespace no attached engine uses is taken over — the one
+        whose entries were used least recently, its entries evicted — so namespaces that an engine
+        (or an attacker) left behind cannot keep new models out, across restarts too."""
         ns = self.namespaces.get(ns_id)
         if ns is not None:
             return ns
@@ -196,20 +210,32 @@ class Index:
                                f"the region has {self.geometry.num_pages}")
         table = self.view.namespaces
         free = np.flatnonzero(table["in_use"] == 0)
-        if len(free) == 0:
-            empty = [n for n in self.namespaces.values() if not n.index and not n.users]
-            if not empty:
-                raise RequestError(ErrorCode.NO_SPACE, f"all {len(table)} namespace slots are in use")
-            slot = empty[0].slot
-            del self.namespaces[empty[0].id]
-        else:
-            slot = int(free[0])
-        table[slot] = namespace_record(ns_id)
-        ns = Namespace(slot, ns_id, self.page_size)
+        slot = int(free[0]) if len(free) else self._reclaim_namespace()
+        table[slot] = namespace_record(ns_id, NS_CHECKSUMS if self.checksums else 0)
+        ns = Namespace(slot, ns_id, self.page_size, int(namespace_identities(table[slot:slot + 1])[0]))
         self.namespaces[ns_id] = ns
         self.ns_by_slot[slot] = ns
         log.info("namespace %d: %s", slot, ns_id.name())
         return ns
+
+    def _reclaim_namespace(self) -> int:
+        """Free the table slot of the unused namespace used least recently (evicting its entries)."""
+        unused = [n for n in self.namespaces.values() if not n.users]
+        if not unused:
+            raise RequestError(ErrorCode.NO_SPACE, f"all {len(self.view.namespaces)} namespace slots are held by "
+                                                   "attached engines")
+
+        def last_used(ns: Namespace) -> int:
+            return int(self._ticks[list(map(_SLOT, ns.index.values()))].max()) if ns.index else -1
+        victim = min(unused, key=last_used)
+        entries = list(victim.index.values())   # no engine uses it: no job holds them, none pinned
+        self._evict(entries)
+        del self.namespaces[victim.id]
+        del self.ns_by_slot[victim.slot]
+        self.view.namespaces[victim.slot]["in_use"] = 0
+        log.warning("namespace table full: namespace %d (%s) taken over, %d of its entries evicted", victim.slot,
+                    victim.id.name(), len(entries))
+        return victim.slot
 
     def namespace_stats(self) -> list[dict]:
         return [{"slot": ns.slot, "name": ns.id.name(), "entries": len(ns.index),
@@ -340,6 +366,10 @@ class Index:
         self._ticks[slots] = self.tick
         self.view.entries["checksum"][slots] = [entry_checksum([sums[i] for sums in shard_sums])
                                                 for i in range(len(entries))] if shard_sums else 0
+        if entries:          # the record is complete: its sum (a job's entries share a namespace)
+            ns = entries[0].ns
+            chains = np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).reshape(len(entries), ns.entry_pages)
+            self._sums[slots] = entry_record_sums(self._records[slots], chains, None, ns.identity)
         self._states[slots] = EntryState.READY    # last: the records are complete before they say READY
         self.policy.inserted(slots, list(map(_KEY, entries)), chain, cold)
         self.entry_count[EntryState.WRITING] -= len(entries)
@@ -383,6 +413,7 @@ class Index:
             return
         slots = list(map(_SLOT, entries))
         self._states[slots] = EntryState.FREE
+        self._sums[slots] = 0       # a stale record whose state byte came back to READY is no entry
         by_slot, count = self.by_slot, self.entry_count
         for entry in entries:
             del entry.ns.index[entry.key]

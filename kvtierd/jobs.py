@@ -23,8 +23,14 @@ job's late copy can never land in another entry's pages. The other pages are fre
 job's pins are dropped; a rank that releases it afterwards learns that it was aborted and must
 treat the blocks it copied as a miss.
 
-Finished and aborted jobs are remembered (a bounded tombstone list per engine), so a late request
-for them gets a precise error instead of silently opening a new job with a reused id.
+Finished and aborted jobs are remembered (tombstones), so a late request for them gets a precise
+error instead of silently opening a new job with a reused id.
+
+What one client can make the daemon hold is bounded (issue 11): the keys of open jobs, per engine
+(``max_job_keys_per_engine``) and in all (``max_job_keys``) — a job counts its keys plus one, and
+a job past a bound is refused with LIMIT before anything is allocated for it; the tombstones, in
+all (``max_tombstones``, the oldest forgotten first, whichever engine they were of); the deadline
+heap, which is rebuilt from the jobs that still need it when finished jobs crowd it.
 """
 
 from __future__ import annotations
@@ -47,16 +53,18 @@ from .sessions import Session, SessionEnd
 
 log = logging.getLogger(__name__)
 
-TOMBSTONES = 65536
 
 # Monotonic counters the job machine keeps (Store.stats reports them with the index's).
 COUNTERS = ("store_aborted_keys", "store_jobs_done", "load_hit_keys", "load_miss_keys", "load_jobs_done",
             "bytes_written", "bytes_saved_dedup")
 
 
+_ENGINE_SERIALS = itertools.count(1)
+
+
 @dataclass(eq=False)
 class Engine:
-    """An attached engine: its sessions by role, its jobs, and the tombstones of its past jobs."""
+    """An attached engine: its sessions by role and its jobs."""
 
     id: str
     world_size: int
@@ -64,9 +72,14 @@ class Engine:
     ranks: dict[int, Session] = field(default_factory=dict)
     coordinators: set = field(default_factory=set)
     jobs: dict[int, "Job"] = field(default_factory=dict)
-    # Finished and aborted jobs, newest last: a late request for one gets a precise error. They
-    # go with the engine: a restarted engine (new sessions, same id) may count job ids from 0.
-    tombstones: OrderedDict = field(default_factory=OrderedDict)
+    # Who may attach more sessions to it: the uid its first session came from (None without a
+    # socket, as in unit tests) and the digest of the secret that session presented, if any.
+    uid: int | None = None
+    secret: bytes | None = None
+    open_keys: int = 0                  # keys (+1 per job) of its open jobs
+    # Its tombstones are keyed by this serial, not the id: they go with the engine, since a
+    # restarted engine (new sessions, same id) may count job ids from 0 again.
+    serial: int = field(default_factory=lambda: next(_ENGINE_SERIALS))
 
     @property
     def writers(self) -> frozenset[int]:
@@ -95,20 +108,31 @@ class Job:
     chain: bool = True                              # store: the keys are a prefix chain (the policy's hint)
     cold: int = 0                                   # store: written keys the client expects no reuse of
     shard_sums: dict = field(default_factory=dict)  # writer rank → checksum of its shard per entry
+    cost: int = 0                                   # what it counts against the open-job key bounds
 
 
 class Jobs:
     def __init__(self, index: Index, fence: Fence, job_timeout: float = 30.0, clock=time.monotonic,
-                 checksums: bool = False):
+                 checksums: bool = False, max_job_keys: int = 1 << 20, max_job_keys_per_engine: int = 1 << 18,
+                 max_tombstones: int = 1 << 17):
         self.index = index
         self.fence = fence
         self.job_timeout = job_timeout
         self.clock = clock
         self.checksums = checksums        # keep writers' checksums of their shards
+        self.max_job_keys = max_job_keys
+        self.max_job_keys_per_engine = max_job_keys_per_engine
+        self.max_tombstones = max_tombstones
         self.engines: dict[str, Engine] = {}
+        self.open_keys = 0                # keys (+1 per job) of every open job
+        # Finished and aborted jobs, oldest first: (engine serial, job id) → (kind, state, cause),
+        # the value one shared tuple per combination.
+        self.tombstones: OrderedDict[tuple[int, int], tuple] = OrderedDict()
+        self._tomb_values: dict[tuple, tuple] = {}
         # (deadline, seq, engine id, job id): ids, not the Job, so that a finished job is freed at
         # once instead of living on in the heap until its deadline comes up.
         self._deadlines: list[tuple[float, int, str, int]] = []
+        self._compact_at = 4096
         self._seq = itertools.count()
         self.counters: Counter = Counter()
         self.aborted: Counter = Counter()   # AbortCause value → jobs
@@ -123,10 +147,13 @@ class Jobs:
             if job is not None:     # aborted, a writer's pages still fenced: the id stays taken
                 self._refuse_aborted(job.kind, job_id, job.cause)   # (its tombstone may be gone)
             self._refuse_finished(engine, job_id)
+            cost = self._admit(engine, len(keys))
             now = self.clock()
-            job = Job(engine, job_id, kind, keys, now + self.job_timeout, opened=now)
+            job = Job(engine, job_id, kind, keys, now + self.job_timeout, opened=now, cost=cost)
             engine.jobs[job_id] = job
-            heapq.heappush(self._deadlines, (job.deadline, next(self._seq), engine.id, job_id))
+            engine.open_keys += cost
+            self.open_keys += cost
+            self._push_deadline(job.deadline, engine.id, job_id)
             return job, True
         if job.kind is not kind or job.keys != keys:
             self._abort(job, AbortCause.CONFLICT)
@@ -136,8 +163,20 @@ class Jobs:
                                f"{session.role} asked for a {kind.value} of {len(keys)} keys. The job is aborted")
         return job, False
 
+    def _admit(self, engine: Engine, keys: int) -> int:
+        """What a new job of ``keys`` keys costs; LIMIT when the open jobs' bounds cannot take it."""
+        cost = keys + 1
+        if engine.open_keys + cost > self.max_job_keys_per_engine:
+            raise RequestError(ErrorCode.LIMIT, f"engine {engine.id!r} holds {engine.open_keys} keys in open jobs; a "
+                               f"job of {keys} more exceeds max_job_keys_per_engine ({self.max_job_keys_per_engine}): "
+                               "finish, release or abort jobs first")
+        if self.open_keys + cost > self.max_job_keys:
+            raise RequestError(ErrorCode.LIMIT, f"kvtierd holds {self.open_keys} keys in open jobs; a job of {keys} "
+                               f"more exceeds max_job_keys ({self.max_job_keys}): retry once jobs finished")
+        return cost
+
     def _refuse_finished(self, engine: Engine, job_id: int) -> None:
-        tomb = engine.tombstones.get(job_id)
+        tomb = self.tombstones.get((engine.serial, job_id))
         if tomb is None:
             return
         kind, state, cause = tomb
@@ -208,6 +247,9 @@ class Jobs:
             self._refuse_aborted(job.kind, job_id, job.cause)
         if rank not in job.seen:
             raise RequestError(ErrorCode.CONFLICT, f"rank {rank} commits store job {job_id} before storing it")
+        if ok and checksums is None and self.checksums and rank in job.engine.writers:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"this kvtierd keeps checksums (setting checksums): the commit "
+                               f"of job {job_id} must carry the checksum of rank {rank}'s shard of each entry")
         if checksums is not None and ok:
             writes = len(job.entries) if rank in job.engine.writers else 0
             if rank not in job.engine.writers or len(checksums) != len(job.entries):
@@ -291,7 +333,7 @@ class Jobs:
         if job is not None and job.state is JobState.OPEN:
             self._abort(job, AbortCause.ABORTED_BY_CLIENT)
             return
-        tomb = session.engine.tombstones.get(job_id)
+        tomb = self.tombstones.get((session.engine.serial, job_id))
         if tomb is not None and tomb[1] is JobState.ABORTED:
             return
         self._open_job(session, job_id, JobKind.STORE)   # raises the precise error
@@ -332,10 +374,14 @@ class Jobs:
 
     def _finish(self, job: Job, state: JobState) -> None:
         job.state = state
-        tombstones = job.engine.tombstones
-        tombstones[job.id] = (job.kind, state, job.cause)
-        if len(tombstones) > TOMBSTONES:
-            tombstones.popitem(last=False)
+        engine = job.engine
+        engine.open_keys -= job.cost
+        self.open_keys -= job.cost
+        job.keys = []                     # compared only while open; a job kept for a late commit needs none
+        tomb = (job.kind, state, job.cause)
+        self.tombstones[(engine.serial, job.id)] = self._tomb_values.setdefault(tomb, tomb)
+        if len(self.tombstones) > self.max_tombstones:
+            self.tombstones.popitem(last=False)
         self._drop_if_settled(job)
 
     # ------------------------------------------------------------------ sessions leaving
@@ -352,14 +398,32 @@ class Jobs:
                 self._drop_if_settled(job)
 
     def engine_gone(self, engine: Engine) -> None:
-        """The engine's last session ended: its open jobs abort, and it is forgotten with its
-        tombstones (its writers' fenced pages are the fence's)."""
+        """The engine's last session ended: its open jobs abort, and it is forgotten (its writers'
+        fenced pages are the fence's; its tombstones, keyed by its serial, are never matched again
+        and age out)."""
         for job in list(engine.jobs.values()):
             if job.state is JobState.OPEN:
                 self._abort(job, AbortCause.ENGINE_LEFT)
         del self.engines[engine.id]
 
     # ------------------------------------------------------------------ deadlines
+    def _push_deadline(self, deadline: float, engine_id: str, job_id: int) -> None:
+        heap = self._deadlines
+        heapq.heappush(heap, (deadline, next(self._seq), engine_id, job_id))
+        # A finished job's entry stays until its deadline comes up: at thousands of jobs per
+        # second that is job_timeout's worth of them. Rebuilt from the jobs that still need one
+        # whenever it doubled since the last rebuild (amortised: one pass per as many pushes).
+        if len(heap) > self._compact_at:
+            live = [item for item in heap if self._needs_deadline(item)]
+            heapq.heapify(live)
+            self._deadlines = live
+            self._compact_at = max(4096, 2 * len(live))
+
+    def _needs_deadline(self, item: tuple[float, int, str, int]) -> bool:
+        engine = self.engines.get(item[2])
+        job = engine.jobs.get(item[3]) if engine is not None else None
+        return job is not None and job.state is JobState.OPEN
+
     def expire(self) -> float | None:
         """Abort jobs past their deadline (their writers' pages stay fenced). Returns the next deadline."""
         now = self.clock()
@@ -380,7 +444,7 @@ class Jobs:
                 out.append({"job": job_id, "kind": job.kind.value, "state": JobState.OPEN.value,
                             "waiting": job.engine.world_size - len(job.done_ranks)})
                 continue
-            tomb = session.engine.tombstones.get(job_id)
+            tomb = self.tombstones.get((session.engine.serial, job_id))
             if tomb is None:
                 out.append({"job": job_id, "state": "unknown"})
             else:
@@ -408,6 +472,8 @@ class Jobs:
         return {
             "engines": len(self.engines),
             "open_jobs": self.open_jobs(),
+            "open_job_keys": self.open_keys,
+            "tombstones": len(self.tombstones),
             "aborted_jobs": dict(self.aborted),
             "vote_wait": self.vote_wait.snapshot(),
         }

@@ -39,7 +39,7 @@ class DaemonProcess:
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout  # seconds from launch to serving before giving up
         self.call_timeout = call_timeout    # seconds a request waits for its reply
-        self.wrapper = list(wrapper)
+        self.wrapper = list(wrapper)        # a command the daemon runs under, e.g. ("prlimit", "--nofile=1024:1024", "--")
         self.proc: subprocess.Popen | None = None
 
     def launch(self) -> "DaemonProcess":

@@ -1,55 +1,79 @@
-"""Reading a region file without the daemon: status, namespaces, entries, inspect, check.
+"""Reading a region without the daemon: status, namespaces, entries, inspect, check.
 
-The file is mapped read-only, so these work whether or not a daemon runs on it (while one does,
-the tables may change under the reader; every answer is a snapshot). Every function returns
-plain data; ``kvtierd.cli`` formats it. The judging of records is ``recovery.scan``, the same code
-a restarting daemon uses, so ``check`` reports exactly what a restart would discard.
+The files are mapped read-only, so these work whether or not a daemon runs on them (while one
+does, the tables may change under the reader; every answer is a snapshot). The metadata file
+holds what they read; the data file is mapped too when it is there and whole (``inspect page``
+shows bytes of a page, ``check --checksums`` rehashes entries). Every function returns plain
+data; ``kvtierd.cli`` formats it. The judging of records is ``recovery.scan``, the same code a
+restarting daemon uses, so ``check`` reports exactly what a restart would discard.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 import numpy as np
 
+from .contract.paths import DaemonPaths
 from .contract.region_format import EntryState, FormatError, RegionView
 from .recovery import scan
 
 
-@contextmanager
-def open_region(path: str) -> Iterator[RegionView]:
-    """A read-only view of the region file at ``path`` (raises FormatError, OSError)."""
+def _map(path: str, what: str) -> mmap.mmap:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            raise FormatError(f"{path} is empty")
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            raise FormatError(f"{what} {path} is empty")
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
-    try:
-        view = RegionView(mm)
-        yield view
-    finally:
-        del view
+
+
+@contextmanager
+def open_region(paths: DaemonPaths) -> Iterator[RegionView]:
+    """A read-only view of the region at ``paths`` (raises FormatError, OSError); its ``data`` is
+    None when the data file is missing or shorter than the metadata says."""
+    with ExitStack() as stack:
+        meta = _map(paths.meta, "metadata file")
+        stack.callback(_close, meta)
+        view = RegionView(meta)
         try:
-            mm.close()
-        except BufferError:   # a caller still holds a NumPy view; the mapping dies with it
-            pass
+            data = _map(paths.region, "region file")
+        except (OSError, FormatError):
+            data = None
+        if data is not None:
+            stack.callback(_close, data)
+            if len(data) >= view.geometry.data_bytes:
+                view.attach_data(data)
+        try:
+            yield view
+        finally:
+            view.data = view.data_file = None
+            del view
 
 
-def status(view: RegionView, path: str) -> dict:
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:   # a caller still holds a NumPy view; the mapping dies with it
+        pass
+
+
+def status(view: RegionView, paths: DaemonPaths) -> dict:
     h, geo = view.header, view.geometry
     found = scan(view)
     return {
-        "region": path,
+        "region": paths.region,
+        "metadata": paths.meta,
         "format_version": int(h["version"]),
         "generation": int(h["generation"]),
         "clean_shutdown": bool(h["clean_shutdown"]),
-        "file_bytes": geo.file_bytes,
+        "file_bytes": geo.data_bytes,
+        "meta_bytes": geo.meta_bytes,
         "page_size": geo.page_size,
         "pages_total": geo.num_pages,
         "pages_held": found.pages_held,
@@ -128,7 +152,7 @@ def inspect_page(view: RegionView, page: int, dump_bytes: int = 64) -> dict:
     names = {slot: ns_id.name() for slot, ns_id in found.namespaces.items()}
     start = page * geo.page_size
     out = {"page": page, "offset": geo.data_offset + start,
-           "head": bytes(view.data[start:start + dump_bytes]).hex(),
+           "head": None if view.data is None else bytes(view.data[start:start + dump_bytes]).hex(),
            "owner": None}
     if owner >= 0:
         pages = next(p for slot, _, _, p in found.ready if slot == owner)
@@ -144,9 +168,12 @@ def check(view: RegionView, daemon_running: bool, verify_checksums: bool = False
     rehashes every entry that carries a checksum (reads its bytes). Fenced pages are not damage
     either: a writer may still copy into them, and a restart keeps them from everyone until it is
     proven unable to."""
+    if verify_checksums and view.data is None:
+        raise FormatError("check --checksums reads the entries' bytes: the region file is missing or truncated")
     found = scan(view, verify_checksums)
     return {
-        "ok": not found.problems and not found.damaged_namespaces,
+        "ok": not found.problems and not found.damaged_namespaces and not found.header_problems,
+        "header_problems": found.header_problems,
         "entries_sound": len(found.ready),
         "entries_writing": len(found.writing),
         "pages_held": found.pages_held,

@@ -16,8 +16,10 @@ import numpy as np
 
 from .contract.namespace import NamespaceId
 from .contract.protocol import MAX_KEY_BYTES, PAGES_DTYPE
-from .contract.region_format import (CHAIN_END, ENTRY_DTYPE, FENCE_NONE, WRITER_SLOTS, EntryState, RegionView,
-                                     WriterState, entry_checksum, namespace_from_record, shard_checksum)
+from .contract.region_format import (CHAIN_END, ENTRY_DTYPE, FENCE_NONE, NS_CHECKSUMS, TICK_LIMIT, WRITER_SLOTS,
+                                     EntryState, RegionView, WriterState, entry_checksum, entry_record_sums,
+                                     namespace_from_record, namespace_identities, namespace_record_sums,
+                                     shard_checksum)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class RegionScan:
     fenced_rows: np.ndarray
     writers: np.ndarray
     stale_fence: np.ndarray
+    header_problems: list[str]  # what is wrong with the header's own fields (the tick)
 
     @property
     def ready(self) -> list[tuple[int, int, bytes, np.ndarray]]:
@@ -67,20 +70,25 @@ class RegionScan:
 
 # Why scan() judges a READY record unsound, by code (0: sound so far).
 _REASONS = ("", "bad key length", "unknown or damaged namespace", "page count differs from its namespace's",
-            "chain leaves the data area", "chain longer than its page count")
-_BAD_KEY, _BAD_NS, _BAD_COUNT, _CHAIN_OUT, _CHAIN_LONG = range(1, len(_REASONS))
+            "chain leaves the data area", "chain longer than its page count", "tick out of range",
+            "record checksum mismatch", "stored without a data checksum")
+_BAD_KEY, _BAD_NS, _BAD_COUNT, _CHAIN_OUT, _CHAIN_LONG, _BAD_TICK, _BAD_SUM, _NO_CHECKSUM = range(1, len(_REASONS))
 
 
-def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
+def scan(view: RegionView, verify_checksums: bool = False, require_checksums: bool = False) -> RegionScan:
     """Judge every namespace and entry record without changing anything.
 
     One piece of logic serves the daemon's recovery (which keeps ``ready`` and frees the rest)
-    and ``kvtierctl check`` (which reports ``problems``). A READY record is sound when its
+    and ``kvtierctl check`` (which reports ``problems``). A namespace record is sound when its
+    record_sum matches and its fields make a namespace. A READY record is sound when its
     namespace record is sound, its key length is 1..MAX_KEY_BYTES, its page count is its
-    namespace's, its chain stays in the data area and ends exactly after page_count links, it
-    shares no page with an older sound entry and no older sound entry of its namespace has its
-    key. With ``verify_checksums``, an entry that carries a checksum must also match it (this
-    reads every such entry's bytes). Nothing in the bytes can make this raise.
+    namespace's, its tick is below TICK_LIMIT, its chain stays in the data area and ends exactly
+    after page_count links, its record_sum matches (its fields, its chain, its namespace's
+    identity), it shares no page with an older sound entry and no older sound entry of its
+    namespace has its key. An entry of a namespace flagged NS_CHECKSUMS must carry a data
+    checksum; with ``require_checksums`` every entry must (the daemon's checksums setting is on);
+    with ``verify_checksums`` each data checksum must match the entry's bytes (this reads them:
+    ``view.data`` must be there). Nothing in the bytes can make this raise.
 
     Every check is vectorised over all records (a region holds millions): only records that
     share a page or a key fingerprint with another candidate are judged one by one, oldest
@@ -90,8 +98,16 @@ def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
     namespaces: dict[int, NamespaceId] = {}
     damaged: dict[int, str] = {}
     ns_pages = np.full(1 << 16, -1, dtype=np.int64)   # entry pages by namespace slot (u2)
+    ns_identity = np.zeros(1 << 16, dtype=np.uint64)  # namespace_identities by slot
+    ns_checksums = np.zeros(1 << 16, dtype=bool)      # the slot's entries carry data checksums
     seen: set[NamespaceId] = set()
-    for slot in np.flatnonzero(view.namespaces["in_use"]).tolist():
+    in_use = np.flatnonzero(view.namespaces["in_use"])
+    ns_sound = namespace_record_sums(view.namespaces[in_use]) == view.namespaces["record_sum"][in_use]
+    ns_identity[in_use] = namespace_identities(view.namespaces[in_use])
+    for slot, sound in zip(in_use.tolist(), ns_sound.tolist()):
+        if not sound:
+            damaged[slot] = "record checksum mismatch"
+            continue
         try:
             ns_id = namespace_from_record(view.namespaces[slot])
             if not 1 <= ns_id.entry_pages(geo.page_size) <= geo.num_pages:
@@ -104,6 +120,7 @@ def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
         seen.add(ns_id)
         namespaces[slot] = ns_id
         ns_pages[slot] = ns_id.entry_pages(geo.page_size)
+        ns_checksums[slot] = bool(int(view.namespaces[slot]["flags"]) & NS_CHECKSUMS)
 
     ents = view.entries
     states = ents["state"]
@@ -123,6 +140,7 @@ def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
     wrong_count = (counts != ns_pages[ns_of]) & (why == 0)
     why[wrong_count & (ns_pages[ns_of] < 0)] = _BAD_NS
     why[wrong_count & (ns_pages[ns_of] >= 0)] = _BAD_COUNT
+    why[(why == 0) & (ents["tick"][ready] >= TICK_LIMIT)] = _BAD_TICK
     walk = np.where(why == 0, counts, 0)
     # Walk every chain at once, one link per step (steps = the longest chain).
     max_count = int(walk.max()) if len(ready) else 0
@@ -138,13 +156,20 @@ def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
         nxt[active] = view.chain[cur[active]]
         cur = nxt
     why[(why == 0) & (cur != CHAIN_END)] = _CHAIN_LONG
+    records = ents.view(np.uint8).reshape(len(ents), ENTRY_DTYPE.itemsize)
+    whole = np.flatnonzero(why == 0)
+    for lo in range(0, len(whole), 1 << 16):     # the record sums, 64 Ki records at a time
+        at = whole[lo:lo + (1 << 16)]
+        sums = entry_record_sums(records[ready[at]], chains[at], counts[at], ns_identity[ns_of[at]])
+        why[at[sums != ents["record_sum"][ready[at]]]] = _BAD_SUM
+    no_sum = (why == 0) & (ents["checksum"][ready] == 0)
+    why[no_sum & (ns_checksums[ns_of] | require_checksums)] = _NO_CHECKSUM
 
     # The candidates (sound so far), oldest first: their keys, and which of them meet another
     # candidate on a page or on a key of the same namespace (equal fingerprints).
     cand = np.flatnonzero(why == 0)
     slots, counts, ns_of = ready[cand], counts[cand], ns_of[cand]
     key_at = ENTRY_DTYPE.fields["key"][1]        # gathering byte rows is ~10x faster than the field
-    records = ents.view(np.uint8).reshape(len(ents), ENTRY_DTYPE.itemsize)
     keys, fingerprint = _keys(records[slots, key_at:key_at + MAX_KEY_BYTES], key_len[cand], ns_of)
     in_chain = np.arange(max_count)[None, :] < counts[:, None]
     pages = chains[cand][in_chain]                       # every candidate's pages, in order
@@ -160,7 +185,7 @@ def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
     keep = np.ones(len(cand), dtype=bool)
     judged: list[tuple[int, int, str]] = [(int(i), int(ready[i]), _REASONS[why[i]])
                                           for i in np.flatnonzero(why).tolist()]
-    checksum = ents["checksum"][slots]
+    checksum = np.where(ns_checksums[ns_of], ents["checksum"][slots], 0)   # what verification checks
     owner = np.full(geo.num_pages, -1, dtype=np.int64)
     keys_seen: set[tuple[int, bytes]] = set()
     for i in np.flatnonzero(involved).tolist():          # the original judgement, oldest first
@@ -189,15 +214,19 @@ def scan(view: RegionView, verify_checksums: bool = False) -> RegionScan:
     problems += [(slot, reason) for _, slot, reason in sorted(judged)]
     kept = np.flatnonzero(keep)
     fenced, fenced_rows, writers, stale = _fence(view, owner)
+    header_tick = int(view.header["tick"])
     return RegionScan(namespaces, damaged, slots[kept], ns_of[kept],
                       keys if len(kept) == len(keys) else [keys[i] for i in kept.tolist()],
                       _rows_as_bytes(chains[cand[kept]].view(np.uint8), 4 * counts[kept]),
-                      writing, problems, owner, fenced, fenced_rows, writers, stale)
+                      writing, problems, owner, fenced, fenced_rows, writers, stale,
+                      [f"header tick {header_tick} out of range"] if header_tick >= TICK_LIMIT else [])
 
 
 def _fence(view: RegionView, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(fenced pages, their rows, rows in use, stale pages): see ``RegionScan``. A page a sound
-    entry holds is that entry's whatever its fence says: READY means every writer committed."""
+    entry holds is that entry's whatever its fence says: READY means every writer committed. A page
+    of a WRITING record, or of a READY one judged unsound, is judged by the fence table alone: no
+    record checksum is asked of it (a WRITING record carries none)."""
     writers = np.flatnonzero(view.writers["state"] != WriterState.FREE)
     in_use = np.zeros(WRITER_SLOTS + 1, dtype=bool)     # the last slot stands for any row out of range
     in_use[writers] = True

@@ -16,14 +16,23 @@ one reply without touching a socket, so dispatch runs (and is tested) without th
 (the metrics endpoint) never touch the store; they hand a function to ``call_in_loop`` and the
 loop runs it between requests.
 
+Every message is read part by part: a request is one frame, and the parts of a multi-part
+message are dropped without being copied (``_drain``). Each request comes with the connection it
+arrived on (``peers.Connections``: the peer's uid and pid, counted and capped per peer and in
+all); a session is tied to its connection and ends with it.
+
 Every reply is built from its shape declared in ``protocol`` (``REPLIES``, ``ADMIN_REPLIES``).
 Sessions and their liveness are the ``SessionRegistry``'s (``kvtierd.sessions``); the loop polls
 their pidfds and those of writers gone whose pages are still fenced (``kvtierd.fence``), and
-sweeps heartbeats. Who a client is comes from the kernel, not from its word: a hello frame is
-received without copying, and its ``Peer-Address`` property holds the peer's credentials
-(``localhost:<uid>:<gid>:<pid>``, the pid as the daemon's PID namespace sees it, 0 when it cannot;
-``peer_of``). The region file is checked every ``region_check_interval`` (``Region.check_file``);
-a truncated one stops the daemon.
+sweeps heartbeats. Who a client is comes from the kernel, not from its word: the connection's
+credentials (SO_PEERCRED: uid, and the pid as the daemon's PID namespace sees it, 0 when it
+cannot) decide whether its session is watched through a pidfd, which process a writer row
+records, and whether a pid claimed in the daemon's own PID namespace is true (``_process``).
+The region's files are checked every ``region_check_interval`` (``Region.check_files``): a
+truncated metadata file stops the daemon; a truncated data file (any member of the client group
+can do that) is replaced while the daemon serves on (``_replace_data``): every session ends,
+every entry goes (its bytes went with the file), the fence is reset (the pages it named went
+too), and clients re-attach to the new file under a new generation.
 
 Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
 requests of jobs already open are still served, and the loop ends when no job is open any more
@@ -33,6 +42,7 @@ writer may still copy into stay fenced in the region for the next daemon.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -47,6 +57,7 @@ from .contract import protocol as P
 from .contract.namespace import NamespaceId
 from .contract.protocol import ErrorCode, RequestError
 from .histogram import Histogram
+from .peers import Conn, Connections
 from .processes import Process, start_ticks
 from .region import Region
 from .sessions import Session, SessionEnd, SessionRegistry
@@ -65,9 +76,21 @@ MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
 PRESSURE_LOG_SECONDS = 10.0    # how often eviction pressure is reported in the log
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, bounded, for an error reply or a log line; never raises
+    (the message of an exception raised while handling a hostile frame may be huge or may fail to render)."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "?"
+    return f"{type(exc).__name__}: {text[:P.MAX_ERROR_CHARS]}"
+
+
 class Server:
     def __init__(self, store: Store, region: Region, gid: int | None = None, notifier: Notifier | None = None,
-                 drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0, region_check_interval: float = 5.0):
+                 drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0, region_check_interval: float = 5.0,
+                 max_connections: int = 4096, max_connections_per_peer: int = 256, max_sessions: int = 2048,
+                 max_sessions_per_peer: int = 128):
         self.store = store
         self.region = region
         self.gid = gid                    # the client group, which gets the client socket
@@ -85,8 +108,10 @@ class Server:
         self.poller.register(self._wake_r, zmq.POLLIN)
         watch = lambda fd: self.poller.register(fd, zmq.POLLIN)  # noqa: E731
         self.sessions = SessionRegistry(store.detach, heartbeat_timeout, watch=watch, unwatch=self.poller.unregister,
-                                        clock=store.clock, fence=store.fence)
+                                        clock=store.clock, fence=store.fence, max_sessions=max_sessions,
+                                        max_sessions_per_peer=max_sessions_per_peer)
         store.fence.watch_with(watch, self.poller.unregister)
+        self.connections = Connections(max_connections, max_connections_per_peer, self.sessions.disconnected)
         self.stopping = False
         self.started = time.time()
         self.requests: Counter = Counter()
@@ -95,7 +120,7 @@ class Server:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self.metrics_address: str | None = None
         self.handlers: dict[str, Callable[[bytes, Session | None, dict], P.Reply]] = {
-            "hello": self._hello, "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
+            "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
             "store": self._store, "commit": self._commit, "load": self._load, "release": self._release,
             "abort": self._abort, "jobs": self._jobs, "stats": self._stats,
         }
@@ -106,16 +131,19 @@ class Server:
 
     def listen(self) -> None:
         """Bind the client and admin sockets: from now on clients can connect."""
-        self.sock = self._bind(self.socket_path, 0o117, self.gid)           # 0660, client group
+        self.sock = self._bind(self.socket_path, 0o117, self.gid, self.connections)   # 0660, client group
         self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
+        self.poller.register(self.connections.monitor, zmq.POLLIN)
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.admin, zmq.POLLIN)
 
-    def _bind(self, path: str, umask: int, gid: int | None) -> zmq.Socket:
+    def _bind(self, path: str, umask: int, gid: int | None, connections: Connections | None = None) -> zmq.Socket:
         if len(path.encode()) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {path} is {len(path)} bytes; ipc paths are limited to "
                              f"{MAX_SOCKET_PATH}. Choose a shorter --dir or --name")
         sock = zmq.Context.instance().socket(zmq.ROUTER)
+        if connections is not None:
+            connections.watch(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to vanished peers are dropped
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -199,10 +227,13 @@ class Server:
                 self.sessions.sweep(now)
                 next_sweep = now + min(0.5, self.heartbeat_timeout / 4)
             if now >= next_region_check:
-                if not self.region.check_file():     # truncated: any access past its end is a SIGBUS
+                action = self.region.check_files()
+                if action == "stop":               # the metadata: its next access may be a SIGBUS
                     self.exit_code = 1
                     self.drain_timeout = 0.0
                     self.request_stop()
+                elif action == "replace data":
+                    self._replace_data()
                 next_region_check = now + self.region_check_interval
             deadline = store.expire()
             wake_at = min(filter(None, [deadline, next_watchdog if watchdog else None, next_pressure,
@@ -221,6 +252,8 @@ class Server:
                     self.sessions.died(fd)
                 if fd in store.fence.pidfds:
                     store.writer_died(fd)
+            if self.connections.monitor in events:   # connections come and go before their requests are read
+                self.connections.poll()
             if self.sock in events:
                 self._drain(self.sock, self.handle)
             if self.admin in events:
@@ -233,41 +266,44 @@ class Server:
                 identity = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            # The rest of a message is there once its first part is. Uncopied, the frame carries
-            # its peer's credentials (hello reads them); two recv calls cost less than one
-            # recv_multipart.
+            # ROUTER delivers whole messages: the parts after the routing identity are all there.
+            # The request frame is not copied (msgpack reads ZMQ's buffer; the frame also tells
+            # the connection it came in on); nor are the parts of a multi-part message, which are
+            # refused (a client sends one frame per request).
             frame = sock.recv(copy=False)
-            parts = 1
-            while frame.more:
-                frame = sock.recv(copy=False)
-                parts += 1
-            if parts != 1:
+            if frame.more:
+                parts = 1
+                while sock.recv(copy=False).more:
+                    parts += 1
                 self._count_error(ErrorCode.BAD_REQUEST)
-                reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {parts}")
+                reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {parts + 1}")
+            elif sock is self.sock:
+                reply = handle(identity, frame.buffer, functools.partial(self.connections.of, frame))
             else:
-                reply = handle(identity, frame.bytes, lambda: peer_of(frame))
+                reply = handle(identity, frame.buffer)
             sock.send_multipart([identity, P.encode(reply)], copy=False)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, frame: bytes,
-               peer: Callable[[], tuple[int, int] | None] | None = None) -> dict[str, Any]:
-        """One request frame from the client socket → one reply map. Never raises. ``peer`` gives
-        (uid, pid) of the socket's peer (only hello asks); without it the peer is unknown and its
-        session owes heartbeats."""
+               connection: Callable[[bool], Conn | None] | None = None) -> dict[str, Any]:
+        """One request frame from the client socket → one reply map. Never raises.
+        ``connection(fresh)`` gives the connection it came in on (``Connections.of``; ``fresh``
+        for a hello); without it (unit tests, no sockets) the connection and its peer are
+        unknown, and a session said hello there owes heartbeats."""
         try:
             msg = P.decode_request(frame)
-        except RequestError as exc:
-            self._count_error(exc.code)
-            return P.error_reply(P.request_id(frame), exc.code, exc.message)
+        except Exception as exc:   # RequestError; anything else is a decoder bug, and costs this request only
+            return self._refusal(frame, exc)
         op, rid = msg["op"], msg.get("rid", 0)
         self.requests[op] += 1
         started = time.perf_counter()
-        session = self.sessions.session_of(identity)
+        conn = connection(op == "hello") if connection is not None else None
+        session = self.sessions.session_of(identity, conn)
         try:
             if session is None and op not in P.SESSIONLESS_OPS:
                 raise RequestError(ErrorCode.NOT_ATTACHED, f"{op} before hello: attach a session first")
-            if op == "hello":
-                return P.ok_reply(rid, self._hello(identity, session, msg, peer() if peer is not None else None))
+            if op == "hello":          # the one op that needs the connection: the session is tied to it
+                return P.ok_reply(rid, self._hello(identity, session, msg, conn))
             return P.ok_reply(rid, self.handlers[op](identity, session, msg))
         except RequestError as exc:
             self._count_error(exc.code)
@@ -275,33 +311,45 @@ class Server:
         except Exception as exc:  # a bug must cost one request, not the daemon
             log.exception("internal error handling %s", op)
             self._count_error(ErrorCode.INTERNAL)
-            return P.error_reply(rid, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            return P.error_reply(rid, ErrorCode.INTERNAL, f"internal error: {_describe(exc)}")
         finally:
             self.latency[op].observe(time.perf_counter() - started)
 
-    def handle_admin(self, identity: bytes, frame: bytes, peer: Callable[[], tuple[int, int] | None] | None = None
-                     ) -> dict[str, Any]:
+    def handle_admin(self, identity: bytes, frame: bytes) -> dict[str, Any]:
         """One admin request → one reply. Never raises."""
         try:
             msg = P.decode_request(frame, P.ADMIN_REQUESTS)
+        except Exception as exc:
+            return self._refusal(frame, exc)
+        try:
             return P.ok_reply(msg.get("rid", 0), self.admin_handlers[msg["op"]](msg))
         except RequestError as exc:
             self._count_error(exc.code)
-            return P.error_reply(P.request_id(frame), exc.code, exc.message)
+            return P.error_reply(msg.get("rid", 0), exc.code, exc.message)
         except Exception as exc:
             log.exception("internal error handling an admin request")
             self._count_error(ErrorCode.INTERNAL)
-            return P.error_reply(P.request_id(frame), ErrorCode.INTERNAL, f"internal error: {exc}")
+            return P.error_reply(msg.get("rid", 0), ErrorCode.INTERNAL, f"internal error: {_describe(exc)}")
+
+    def _refusal(self, frame: bytes, exc: Exception) -> dict[str, Any]:
+        """The error reply to a frame that did not decode into a valid request."""
+        if isinstance(exc, RequestError):
+            code, message = exc.code, exc.message
+        else:
+            log.error("decoding a request raised %s", _describe(exc))
+            code, message = ErrorCode.BAD_REQUEST, f"undecodable request ({type(exc).__name__})"
+        self._count_error(code)
+        return P.error_reply(P.request_id(frame), code, message)
 
     def _count_error(self, code: ErrorCode) -> None:
         self.errors[ErrorCode(code).name] += 1
 
     # ------------------------------------------------------------------ sessions
-    def _process(self, msg: dict, peer: tuple[int, int] | None) -> Process:
-        """Who sent this hello, as the kernel says (``peer``: (uid, pid) of the socket's peer).
+    def _process(self, msg: dict, conn: Conn | None) -> Process:
+        """Who sent this hello, as the kernel says (``conn``: its connection's peer credentials).
         A pid claimed in the daemon's own PID namespace must be the peer's."""
         claimed_pid, claimed_ns = msg.get("pid"), msg.get("pidns")
-        uid, pid = peer if peer is not None else (None, 0)
+        uid, pid = (conn.uid, conn.pid) if conn is not None else (None, 0)
         if claimed_pid and claimed_ns == self.sessions.pidns and pid and claimed_pid != pid:
             raise RequestError(ErrorCode.BAD_REQUEST, f"hello claims pid {claimed_pid} in the daemon's PID namespace, "
                                                       f"but the socket's peer is pid {pid}")
@@ -310,14 +358,16 @@ class Server:
             raise RequestError(ErrorCode.BAD_REQUEST, f"pid {pid} does not exist in the daemon's namespace")
         return Process(pid, ticks, claimed_pid, claimed_ns, uid)
 
-    def _hello(self, identity: bytes, session: Session | None, msg: dict,
-               peer: tuple[int, int] | None) -> P.HelloReply:
+    def _hello(self, identity: bytes, session: Session | None, msg: dict, conn: Conn | None = None) -> P.HelloReply:
         if msg["version"] != P.PROTOCOL_VERSION:
             raise RequestError(ErrorCode.VERSION, f"client speaks protocol {msg['version']}, this kvtierd speaks "
                                                   f"{P.PROTOCOL_VERSION}; install matching kvtierd versions")
         if self.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
-        process = self._process(msg, peer)
+        if conn is None and self.sock is not None:
+            raise RequestError(ErrorCode.LIMIT, "this connection was closed (by its peer, or past the settings "
+                                                "max_connections, max_connections_per_peer): connect again later")
+        process = self._process(msg, conn)
         if session is not None:
             self.sessions.end(session, SessionEnd.REHELLO)
         if "replaces" in msg:
@@ -326,14 +376,20 @@ class Server:
                 self.sessions.end(replaced, SessionEnd.REATTACHED)
             else:       # dropped, or a session of the daemon before a restart: its writer's pages
                 self.store.reattached(msg["replaces"], msg.get("replaces_token"))
+        # Who may join the engine is checked before anything is ended for this hello.
+        self.store.may_join(msg["engine"], process, msg.get("secret"))
         held = self.store.rank_holder(msg["engine"], msg["rank"])
-        if held is not None and held.process.same_as(process):
+        if held is not None and not held.process.same_as(process):
+            held = None
+        self.sessions.admit(conn, replacing=held)
+        if held is not None:
             # An orphan of this very process (a Client dropped without close(), a hello whose
             # reply came too late): the process takes its rank back.
             self.sessions.end(held, SessionEnd.TAKEN_OVER)
         ns_id = NamespaceId.from_wire(msg["namespace"], msg["world_size"])
-        session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], ns_id, process)
-        watched = self.sessions.register(identity, session)
+        session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], ns_id, process,
+                                    secret=msg.get("secret"))
+        watched = self.sessions.register(identity, session, conn)
         token = session.token
         log.info("attach session=%d engine=%r %s world_size=%d pid=%s namespace=%s watched=%s", session.id,
                  session.engine.id, session.role, msg["world_size"], session.pid, ns_id.name(), watched)
@@ -342,7 +398,7 @@ class Server:
         return P.HelloReply(
             session=session.id, version=P.PROTOCOL_VERSION, daemon_pid=os.getpid(),
             region=self.region.paths.region, generation=self.region.generation,
-            file_bytes=geo.file_bytes, page_size=geo.page_size, num_pages=geo.num_pages,
+            file_bytes=geo.data_bytes, page_size=geo.page_size, num_pages=geo.num_pages,
             data_offset=geo.data_offset, namespace=ns.id.name(), pages_per_shard=ns.pages_per_shard,
             writers=sorted(session.engine.writers), job_timeout=self.store.job_timeout,
             watched=watched, token=token, heartbeat_interval=None if watched else self.heartbeat_timeout / 3,
@@ -418,12 +474,14 @@ class Server:
             hugepages=self.region.backing.kind,
             huge_page_size=self.region.backing.page_size,
             huge_bytes=self.region.backing.huge_bytes,
-            file_bytes=self.region.geometry.file_bytes,
+            file_bytes=self.region.geometry.data_bytes,
             daemon_pid=os.getpid(),
             stopping=self.stopping,
             region_problem=self.region.problem,
             sessions_heartbeat=len(self.sessions.heartbeats),
             checksums=self.store.checksums,
+            connections=len(self.connections),
+            connections_refused=dict(self.connections.refused),
         )
 
     # ------------------------------------------------------------------ admin ops
@@ -441,10 +499,26 @@ class Server:
     def _clear(self, msg: dict) -> P.EvictReply:
         return P.EvictReply(self.store.evict(msg.get("namespace"), None))
 
+    def _replace_data(self) -> None:
+        """The data file was truncated under the daemon: its blocks are gone. End every session
+        (their jobs abort, their pins drop), drop every entry, reset the fence (the pages it named
+        are gone; a writer still copying copies into its mapping of the old file), and serve a
+        fresh data file under a new generation; clients re-attach and remap. The daemon never
+        touched the truncated file."""
+        log.critical("region file %s was truncated (a member of the client group can do that): its cached "
+                     "blocks are gone; ending every session and replacing it", self.region.paths.region)
+        self.sessions.close(SessionEnd.REGION_REPLACED)
+        dropped = self.store.drop_all()
+        generation = self.region.replace_data()
+        log.warning("region file replaced: %d entries dropped, new generation %x", dropped, generation)
+
     # ------------------------------------------------------------------ stop
     def close(self) -> None:
         """End every session, close the sockets (when bound) and the wake pipe."""
         self.sessions.close()
+        if self.connections.monitor is not None:
+            self.poller.unregister(self.connections.monitor)
+            self.connections.close()
         for sock, path in ((self.sock, self.socket_path), (self.admin, self.admin_socket_path)):
             if sock is None:
                 continue
@@ -460,13 +534,3 @@ class Server:
         while self._calls:   # nobody will run these any more
             self._calls.popleft()[1].set_exception(RuntimeError("kvtierd stopped"))
 
-
-def peer_of(frame: zmq.Frame) -> tuple[int, int] | None:
-    """(uid, pid) of the peer that sent ``frame``, from its ``Peer-Address`` property
-    (``<host>:<uid>:<gid>:<pid>`` on ipc, SO_PEERCRED; pid 0 when the daemon's PID namespace does
-    not see the process). None without the property."""
-    try:
-        _, uid, _, pid = frame.get("Peer-Address").rsplit(":", 3)
-        return int(uid), int(pid)
-    except (zmq.ZMQError, AttributeError, ValueError):
-        return None

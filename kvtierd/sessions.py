@@ -17,6 +17,15 @@ liveness:
   ends it. A lost heartbeat ends the session's rights (votes, pins), not its writer's fence: the
   store keeps the pages it may still copy into fenced (``kvtierd.fence``).
 
+A session is tied to the connection it said hello on (``peers.Conn``, whose credentials are
+the kernel's: where its process comes from, as above): when that connection ends, the session
+ends (``disconnected``), so a session cannot outlive its socket, whatever pid it claimed; a
+request under the session's routing identity from any other connection is not the session's.
+A connection's end is not a proof that the process stopped writing: like a lost heartbeat, it
+ends the session's rights, not its writer's fence. The table is bounded: at most
+``max_sessions`` sessions, and ``max_sessions_per_peer`` from one peer (``admit``; a process
+taking over its own orphaned session replaces it, it does not count twice).
+
 ``sweep`` also persists every attached writer's last proof of life (``Fence.stamp``), so that a
 restarted daemon counts the grace of a writer it cannot watch from it.
 """
@@ -24,9 +33,12 @@ restarted daemon counts the grace of a writer it cannot watch from it.
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import os
+import select
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -36,6 +48,7 @@ from .processes import Process, own_pid_namespace
 if TYPE_CHECKING:
     from .fence import Fence, Writer
     from .jobs import Engine
+    from .peers import Conn
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +63,8 @@ class SessionEnd(str, enum.Enum):
     REATTACHED = "reattached"           # a new hello replaced it, proving it with its token
     TAKEN_OVER = "taken_over"           # the same process attached as the same rank again (an orphan)
     DEAD_AT_HELLO = "dead_at_hello"     # its pid was gone by the time of its hello
+    DISCONNECTED = "disconnected"       # the connection it said hello on ended (its process may live on)
+    REGION_REPLACED = "region_replaced"  # the data file was truncated under the daemon and replaced
     DAEMON_STOPPED = "daemon_stopped"
 
 
@@ -78,6 +93,13 @@ class _Link:
     session: Session
     identity: bytes
     pidfd: int | None
+    conn: "Conn | None"          # the connection it said hello on (None: no socket, as in unit tests)
+
+
+# pidfd_open failing for want of descriptors or memory says nothing about the process: such a
+# session is not watched (it owes heartbeats) rather than refused as dead.
+_CANNOT_WATCH = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+DISCONNECT_GRACE = 1.0     # seconds a watched session outlives its connection, for its pidfd to tell a death
 
 
 class SessionRegistry:
@@ -90,52 +112,86 @@ class SessionRegistry:
     def __init__(self, end: Callable[[Session, SessionEnd, float], None], heartbeat_timeout: float = 15.0,
                  watch: Callable[[int], None] = lambda fd: None, unwatch: Callable[[int], None] = lambda fd: None,
                  pidns: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 fence: "Fence | None" = None):
+                 fence: "Fence | None" = None, max_sessions: int = 2048, max_sessions_per_peer: int = 128):
         self._end = end
         self.heartbeat_timeout = heartbeat_timeout
         self._watch, self._unwatch = watch, unwatch
         self.pidns = own_pid_namespace() if pidns is None else pidns
         self.clock = clock
         self.fence = fence
+        self.max_sessions = max_sessions
+        self.max_sessions_per_peer = max_sessions_per_peer
         self._by_identity: dict[bytes, _Link] = {}
         self._by_id: dict[int, _Link] = {}
+        self._by_conn: dict[int, list[_Link]] = {}      # connection serial → the sessions tied to it
+        self.per_peer: Counter = Counter()               # peer → its sessions
         self.pidfds: dict[int, Session] = {}            # pidfd → the session it watches
         self.heartbeats: dict[int, float] = {}          # unwatched session id → when it last proved alive
+        self.disconnected_at: dict[int, float] = {}     # watched session id → when its connection ended
 
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def session_of(self, identity: bytes) -> Session | None:
-        """The session speaking from this identity, if any; a request proves it alive."""
+    def session_of(self, identity: bytes, conn: "Conn | None" = None) -> Session | None:
+        """The session speaking from this identity on this connection, if any; a request proves it
+        alive. The same routing identity on another connection (a client may choose its own) is not it."""
         link = self._by_identity.get(identity)
-        if link is None:
+        if link is None or link.conn is not conn:
             return None
         if link.session.id in self.heartbeats:
             self.heartbeats[link.session.id] = self.clock()
         return link.session
+
+    def admit(self, conn: "Conn | None", replacing: Session | None = None) -> None:
+        """Raise LIMIT when a new session (from ``conn``'s peer) would exceed the table's bounds.
+        ``replacing``: a session the new one takes the place of (an orphan of the same process),
+        which is not counted."""
+        link = self._by_id.get(replacing.id) if replacing is not None else None
+        total = len(self._by_id) - (link is not None)
+        if total >= self.max_sessions:
+            raise RequestError(ErrorCode.LIMIT, f"kvtierd holds its maximum of {self.max_sessions} sessions "
+                                                "(setting max_sessions)")
+        if conn is None:
+            return
+        mine = self.per_peer[conn.peer] - (link is not None and link.conn is not None and link.conn.peer == conn.peer)
+        if mine >= self.max_sessions_per_peer:
+            raise RequestError(ErrorCode.LIMIT, f"{conn.describe()} already holds {self.max_sessions_per_peer} "
+                                                "sessions (setting max_sessions_per_peer)")
 
     def proven(self, session_id: int | None, token: int | None) -> Session | None:
         """The session with this id, if ``token`` is its token (a heartbeat, or a hello replacing it)."""
         link = self._by_id.get(session_id)
         return link.session if link is not None and link.session.token == token else None
 
-    def register(self, identity: bytes, session: Session) -> bool:
-        """Tie a new session to its identity and watch it. Returns whether a pidfd watches it.
+    def register(self, identity: bytes, session: Session, conn: "Conn | None" = None) -> bool:
+        """Tie a new session to its identity and connection and watch it. Returns whether a pidfd
+        watches it.
 
-        A process the daemon can see (``session.process.pid``) is watched through a pidfd; if it
-        no longer exists the session ends at once and BAD_REQUEST is raised. Any other session
-        owes heartbeats.
+        A process the daemon can see (``session.process.pid``, the kernel's word) is watched
+        through a pidfd; if it no longer exists the session ends at once and BAD_REQUEST is
+        raised. Any other session owes heartbeats, as does one whose pidfd could not be opened
+        for want of descriptors (EMFILE).
         """
-        link = _Link(session, identity, None)
+        link = _Link(session, identity, None, conn)
         self._by_identity[identity] = link
         self._by_id[session.id] = link
+        if conn is not None:
+            self._by_conn.setdefault(conn.serial, []).append(link)
+            self.per_peer[conn.peer] += 1
         pid = session.process.pid
         if pid:
             try:
                 link.pidfd = os.pidfd_open(pid)
-            except OSError:
+            except OSError as exc:
+                if exc.errno not in _CANNOT_WATCH:
+                    self.end(session, SessionEnd.DEAD_AT_HELLO)
+                    raise RequestError(ErrorCode.BAD_REQUEST,
+                                       f"pid {pid} does not exist in the daemon's namespace") from None
+                log.warning("cannot watch pid %d (%s): its session owes heartbeats", pid, exc.strerror)
+            except Exception:             # a pid the kernel cannot take (the protocol bounds it): no session
                 self.end(session, SessionEnd.DEAD_AT_HELLO)
-                raise RequestError(ErrorCode.BAD_REQUEST, f"pid {pid} does not exist in the daemon's namespace")
+                raise
+        if link.pidfd is not None:
             self.pidfds[link.pidfd] = session
             self._watch(link.pidfd)
         else:
@@ -159,14 +215,38 @@ class SessionRegistry:
         when the session last proved alive)."""
         link = self._by_id.pop(session.id, None)
         if link is not None:
-            self._by_identity.pop(link.identity, None)
+            if self._by_identity.get(link.identity) is link:
+                del self._by_identity[link.identity]
+            if link.conn is not None:
+                tied = self._by_conn[link.conn.serial]
+                tied.remove(link)
+                if not tied:
+                    del self._by_conn[link.conn.serial]
+                self.per_peer[link.conn.peer] -= 1
+                if not self.per_peer[link.conn.peer]:
+                    del self.per_peer[link.conn.peer]
             if link.pidfd is not None:
                 self._unwatch(link.pidfd)
                 os.close(link.pidfd)
                 del self.pidfds[link.pidfd]
         seen = self.heartbeats.pop(session.id, None)
+        self.disconnected_at.pop(session.id, None)
         self._end(session, cause, self.clock() if seen is None else seen)
         log.info("detach session=%d engine=%r %s cause=%s", session.id, session.engine.id, session.role, cause.value)
+
+    def disconnected(self, conn: "Conn") -> None:
+        """The connection ``conn`` ended: the sessions tied to it end too. A process that dies
+        closes its sockets a moment before its pidfd says so: a watched session whose process
+        still runs is given DISCONNECT_GRACE for its pidfd to tell (``died``), and ends as
+        DISCONNECTED after it (``sweep``); its routing identity is gone at once."""
+        for link in list(self._by_conn.get(conn.serial, ())):
+            if link.pidfd is None:
+                self.end(link.session, SessionEnd.DISCONNECTED)
+            elif select.select([link.pidfd], [], [], 0)[0]:
+                self.died(link.pidfd)
+            else:
+                self._by_identity.pop(link.identity, None)
+                self.disconnected_at[link.session.id] = self.clock()
 
     def died(self, pidfd: int) -> None:
         """The pidfd became readable: its process died."""
@@ -176,8 +256,12 @@ class SessionRegistry:
         self.end(session, SessionEnd.DIED)
 
     def sweep(self, now: float) -> None:
-        """End the unwatched sessions that sent nothing for longer than heartbeat_timeout, and
-        persist every attached writer's last proof of life (now, for a watched one)."""
+        """End the unwatched sessions that sent nothing for longer than heartbeat_timeout and the
+        watched ones whose connection ended more than DISCONNECT_GRACE ago, and persist every
+        attached writer's last proof of life (now, for a watched one)."""
+        for session_id, gone in list(self.disconnected_at.items()):
+            if now - gone > DISCONNECT_GRACE:
+                self.end(self._by_id[session_id].session, SessionEnd.DISCONNECTED)
         for session_id, seen in list(self.heartbeats.items()):
             if now - seen > self.heartbeat_timeout:
                 session = self._by_id[session_id].session
@@ -188,7 +272,7 @@ class SessionRegistry:
             self.fence.stamp([(link.session.writer, self.heartbeats.get(session_id, now))
                               for session_id, link in self._by_id.items() if link.session.writer is not None])
 
-    def close(self) -> None:
-        """End every session (the daemon stops)."""
+    def close(self, cause: SessionEnd = SessionEnd.DAEMON_STOPPED) -> None:
+        """End every session (the daemon stops, or its data file is replaced)."""
         for link in list(self._by_id.values()):
-            self.end(link.session, SessionEnd.DAEMON_STOPPED)
+            self.end(link.session, cause)

@@ -9,6 +9,8 @@ typed code, having changed nothing it should not have.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import secrets
 import time
@@ -28,18 +30,24 @@ from .sessions import Session, SessionEnd
 
 # How a session's end bears on its writer's fenced pages: these ends prove the writer cannot
 # write any more (the client waits for its copies before bye and before re-attaching; a dead
-# process writes nothing); every other end leaves them fenced (kvtierd.fence).
+# process writes nothing; the pages of a replaced data file are gone, and a writer still copying
+# copies into its mapping of the old file). Every other end leaves them fenced (kvtierd.fence):
+# a lost heartbeat, a take-over, and a connection that ended (DISCONNECTED: a socket closed or
+# dropped says nothing of the process, which may still be copying into its mapping).
 PROOF_OF_END = {SessionEnd.LEFT: Release.LEFT, SessionEnd.DIED: Release.DIED,
-                SessionEnd.DEAD_AT_HELLO: Release.DIED, SessionEnd.REATTACHED: Release.REATTACHED}
+                SessionEnd.DEAD_AT_HELLO: Release.DIED, SessionEnd.REATTACHED: Release.REATTACHED,
+                SessionEnd.REGION_REPLACED: Release.REGION_REPLACED}
 
 
 class Store:
     def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
-                 checksums: bool = False, policy: str = DEFAULT_POLICY, fence_grace: float = 600.0):
+                 checksums: bool = False, policy: str = DEFAULT_POLICY, fence_grace: float = 600.0,
+                 **job_limits: int):
+        """``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
         self.fence = Fence(view, fence_grace, clock)
         self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums)
-        self.jobs = Jobs(self.index, self.fence, job_timeout, clock, checksums)
+        self.jobs = Jobs(self.index, self.fence, job_timeout, clock, checksums, **job_limits)
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)
 
@@ -58,19 +66,22 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
     def attach(self, engine_id: str, rank: int | None, world_size: int, ns_id: NamespaceId,
-               process: Process = Process()) -> Session:
+               process: Process = Process(), secret: bytes | None = None) -> Session:
         """A new session of ``engine_id`` (a rank, or the coordinator when ``rank`` is None); the
-        engine's first session fixes its world size and namespace, which later ones must match.
-        A writer rank gets a row in the fence's writer table."""
+        engine's first session fixes its world size and namespace, which later ones must match,
+        and who may join it (``may_join``). A writer rank gets a row in the fence's writer table."""
         if rank is not None and rank >= world_size:   # before anything is created for the engine
             raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
         engines = self.jobs.engines
         engine = engines.get(engine_id)
         if engine is None:
-            engine = Engine(engine_id, world_size, self.index.namespace(ns_id))
+            engine = Engine(engine_id, world_size, self.index.namespace(ns_id), uid=process.uid,
+                            secret=_digest(secret))
             engine.ns.users += 1
             engines[engine_id] = engine
-        elif engine.world_size != world_size or engine.ns.id != ns_id:
+        else:
+            self.may_join(engine_id, process, secret)
+        if engine.world_size != world_size or engine.ns.id != ns_id:
             raise RequestError(ErrorCode.LAYOUT_MISMATCH,
                                f"engine {engine_id!r} is attached with world size {engine.world_size} and namespace "
                                f"{engine.ns.id.name()}; this session asks for world size {world_size} and "
@@ -96,6 +107,25 @@ class Store:
             engine.ranks[rank] = session
         self.sessions[session.id] = session
         return session
+
+    def may_join(self, engine_id: str, process: Process, secret: bytes | None) -> None:
+        """Raise FORBIDDEN unless a session of ``process`` presenting ``secret`` may join engine
+        ``engine_id`` (if attached): it must come from the uid of the engine's first session (the
+        peer's, as the kernel reports it) and present the same secret (or none, if the first had
+        none). A process taking over its own orphaned rank passes this first, like any other."""
+        engine = self.jobs.engines.get(engine_id)
+        if engine is None:
+            return
+        if engine.uid != process.uid:
+            raise RequestError(ErrorCode.FORBIDDEN, f"engine {engine_id!r} is attached from uid {engine.uid}; a "
+                                                    f"session from uid {process.uid} cannot join it (choose another "
+                                                    "engine id)")
+        digest = _digest(secret)
+        if not hmac.compare_digest(engine.secret or b"", digest or b""):
+            raise RequestError(ErrorCode.FORBIDDEN, f"engine {engine_id!r} was attached with "
+                               f"{'a secret' if engine.secret else 'no secret'} and this session presents "
+                               f"{'another' if digest else 'none'}: every session of an engine presents the same "
+                               "one (Client(engine_secret=...), KVTIER_ENGINE_SECRET)")
 
     def rank_holder(self, engine_id: str, rank: int | None) -> Session | None:
         """The session attached as ``rank`` of ``engine_id``, if any."""
@@ -162,6 +192,15 @@ class Store:
         deadline = self.jobs.expire()
         return min(filter(None, (deadline, grace)), default=None)
 
+    def drop_all(self) -> int:
+        """Drop every entry and every writer's fence: the data file holding their pages is gone
+        (``Fence.reset``). Call with no session attached: no job is open, nothing is pinned.
+        Returns how many entries were dropped."""
+        assert not self.sessions, "drop_all with sessions attached"
+        dropped = self.index.evict(None, None)
+        self.index.release_pages(self.fence.reset())
+        return dropped
+
     def evict(self, namespace: str | None, count: int | None) -> int:
         """Operator eviction (kvtierctl evict/clear): see ``Index.evict``."""
         return self.index.evict(namespace, count)
@@ -204,3 +243,7 @@ class Store:
             self.detach(session, SessionEnd.DAEMON_STOPPED)
         self.fence.close()
         self.index.persist_tick()
+
+
+def _digest(secret: bytes | None) -> bytes | None:
+    return None if secret is None else hashlib.sha256(secret).digest()

@@ -1,8 +1,10 @@
 """Where a daemon's files live: the one place that spells the path convention.
 
-All in one daemon-owned directory (mode 0770, or 0700 without a client group)::
+All in one daemon-owned directory (mode 2750 with a client group: its members may enter and
+read it, not create, rename or remove anything in it; 0700 without)::
 
-    <dir>/<name>.region      the shared region (mode 0660), mapped by the daemon and every client
+    <dir>/<name>.region      the region's pages (mode 0660, the client group), mapped by every client
+    <dir>/<name>.meta        the region's tables (mode 0600: the daemon's user alone)
     <dir>/<name>.lock        flock(LOCK_EX) held for the daemon's whole life; holds its pid
     <dir>/<name>.sock        the client socket (ZMQ ipc, mode 0660: the daemon's user and client group)
     <dir>/<name>.admin.sock  the admin socket (mode 0600: the daemon's user alone)
@@ -55,6 +57,10 @@ class DaemonPaths:
     @property
     def region(self) -> str:
         return self._path(".region")
+
+    @property
+    def meta(self) -> str:
+        return self._path(".meta")
 
     @property
     def lock(self) -> str:

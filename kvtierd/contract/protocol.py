@@ -26,6 +26,10 @@ Validation happens here, before any handler runs and before anything is allocate
 the frame size is checked before decoding, the decoder is bounded (``decode_request``), and every
 field of every op is checked against its ``Field`` spec (type, range, length). A request that
 fails any check gets a ``BAD_REQUEST``/``LIMIT`` error naming the field; the daemon keeps serving.
+Error texts never quote a value the decoder did not bound (only strings of at most MAX_STR_BYTES
+and ints), and ``error_reply`` cuts every message to MAX_ERROR_CHARS: a hostile frame cannot make
+the daemon build a reply larger than a few hundred bytes, nor walk a structure it nested 1,000
+deep (issue 11: ``repr`` of such an op raised RecursionError).
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 
 # 2: hello's "layout" map became "namespace", its "kind" field "sharding".
 # 3: stats: pages_quarantined became pages_fenced, with fenced_pages by reason, fence releases, the
-#    oldest fence's age, the grace and the writer rows (the page fence, issue 10).
+#    oldest fence's age, the grace and the writer rows (the page fence, issue 10). The region is two
+#    files: hello's "region" is the data file, whose header the client checks
+#    (region_format.DataHeader); "file_bytes" is that file's size. hello takes a "secret" (issue 11).
 PROTOCOL_VERSION = 3
 
 # --- limits (enforced before any allocation) ------------------------------------------------
@@ -52,6 +58,9 @@ MAX_STR_BYTES = 256                    # engine ids, model names, dtype names
 MAX_WORLD_SIZE = 64
 MAX_JOB_ID = (1 << 63) - 1
 MAX_JOBS_PER_QUERY = 4096
+MAX_ERROR_CHARS = 512                  # an error reply's message is cut to this many characters
+MAX_PID = 1 << 22                      # the kernel's largest pid_max (PID_MAX_LIMIT on 64-bit)
+MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 64   # an engine secret (hello's ``secret``)
 
 PAGES_DTYPE = "<u4"                    # page indices on the wire and in the region's chain table
 
@@ -117,6 +126,8 @@ class AbortCause(str, enum.Enum):
     RANK_REATTACHED = "rank_reattached"       # a new hello replaced the session (with its token)
     RANK_TAKEN_OVER = "rank_taken_over"       # the same process attached as the same rank again
     RANK_DEAD_AT_HELLO = "rank_dead_at_hello"
+    RANK_DISCONNECTED = "rank_disconnected"   # its connection ended without bye
+    RANK_REGION_REPLACED = "rank_region_replaced"   # the region file was truncated and replaced
     RANK_DAEMON_STOPPED = "rank_daemon_stopped"
 
 
@@ -159,8 +170,11 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "namespace": Field("map"),
         # The client's pid and PID-namespace inode: a claim, checked against the socket's peer
         # credentials (a pid in the daemon's own namespace must be the peer's).
-        "pid": _int(0, 1 << 31, required=False),
+        "pid": _int(1, MAX_PID, required=False),
         "pidns": _int(0, 1 << 63, required=False),
+        # Binds the engine's sessions together: the first session of an engine fixes it, every
+        # later one must present the same (docs/reliability.md, Security).
+        "secret": Field("bytes", lo=MIN_SECRET_BYTES, hi=MAX_SECRET_BYTES, required=False),
         # Re-attaching (a lost reply, a daemon restart, a dropped session): end this earlier
         # session, proved by its token, first. It also says that no copy of that session is in
         # flight any more (the client waits for them), so the pages it was handed are free.
@@ -242,11 +256,23 @@ def decode_request(frame: bytes, ops: dict[str, dict[str, Field]] = REQUESTS) ->
         raise RequestError(ErrorCode.BAD_REQUEST, f"undecodable msgpack frame: {type(exc).__name__}") from None
     if not isinstance(msg, dict):
         raise RequestError(ErrorCode.BAD_REQUEST, "request must be a msgpack map")
+    try:
+        return _validate(msg, ops)
+    except RequestError:
+        raise
+    except Exception as exc:  # a check that failed in a way nobody foresaw: the request's error, nothing more
+        raise RequestError(ErrorCode.BAD_REQUEST, f"malformed request ({type(exc).__name__})") from None
+
+
+def _validate(msg: dict[str, Any], ops: dict[str, dict[str, Field]]) -> dict[str, Any]:
     op = msg.get("op")
-    if not isinstance(op, str) or op not in ops:
-        if ops is REQUESTS and isinstance(op, str) and op in ADMIN_REQUESTS:
+    if type(op) is not str:
+        # Never repr() the value: it may be a structure nested 1,000 deep, or megabytes long.
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field 'op' must be a string, got {type(op).__name__}")
+    if op not in ops:
+        if ops is REQUESTS and op in ADMIN_REQUESTS:
             raise RequestError(ErrorCode.FORBIDDEN, f"{op} is an admin operation: use the admin socket")
-        raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")
+        raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")   # a str of <= MAX_STR_BYTES
     rid = msg.get("rid", 0)
     if type(rid) is not int or not 0 <= rid < (1 << 63):
         raise RequestError(ErrorCode.BAD_REQUEST, "field 'rid' must be a non-negative int")
@@ -345,6 +371,14 @@ def _(name: str, value: Any, spec: Field) -> None:
                                                   "...); protocol strings are printable text")
     n = len(value.encode())
     if spec.lo is not None and not spec.lo <= n <= (spec.hi or MAX_STR_BYTES):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {spec.lo}..{spec.hi} bytes long")
+
+
+@_register("bytes")
+def _(name: str, value: Any, spec: Field) -> None:
+    if type(value) is not bytes:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be bytes")
+    if not spec.lo <= len(value) <= spec.hi:
         raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {spec.lo}..{spec.hi} bytes long")
 
 
@@ -506,6 +540,8 @@ class StatsReply(Reply):
     engines: int
     sessions: int
     open_jobs: int
+    open_job_keys: int                # keys (+1 per job) of the open jobs (bounded by max_job_keys)
+    tombstones: int                   # finished job ids remembered (bounded by max_tombstones)
     aborted_jobs: dict                # AbortCause value → jobs
     vote_wait: dict                   # histogram snapshot: first request of a store job → its last vote
     # monotonic counters
@@ -553,6 +589,8 @@ class StatsReply(Reply):
     region_problem: str | None        # removed | replaced by another file | truncated
     sessions_heartbeat: int
     checksums: bool
+    connections: int                  # open connections to the client socket
+    connections_refused: dict         # why connections were closed at once (total | per_peer) → count
 
 
 @_shape
@@ -589,6 +627,8 @@ def ok_reply(rid: int, reply: Reply) -> dict[str, Any]:
 
 
 def error_reply(rid: int, code: ErrorCode, message: str, **fields: Any) -> dict[str, Any]:
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS - 3] + "..."
     fields.update(rid=rid, ok=False, code=int(code), error=ErrorCode(code).name, message=message)
     return fields
 

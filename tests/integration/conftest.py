@@ -20,16 +20,17 @@ pytestmark = pytest.mark.integration
 
 
 def new_daemon(*args: str, size: str = "32MiB", job_timeout: float = 20.0, page_size: str = "64KiB",
-                env: dict[str, str] | None = None, root: str = "/tmp",
-                own_pid_namespace: bool = False) -> DaemonProcess:
+                env: dict[str, str] | None = None, root: str = "/tmp", own_pid_namespace: bool = False,
+                wrapper: tuple[str, ...] = ()) -> DaemonProcess:
     """A test daemon in its own fresh directory (removed by ``cleanup``), small and unpinned.
-    ``own_pid_namespace``: the daemon cannot see its clients' processes (as from another pod)."""
+    ``own_pid_namespace``: the daemon cannot see its clients' processes (as from another pod);
+    ``wrapper``: another command it runs under (e.g. prlimit)."""
     # root="/dev/shm" for tests that pin the region with CUDA: since Linux 6.5 the kernel may
     # refuse to pin file-backed pages that are not on tmpfs.
     return DaemonProcess(tempfile.mkdtemp(prefix="kvt-", dir=root), "--size", size, "--page-size", page_size,
                          "--pin", "off", "--job-timeout", str(job_timeout), "--log-level", "debug",
                          "--metrics-address", "127.0.0.1:0", *args, env=env, start_timeout=30.0,
-                         wrapper=in_own_pid_namespace() if own_pid_namespace else ())
+                         wrapper=(*in_own_pid_namespace(), *wrapper) if own_pid_namespace else wrapper)
 
 
 @pytest.fixture

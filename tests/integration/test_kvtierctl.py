@@ -108,7 +108,7 @@ def test_offline_commands_and_damage_detection(populated):
     # Damage the region: point one entry's chain at another entry's page.
     (victim,) = ctl_json(daemon, "inspect", "key", keys_b[1].hex())["entries"]
     (other,) = ctl_json(daemon, "inspect", "key", keys_b[0].hex())["entries"]
-    mapping = Mapping.of_file(daemon.region)
+    mapping = Mapping.of_file(daemon.paths.meta)
     view = RegionView(mapping.buffer)
     view.chain[victim["pages"][0]] = other["pages"][1]
     del view
@@ -117,7 +117,7 @@ def test_offline_commands_and_damage_detection(populated):
     assert not report["ok"]
     assert any(p["slot"] == victim["slot"] for p in report["problems"])
     out = run(daemon, "check", expect=1).stdout
-    assert out.startswith("DAMAGED") and f"entry {victim['slot']}: shares a page" in out
+    assert out.startswith("DAMAGED") and f"entry {victim['slot']}: record checksum mismatch" in out
     # A restarted daemon discards exactly that entry and serves the rest.
     daemon.start()
     assert daemon.stats()["entries_ready"] == 7

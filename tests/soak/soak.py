@@ -30,9 +30,9 @@ entry per page, and each job's structures go when it finishes — except two thi
 bounded but grow for a while: the daemon keeps a finished job referenced from its deadline heap
 until the job's deadline passes (so memory follows job rate x job_timeout, ~3 KiB per job; the
 default warm-up, max(20 % of the run, job_timeout + 5 s), lets that reach its plateau), and it
-remembers each finished job id as a tombstone (at most 65,536 per engine, ~0.3 KiB each). So:
+remembers each finished job id as a tombstone (at most max_tombstones in all, ~0.3 KiB each). So:
 final VmRSS <= warm-up VmRSS + max(--rss-slack-mib, --rss-slack-pct % of warm-up) + 320 B per
-tombstone added after warm-up (at most 65,536 per engine). A leak of anything per job or per
+tombstone added after warm-up (at most max_tombstones). A leak of anything per job or per
 request (tens of thousands of them) breaks it; the bounded growth does not. Defaults: 32 MiB, 20 %.
 """
 
@@ -52,6 +52,7 @@ import time
 import traceback
 from collections import Counter
 
+from kvtierd.config import BY_NAME
 from kvtierd.launcher import DaemonProcess
 
 # Workers are forked from a fork server that imported torch once (16 interpreters importing torch
@@ -60,7 +61,7 @@ from kvtierd.launcher import DaemonProcess
 CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["numpy", "torch", "kvtier"])
 TOMBSTONE_BYTES = 320              # measured: ~200 B of Python objects per tombstone + malloc overhead
-TOMBSTONES_PER_ENGINE = 65536      # kvtierd.store.TOMBSTONES
+MAX_TOMBSTONES = BY_NAME["max_tombstones"].default_value()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -380,7 +381,7 @@ def run(args) -> tuple[dict, list[str]]:
             "check_ok": bool(check_result.get("ok")),
         }
         slack = max(args.rss_slack_mib * (1 << 20), rss_warm["VmRSS"] * args.rss_slack_pct / 100)
-        slack += TOMBSTONE_BYTES * min(figures["jobs_after_warmup"], TOMBSTONES_PER_ENGINE * E)
+        slack += TOMBSTONE_BYTES * min(figures["jobs_after_warmup"], MAX_TOMBSTONES)
         figures["rss_bound_mib"] = mib(rss_warm["VmRSS"] + slack)
 
         # ----------------------------------------------------------------- checks
@@ -442,20 +443,8 @@ def mib(n: int) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     figures, failures = run(args)
-    width = max((len(k) for k in figures), default=0)
-    print("kvtierd soak")
-    for k, v in figures.items():
-        print(f"  {k:<{width}}  {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"figures": figures, "failures": failures}, f, indent=1)
-    if failures:
-        print("FAILED:")
-        for failure in failures:
-            print(f"  - {failure}")
-        return 1
-    print("OK")
-    return 0
+    from tests.soak.report import finish    # the repository root is on sys.path by now (__main__)
+    return finish("kvtierd soak", figures, failures, args.json)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import pytest
 
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
-from kvtierd.contract.region_format import CHAIN_END, EntryState, Geometry, RegionView
+from kvtierd.contract.region_format import (CHAIN_END, EntryState, Geometry, RegionView, entry_record_sums,
+                                            namespace_identities)
 from kvtierd.policy import DEFAULT as DEFAULT_POLICY
 from kvtierd.store import Store
 
@@ -37,14 +38,15 @@ class FakeClock:
 
 def make_view(num_pages: int) -> RegionView:
     geo = Geometry.for_pages(num_pages, PAGE)
-    view = RegionView(bytearray(geo.file_bytes), geo)
+    view = RegionView(bytearray(geo.meta_bytes), bytearray(geo.data_bytes), geo)
     view.format(generation=1, created_unix_ns=0)
     return view
 
 
-def reopen(view: RegionView, clock=None) -> Store:
+def reopen(view: RegionView, clock=None, checksums: bool = False) -> Store:
     """A restarted daemon: a fresh Store over the same region bytes."""
-    return Store(RegionView(view.raw, view.geometry), job_timeout=TIMEOUT, clock=clock or FakeClock())
+    return Store(RegionView(view.raw, view.data_file, view.geometry), job_timeout=TIMEOUT, clock=clock or FakeClock(),
+                 checksums=checksums)
 
 
 def lay(kind: str = "replicated", world_size: int = 1, block_bytes: int = PAGE, model: str = "m",
@@ -135,10 +137,20 @@ def slot_pages(idx, key):
     return e.slot, pages(e.pages)
 
 
+def reseal(view: RegionView, slot: int) -> None:
+    """Recompute an entry record's record_sum after an edit, as a daemon with a bug would have
+    written it: the damage then gets past the record checksum, to the checks behind it."""
+    rec = view.entries[slot:slot + 1]
+    chain = np.asarray([view.chain_of(slot)], dtype=np.uint32)
+    identity = namespace_identities(view.namespaces[int(rec["ns"][0]):int(rec["ns"][0]) + 1])
+    view.entries["record_sum"][slot] = entry_record_sums(rec, chain, None, identity)[0]
+
+
 # Damage done to the tables of ``corrupt_env``'s region, each to one record (or one namespace).
 DAMAGES = ["shared_page", "first_out_of_range", "link_out_of_range", "chain_short", "chain_long_short_row",
            "cycle", "bad_ns", "key_len_zero", "duplicate_key", "page_count_huge", "page_count_wrong",
-           "bad_state", "ns_record_garbage", "key_len_too_long"]
+           "bad_state", "ns_record_garbage", "key_len_too_long", "first_page_moved", "length_edited",
+           "tick_huge", "ns_record_edited"]
 
 
 def damage_region(env, ia, ib, damage: str) -> list[bytes]:
@@ -151,6 +163,7 @@ def damage_region(env, ia, ib, damage: str) -> list[bytes]:
     if damage == "shared_page":
         sb2, pb2 = slot_pages(ib, b"b2")
         ents[sb2]["first_page"] = pb[0]            # b2 now claims b1's pages; b1 is older
+        reseal(view, sb2)
         lost = [b"b2"]
     elif damage == "first_out_of_range":
         ents[sa]["first_page"] = view.geometry.num_pages + 5
@@ -174,6 +187,7 @@ def damage_region(env, ia, ib, damage: str) -> list[bytes]:
     elif damage == "duplicate_key":
         sa2, _ = slot_pages(ia, b"a2")
         ents[sa2]["key"][:2] = np.frombuffer(b"a1", np.uint8)  # a2's record now says a1 (younger)
+        reseal(view, sa2)
         lost = [b"a2"]
     elif damage == "page_count_huge":
         ents[sa]["page_count"] = 0xFFFFFFF0
@@ -185,4 +199,17 @@ def damage_region(env, ia, ib, damage: str) -> list[bytes]:
     elif damage == "ns_record_garbage":
         view.namespaces[ents[sa]["ns"]]["sharding"] = 9
         lost = keys("a", 4)
+    elif damage == "first_page_moved":             # a page number edited: still in range, still unshared
+        ents[sa]["first_page"] = int(np.setdiff1d(np.arange(view.geometry.num_pages), pages_held(env))[0])
+    elif damage == "length_edited":
+        ents[sa]["length"] += 1
+    elif damage == "tick_huge":                    # 2^64 - 1 made every request fail with INTERNAL
+        ents[sa]["tick"] = (1 << 64) - 1
+    elif damage == "ns_record_edited":             # "A" becomes "Z": its entries would serve model Z
+        view.namespaces[ents[sa]["ns"]]["model"] = b"Z"
+        lost = keys("a", 4)
     return lost
+
+
+def pages_held(env) -> np.ndarray:
+    return np.concatenate([np.frombuffer(e.pages, PAGES_DTYPE) for e in env.store.index.by_slot if e is not None])

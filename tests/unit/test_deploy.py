@@ -85,7 +85,7 @@ def snapshot(pinned: str) -> P.StatsReply:
         lookup_hit_keys=5, lookup_miss_keys=6, load_hit_keys=7, load_miss_keys=8,
         **{field: 1 for field in STORE_KEY_OUTCOMES.values()},
         store_jobs_done=9, load_jobs_done=10, evictions=11, operator_evictions=0,
-        bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1,
+        bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1, open_job_keys=9, tombstones=5,
         aborted_jobs={cause: 1 for cause in abort_causes()},
         session_roles={role: 1 for role in session_roles()},
         errors={code.name: 1 for code in P.ErrorCode},
@@ -93,7 +93,7 @@ def snapshot(pinned: str) -> P.StatsReply:
         vote_wait=hist.snapshot(),
         namespace_list=[], requests={}, clients_watched=0, uptime_seconds=1.0, socket="s", admin_socket="a",
         metrics_address=None, file_bytes=1 << 30, daemon_pid=1, stopping=False, region_problem=None,
-        sessions_heartbeat=0, checksums=False,
+        sessions_heartbeat=0, checksums=False, connections=4, connections_refused={"total": 1, "per_peer": 2},
         policy="slru", policy_admitted_keys=14, policy_refused_keys=15,
         policy_segments={segment: 1 for segment in policy_segments()},
         policy_evictions={segment: 1 for segment in policy_segments()}, policy_extra={},
@@ -410,3 +410,15 @@ def test_daemonset_paths_probes_and_ports_agree_with_its_config(tmp_path):
     assert memory.endswith("Gi") and int(memory[:-2]) << 30 > k8s_config.size, "memory limit must cover the region"
     assert daemon["resources"]["requests"] == daemon["resources"]["limits"], "Guaranteed QoS"
     assert daemon_spec["nodeSelector"]
+
+
+def test_the_unit_gives_the_default_caps_their_descriptors():
+    # Issue 11 item 2: the unit set no LimitNOFILE, so the daemon ran with 1,024 descriptors.
+    from kvtierd.config import BY_NAME
+    from kvtierd.daemon import FD_RESERVE, fit_fd_caps
+    unit = (DEPLOY / "systemd" / "kvtierd.service").read_text()
+    limit = int(re.search(r"^LimitNOFILE=(\d+)$", unit, re.M).group(1))
+    caps = (BY_NAME["max_connections"].default_value(), BY_NAME["max_sessions"].default_value())
+    assert fit_fd_caps(limit, *caps) == caps and limit >= sum(caps) + FD_RESERVE
+    connections, sessions = fit_fd_caps(1024, *caps)      # a low hard limit: caps shrink to fit it
+    assert connections + sessions + FD_RESERVE <= 1024 and connections >= 256

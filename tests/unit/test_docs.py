@@ -37,3 +37,13 @@ def test_every_setting_has_a_flag_and_help():
 def test_kvtierctl_help_lists_its_commands():
     helptext = ctl_parser().format_help()
     assert "stats" in helptext
+
+
+def test_the_security_section_names_every_limit_with_its_default():
+    doc = (ROOT / "docs" / "reliability.md").read_text()
+    security = doc[doc.index("## Security"):]
+    limits = ("max_connections", "max_connections_per_peer", "max_sessions", "max_sessions_per_peer",
+              "max_job_keys_per_engine", "max_job_keys", "max_tombstones", "metrics_cache_seconds")
+    for name in limits:
+        default = config.BY_NAME[name].default
+        assert f"| `{name}` | {default} |" in security, f"docs/reliability.md, Security: {name} (default {default})"

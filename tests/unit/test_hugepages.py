@@ -160,7 +160,7 @@ def test_region_in_the_tmp_directory_follows_what_it_offers(tmp_path):
     found = hugepages.offer(str(tmp_path))
     region = open_region(tmp_path / "auto")
     try:
-        assert region.backing == hugepages.backing(region.mapping.address)
+        assert region.backing == hugepages.backing(region.data.address)
         if found.kind == "none":
             assert region.backing.kind in ("none", "thp")     # a disk filesystem may map large folios
     finally:
@@ -195,8 +195,8 @@ def test_region_on_a_huge_tmpfs_gets_huge_pages_and_clients_map_them(tmpfs, opti
     region = open_region(directory, huge="on")
     try:
         assert region.backing.kind == "thp" and region.backing.page_size == THP
-        assert region.backing.huge_bytes == region.mapping.size == os.stat(region.paths.region).st_size
-        assert region.mapping.size % THP == 0
+        assert region.backing.huge_bytes == region.data.size == os.stat(region.paths.region).st_size
+        assert region.data.size % THP == 0
         st = os.stat(region.paths.region)
         assert st.st_blocks * 512 >= st.st_size          # every page reserved (advise: by populating)
         # A client's mapping of the file maps its huge pages as such, without advice of its own.
@@ -216,7 +216,7 @@ def test_region_on_a_huge_tmpfs_gets_huge_pages_and_clients_map_them(tmpfs, opti
 def test_off_on_a_huge_tmpfs_gets_small_pages_and_on_then_refuses_the_adopted_file(tmpfs):
     directory = tmpfs("always")
     region = open_region(directory, huge="off")
-    assert region.backing.kind == "none" and region.backing.resident_bytes == region.mapping.size
+    assert region.backing.kind == "none" and region.backing.resident_bytes == region.data.size
     region.view.data[:3] = [7, 8, 9]
     region.close()
     with pytest.raises(RegionError, match=f"remove {re.escape(region.paths.region)}"):
@@ -228,9 +228,9 @@ def test_off_on_a_huge_tmpfs_gets_small_pages_and_on_then_refuses_the_adopted_fi
         adopted.close()
     assert os.path.exists(region.paths.region)                   # the refusal kept the cache
     os.unlink(region.paths.region)                                # what the message says to do
-    recreated = open_region(directory, huge="on")
+    recreated = open_region(directory, huge="on")                 # its metadata kept, its data file new
     try:
-        assert not recreated.adopted and recreated.backing.huge_bytes == recreated.mapping.size
+        assert recreated.data_replaced and recreated.backing.huge_bytes == recreated.data.size
     finally:
         recreated.close()
 
@@ -267,9 +267,9 @@ def test_region_on_hugetlbfs(tmp_path):
         region = open_region(mount_point / "kvtierd", huge="on")
         try:
             assert region.backing.kind == "hugetlb" and region.backing.page_size == 2 * MiB
-            assert region.mapping.size % (2 * MiB) == 0
+            assert region.data.size % (2 * MiB) == 0
             region.view.data[:2] = [5, 6]
-            assert bytes(np.frombuffer(region.mapping.buffer, np.uint8)[region.geometry.data_offset:][:2]) == b"\5\6"
+            assert bytes(np.frombuffer(region.data.buffer, np.uint8)[region.geometry.data_offset:][:2]) == b"\5\6"
         finally:
             region.close()
         with pytest.raises(RegionError, match="hugepages=off"):

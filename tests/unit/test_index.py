@@ -375,7 +375,7 @@ def test_full_namespace_table_reuses_an_unused_empty_namespace():
         env.engine(f"again{i}", 1, model=f"m{i}")
     with err(ErrorCode.NO_SPACE) as info:
         env.engine("one-too-many", 1, model="m-last")
-    assert f"all {NS_SLOTS} namespace slots are in use" in info.value.message
+    assert f"all {NS_SLOTS} namespace slots are held by attached engines" in info.value.message
     st_.verify()
 
 
@@ -437,3 +437,24 @@ def test_stats_count_evictions_by_reason_and_by_segment():
     assert sum(s["policy_segments"].values()) == s["evictable"] == 6
     assert s["policy_extra"]["promoted"] == 2
     env.store.verify()
+
+
+def test_a_full_namespace_table_takes_over_the_least_recently_used_unused_namespace_with_its_entries():
+    # Issue 11 item 8: a client filled all 1,024 slots, each namespace holding an entry, and kept
+    # every new model out across restarts.
+    env = small(2048)
+    st_ = env.store
+    for i in range(NS_SLOTS):
+        s = env.engine(f"e{i}", 1, model=f"m{i}")
+        env.put(s, 1, [b"k%d" % i])
+        st_.detach(s[0])                                 # gone, its entry left behind
+    env.view.header["tick"] = st_.index.tick
+    st_ = reopen(env.view)                               # across a restart too
+    old = st_.attach("e7", 0, 1, lay(model="m7"))
+    assert st_.lookup(old, [b"k7"]) == 1                 # m7 is used again: the newest now
+    st_.detach(old)
+    new = st_.attach("new", 0, 1, lay(model="new"))
+    assert new.engine.ns.slot == 0                       # m0's: used least recently
+    assert lay(model="m0") not in st_.index.namespaces and st_.stats()["entries_ready"] == NS_SLOTS - 1
+    st_.detach(new)
+    st_.verify()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd import jobs as jobs_mod
 from kvtierd.contract.protocol import ErrorCode
 from kvtierd.sessions import SessionEnd
 
@@ -413,15 +412,15 @@ def test_job_ids_are_not_reused(env):
     assert out == [W]
 
 
-def test_a_fenced_job_id_stays_taken_after_its_tombstone_is_dropped(env, monkeypatch):
-    monkeypatch.setattr(jobs_mod, "TOMBSTONES", 2)
+def test_a_fenced_job_id_stays_taken_after_its_tombstone_is_dropped(env):
+    env.store.jobs.max_tombstones = 2
     sess = env.engine("e", 2)
     st_ = env.store
     st_.store(sess[0], 1, [b"a"])
     st_.abort(sess[1], 1)                            # fenced: rank 0 may still be copying
     for j in range(2, 6):                            # push job 1's tombstone out
         env.put(sess, j, [f"x{j}".encode()])
-    assert 1 not in sess[0].engine.tombstones
+    assert (sess[0].engine.serial, 1) not in st_.jobs.tombstones
     with err(ErrorCode.ABORTED):
         st_.store(sess[1], 1, [b"b"])                # not a new job over the fenced one
     with err(ErrorCode.ABORTED):
@@ -531,3 +530,61 @@ def test_only_uncommitted_sharded_writers_keep_their_shard_fenced():
         st_.commit(sess[0], 1, False)
     assert env.stats()["pages_fenced"] == 0
     st_.verify()
+
+
+# ---------------------------------------------------------------------------- bounds (issue 11)
+def test_open_job_keys_are_bounded_per_engine_and_in_all(env):
+    jobs = env.store.jobs
+    jobs.max_job_keys_per_engine, jobs.max_job_keys = 25, 40
+    a, b = env.engine("a", 1), env.engine("b", 1)
+    st_ = env.store
+    st_.load(a[0], 1, keys("x", 9))              # costs 10
+    st_.load(a[0], 2, keys("y", 9))              # 20
+    with err(ErrorCode.LIMIT) as info:
+        st_.load(a[0], 3, keys("z", 9))          # 30 > 25: refused before anything is allocated
+    assert "max_job_keys_per_engine" in info.value.message
+    st_.load(b[0], 1, keys("x", 14))             # 35 in all
+    with err(ErrorCode.LIMIT) as info:
+        st_.load(b[0], 2, keys("w", 5))          # 41 > 40
+    assert "max_job_keys " in info.value.message
+    assert env.stats()["open_job_keys"] == 35 and env.stats()["open_jobs"] == 3
+    st_.release(a[0], 1)                         # a finished job gives its keys back
+    st_.load(a[0], 3, keys("z", 9))
+    st_.abort(b[0], 1)                           # so does an aborted one
+    st_.load(b[0], 2, keys("w", 5))
+    assert env.stats()["open_job_keys"] == 10 + 10 + 6
+    for s, j in ((a[0], 2), (a[0], 3), (b[0], 2)):
+        st_.release(s, j)
+    assert env.stats()["open_job_keys"] == 0
+    st_.verify()
+
+
+def test_tombstones_are_bounded_in_all_and_go_with_their_engine(env):
+    env.store.jobs.max_tombstones = 5
+    a, b = env.engine("a", 1), env.engine("b", 1)
+    for j in range(1, 5):
+        env.get(a, j, [b"k"])
+    for j in range(1, 4):
+        env.get(b, j, [b"k"])
+    assert env.stats()["tombstones"] == 5
+    assert env.store.job_states(a[0], [1, 2, 3, 4])[:2] == [{"job": 1, "state": "unknown"},
+                                                           {"job": 2, "state": "unknown"}]
+    with err(ErrorCode.CONFLICT):
+        env.store.load(b[0], 3, [b"k"])          # b's latest is remembered
+    env.store.detach(a[0])                       # a leaves: its tombstones are never matched again
+    a = env.engine("a", 1)
+    hits, _ = env.get(a, 4, [b"k"])              # a restarted engine may count job ids from 0
+    assert hits == 0
+    env.store.verify()
+
+
+def test_the_deadline_heap_does_not_keep_every_finished_job(env):
+    s = env.engine("e", 1)
+    for j in range(20_000):
+        env.get(s, j, [b"k"])
+    assert len(env.store.jobs._deadlines) <= 4096 + 1
+    env.store.load(s[0], 10 ** 6, [b"k"])
+    env.clock.advance(TIMEOUT + 1)
+    env.store.expire()
+    assert env.store.job_states(s[0], [10 ** 6])[0]["state"] == "aborted"
+    env.store.verify()

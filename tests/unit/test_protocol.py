@@ -273,13 +273,35 @@ def test_too_many_jobs_is_limit():
     fails(req("jobs", jobs=list(range(P.MAX_KEYS_PER_REQUEST + 1))), ErrorCode.LIMIT)
 
 
-@pytest.mark.parametrize("op", ["nope", "", "HELLO", "hello ", 1, None, True, b"hello", ["ping"]], ids=repr)
+@pytest.mark.parametrize("op", ["nope", "", "HELLO", "hello "], ids=repr)
 def test_unknown_op(op):
     fails({"op": op, "rid": 1}, ErrorCode.BAD_REQUEST, "unknown op")
 
 
+@pytest.mark.parametrize("op", [1, None, True, b"hello", ["ping"]], ids=repr)
+def test_op_not_a_string(op):
+    fails({"op": op, "rid": 1}, ErrorCode.BAD_REQUEST, "field 'op' must be a string")
+
+
 def test_missing_op():
-    fails({"rid": 1, "keys": KEYS}, ErrorCode.BAD_REQUEST, "unknown op")
+    fails({"rid": 1, "keys": KEYS}, ErrorCode.BAD_REQUEST, "field 'op' must be a string, got NoneType")
+
+
+@pytest.mark.parametrize("depth", [999, 1000, 1023])
+def test_an_op_nested_a_thousand_deep_is_refused_without_walking_it(depth):
+    # Issue 11: repr() of such an op raised RecursionError and ended the daemon.
+    frame = b"\x82\xa2op" + b"\x91" * depth + b"\xc0" + b"\xa3rid\x05"
+    err = fails(frame, ErrorCode.BAD_REQUEST, "got list")
+    assert len(err.message) < 100
+
+
+def test_an_error_never_quotes_an_unbounded_value():
+    # A 4 MB op used to come back as a 16 MB reply (its repr).
+    huge = b"\x00" * (P.MAX_FRAME_BYTES - 64)
+    err = fails({"op": huge, "rid": 9}, ErrorCode.BAD_REQUEST, "got bytes")
+    assert len(err.message) < 100
+    reply = P.error_reply(9, ErrorCode.INTERNAL, "x" * 10_000)
+    assert len(reply["message"]) == P.MAX_ERROR_CHARS and reply["message"].endswith("...")
 
 
 @pytest.mark.parametrize("rid", [-1, 1 << 63, True, "1", 1.0, None, [1]], ids=repr)

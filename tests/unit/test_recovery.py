@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+import numpy as np
+
+from kvtierd.contract.protocol import PAGES_DTYPE
+from kvtierd.contract.region_format import shard_checksum
 from kvtierd.recovery import scan
 
-from .store_env import DAMAGES, corrupt_env, damage_region, pages, two_namespaces
+from .store_env import PAGE, DAMAGES, Env, corrupt_env, damage_region, pages, reopen, two_namespaces
 
 
 def region():
@@ -53,7 +57,9 @@ REASONS = {
     "bad_ns": "unknown or damaged namespace", "key_len_zero": "bad key length", "key_len_too_long": "bad key length",
     "duplicate_key": "duplicate key in its namespace", "page_count_huge": "page count differs from its namespace's",
     "page_count_wrong": "page count differs from its namespace's", "bad_state": "unknown state 77",
-    "ns_record_garbage": "unknown or damaged namespace",
+    "ns_record_garbage": "unknown or damaged namespace", "first_page_moved": "record checksum mismatch",
+    "length_edited": "record checksum mismatch", "tick_huge": "tick out of range",
+    "ns_record_edited": "unknown or damaged namespace",
 }
 
 
@@ -69,5 +75,44 @@ def test_each_damage_is_named_and_nothing_changes(damage):
     assert all(reason.startswith(REASONS[damage]) for _, reason in found.problems), found.problems
     assert not slots & set(found.ready_slots.tolist()) and len(found.ready_keys) == 8 - len(lost)
     assert not set(found.owner.tolist()) & slots                 # no page is held by a lost record
-    if damage == "ns_record_garbage":
+    if damage in ("ns_record_garbage", "ns_record_edited"):
         assert list(found.damaged_namespaces) == [ia[b"a0"].ns.slot]
+
+
+def test_a_stale_record_revived_is_no_entry():
+    # Issue 11 item 6: a FREE record keeps the fields of the entry it was, and its pages go to
+    # other entries. One byte (its state) made a restarted daemon serve the new entry's bytes under
+    # the old key. Here: slot F held key "old" on a2's page before a2 got it (what freeing leaves:
+    # the fields, state FREE, record_sum zeroed), and its state byte is set back to READY.
+    env, a, b = two_namespaces(16, 4, 2)
+    view, a2 = env.view, a.engine.ns.index[b"a2"]
+    free = int(np.flatnonzero(view.entries["state"] == 0)[0])
+    view.entries[free] = view.entries[a2.slot]
+    view.entries["key"][free][:3] = np.frombuffer(b"old", np.uint8)
+    view.entries["tick"][free] = 0                             # older than a2: it would win the page
+    view.entries["record_sum"][free] = 0
+    view.entries["state"][free] = 2                            # READY again
+    found = scan(view)
+    assert found.problems == [(free, "record checksum mismatch")]
+    assert b"old" not in found.ready_keys and b"a2" in found.ready_keys and len(found.ready_keys) == 6
+
+
+def test_an_entry_moved_to_another_namespace_or_its_checksum_zeroed_is_caught():
+    # Issue 11 item 6: with checksums, an entry's namespace field moved model X's block to model Y
+    # (same size), and a zeroed checksum turned verification off for that entry.
+    env = Env(16)
+    env.store = reopen(env.view, env.clock, checksums=True)
+    x, y = env.engine("x", 1, model="X"), env.engine("y", 1, model="Y")
+    ks = [b"k0", b"k1"]
+    for s in (x, y):
+        _, got = env.store.store(s[0], 1, ks)
+        env.store.commit(s[0], 1, True, [shard_checksum(env.view.data, np.frombuffer(p, PAGES_DTYPE), PAGE, PAGE)
+                                         for p in got])
+    assert len(scan(env.view, verify_checksums=True).ready_keys) == 4
+    ents = env.view.entries
+    moved = x[0].engine.ns.index[b"k0"].slot
+    ents["ns"][moved] = y[0].engine.ns.slot                    # X's k0 claims to be Y's
+    zeroed = x[0].engine.ns.index[b"k1"].slot
+    ents["checksum"][zeroed] = 0
+    found = scan(env.view, verify_checksums=True)
+    assert sorted(found.problems) == sorted([(moved, "record checksum mismatch"), (zeroed, "record checksum mismatch")])

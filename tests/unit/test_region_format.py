@@ -12,8 +12,9 @@ from kvtierd.contract import region_format as L
 from kvtierd.contract.namespace import NamespaceId, Sharding
 from kvtierd.contract.protocol import MAX_KEY_BYTES
 from kvtierd.contract.region_format import (CHAIN_END, DATA_ALIGN, ENTRY_DTYPE, HEADER_BYTES, NS_DTYPE, NS_SLOTS,
-                                            EntryState, FormatError, Geometry, RegionView, namespace_from_record,
-                                            namespace_record, read_geometry)
+                                            DataHeader, EntryState, FormatError, Geometry, RegionView,
+                                            entry_record_sums, namespace_from_record, namespace_identities,
+                                            namespace_record, namespace_record_sums, read_geometry)
 
 MiB = 1 << 20
 
@@ -21,17 +22,17 @@ MiB = 1 << 20
 # --- geometry ---------------------------------------------------------------------------------
 def check_geometry(geo: Geometry, size: int, page_size: int) -> None:
     assert geo.page_size == page_size
-    assert geo.file_bytes <= size
-    assert geo.data_offset % DATA_ALIGN == 0
+    assert geo.total_bytes == geo.meta_bytes + geo.data_bytes <= size
     assert geo.ns_offset == HEADER_BYTES
     assert geo.entry_offset == geo.ns_offset + NS_SLOTS * NS_DTYPE.itemsize
     assert geo.chain_offset == geo.entry_offset + geo.num_pages * ENTRY_DTYPE.itemsize
-    assert geo.data_offset >= geo.chain_offset + 4 * geo.num_pages
-    assert geo.file_bytes == geo.data_offset + geo.num_pages * page_size
+    assert geo.meta_bytes >= geo.chain_offset + 4 * geo.num_pages and geo.meta_bytes % HEADER_BYTES == 0
+    assert geo.data_offset == DATA_ALIGN
+    assert geo.data_bytes == geo.data_offset + geo.num_pages * page_size
     assert geo.entry_slots == geo.num_pages
     assert geo.capacity_bytes == geo.num_pages * page_size
     # The largest such geometry: one more page would not fit.
-    assert Geometry.for_pages(geo.num_pages + 1, page_size).file_bytes > size or geo.num_pages == L.MAX_PAGES
+    assert Geometry.for_pages(geo.num_pages + 1, page_size).total_bytes > size or geo.num_pages == L.MAX_PAGES
 
 
 @pytest.mark.parametrize("size,page_size", [(16 * MiB, 65536), (32 * MiB, 4096), (512 * MiB, 65536),
@@ -48,7 +49,7 @@ def test_for_size_property(size, shift):
     try:
         geo = Geometry.for_size(size, 1 << shift)
     except ValueError:
-        assert size < Geometry.for_pages(1, 1 << shift).file_bytes
+        assert size < Geometry.for_pages(1, 1 << shift).total_bytes
         return
     check_geometry(geo, size, 1 << shift)
 
@@ -65,18 +66,20 @@ def test_for_size_too_small(size):
 
 
 def test_for_size_smallest():
-    geo = Geometry.for_size(2 * MiB + 65536, 65536)
-    assert geo.num_pages == 1
-    assert geo.file_bytes == 2 * MiB + 65536
+    geo = Geometry.for_pages(1, 65536)
+    assert Geometry.for_size(geo.total_bytes, 65536) == geo
+    assert geo.data_bytes == 2 * MiB + 65536
+    assert geo.meta_bytes == HEADER_BYTES + 512 * NS_SLOTS + 128 * L.WRITER_SLOTS + HEADER_BYTES
 
 
-def test_for_size_uses_the_alignment_slack():
-    # 16 MiB in 64 KiB pages: metadata (4 KiB + 512 KiB + 132 B/page) fits the first 2 MiB, so the
-    # data area gets the other 14 MiB.
+def test_the_metadata_file_holds_every_table_and_the_data_file_only_pages():
+    # 16 MiB in 64 KiB pages: 4 KiB header + 512 KiB namespaces + 512 KiB writer rows + 136 B/page
+    # of tables (entry record, chain link, fence) in the metadata file; the data file's first 2 MiB
+    # hold its header, then the pages.
     geo = Geometry.for_size(16 * MiB, 65536)
-    assert geo.data_offset == 2 * MiB
-    assert geo.num_pages == 224
-    assert geo.file_bytes == 16 * MiB
+    assert geo.num_pages == 207
+    assert geo.meta_bytes == 4096 + 512 * 1024 + 512 * 1024 + 207 * 136 + (-(207 * 136) % 4096)
+    assert geo.data_bytes == 2 * MiB + 207 * 65536 <= 16 * MiB - geo.meta_bytes
 
 
 @pytest.mark.parametrize("page_size", [0, 1, 2048, 4095, 4097, 65535, 3 * 4096, -4096])
@@ -90,13 +93,14 @@ def test_dtype_sizes():
     assert ENTRY_DTYPE.itemsize == 128
     assert L.WRITER_DTYPE.itemsize == 128
     assert L.HEADER_DTYPE.itemsize <= HEADER_BYTES
+    assert L.DATA_HEADER_DTYPE.itemsize <= HEADER_BYTES
 
 
 # --- header ----------------------------------------------------------------------------------
 def formatted(size=4 * MiB, page_size=4096, buffer_kind="bytearray"):
     geo = Geometry.for_size(size, page_size)
-    buf = bytearray(geo.file_bytes) if buffer_kind == "bytearray" else np.zeros(geo.file_bytes, np.uint8)
-    view = RegionView(buf, geo)
+    buf = bytearray(geo.meta_bytes) if buffer_kind == "bytearray" else np.zeros(geo.meta_bytes, np.uint8)
+    view = RegionView(buf, bytearray(geo.data_bytes), geo)
     view.format(generation=1234567, created_unix_ns=99)
     return geo, buf, view
 
@@ -107,8 +111,8 @@ def test_format_then_read_geometry(kind):
     raw = np.frombuffer(buf, np.uint8)
     assert bytes(raw[:8]) == L.MAGIC
     assert read_geometry(raw) == geo
-    again = RegionView(buf)              # geometry from the header
-    assert again.geometry == geo
+    again = RegionView(buf)              # geometry from the header; no data file
+    assert again.geometry == geo and again.data is None
     h = again.header
     assert int(h["generation"]) == 1234567
     assert int(h["created_unix_ns"]) == 99
@@ -121,40 +125,43 @@ def test_format_then_read_geometry(kind):
     assert (again.namespaces["in_use"] == 0).all()
     assert (again.writers["state"] == L.WriterState.FREE).all() and len(again.writers) == L.WRITER_SLOTS
     assert (again.fence == L.FENCE_NONE).all() and len(again.fence) == geo.num_pages
-    assert geo.chain_offset < geo.writer_offset < geo.fence_offset < geo.data_offset
+    assert geo.chain_offset < geo.writer_offset < geo.fence_offset < geo.meta_bytes   # the daemon's file
     assert len(again.entries) == geo.entry_slots
     assert len(again.namespaces) == NS_SLOTS
-    assert len(again.data) == geo.num_pages * geo.page_size
+    assert len(view.data) == geo.num_pages * geo.page_size
 
 
 def test_header_fields_are_little_endian_at_documented_offsets():
     geo, buf, _ = formatted()
     assert int.from_bytes(buf[8:12], "little") == L.FORMAT_VERSION
     assert int.from_bytes(buf[12:16], "little") == HEADER_BYTES
-    assert int.from_bytes(buf[16:24], "little") == geo.file_bytes
+    assert int.from_bytes(buf[16:24], "little") == geo.meta_bytes
     assert int.from_bytes(buf[24:32], "little") == geo.page_size
 
 
-def test_views_write_through_to_the_buffer():
+def test_views_write_through_to_the_buffers():
     geo, buf, view = formatted()
+    data = bytearray(geo.data_bytes)
+    view = RegionView(buf, data)
     view.header["clean_shutdown"] = 1
     view.data[geo.page_size * 2:geo.page_size * 2 + 4] = [1, 2, 3, 4]
     view.entries[3]["state"] = EntryState.READY
     again = RegionView(buf)
     assert int(again.header["clean_shutdown"]) == 1
-    assert bytes(buf[geo.data_offset + 2 * geo.page_size:][:4]) == b"\x01\x02\x03\x04"
+    assert bytes(data[geo.data_offset + 2 * geo.page_size:][:4]) == b"\x01\x02\x03\x04"
     assert again.entries["state"][3] == EntryState.READY
 
 
 def test_format_wipes_previous_tables():
     geo, buf, view = formatted()
     view.entries["state"][:5] = EntryState.READY
+    view.entries["record_sum"][:5] = 9
     view.chain[:5] = 1
     view.namespaces["in_use"][0] = 1
     view.writers["state"][:2] = L.WriterState.DETACHED
     view.fence[:5] = 1
     view.format(generation=2, created_unix_ns=3)
-    assert (view.entries["state"] == EntryState.FREE).all()
+    assert (view.entries["state"] == EntryState.FREE).all() and (view.entries["record_sum"] == 0).all()
     assert (view.writers["state"] == L.WriterState.FREE).all() and (view.fence == L.FENCE_NONE).all()
     assert (view.chain == CHAIN_END).all()
     assert (view.namespaces["in_use"] == 0).all()
@@ -188,8 +195,8 @@ def test_different_table_limits(field, value):
         RegionView(buf)
 
 
-@pytest.mark.parametrize("field", ["file_bytes", "ns_offset", "entry_offset", "chain_offset", "writer_offset",
-                                   "fence_offset", "data_offset", "num_pages", "page_size"])
+@pytest.mark.parametrize("field", ["meta_bytes", "ns_offset", "entry_offset", "chain_offset", "writer_offset",
+                                   "fence_offset", "data_offset", "data_bytes", "num_pages", "page_size"])
 def test_inconsistent_geometry_in_header(field):
     _, buf, view = formatted()
     view.header[field] = int(view.header[field]) + 4096
@@ -206,21 +213,38 @@ def test_truncated_below_header(length):
         RegionView(bytes(buf[:length]))
 
 
-def test_truncated_data_area():
+def test_truncated_files():
     geo, buf, _ = formatted()
     with pytest.raises(FormatError, match="bytes"):
-        RegionView(bytes(buf[:geo.file_bytes - 1]))
+        RegionView(bytes(buf[:geo.meta_bytes - 1]))
     with pytest.raises(FormatError):
-        RegionView(bytes(buf[:HEADER_BYTES]))
-    with pytest.raises(FormatError):
-        RegionView(bytearray(geo.file_bytes - 1), geo)    # an explicit geometry is checked too
+        RegionView(bytearray(geo.meta_bytes - 1), geometry=geo)    # an explicit geometry is checked too
+    with pytest.raises(FormatError, match="data file"):
+        RegionView(buf, bytearray(geo.data_bytes - 1))
 
 
-def test_larger_buffer_is_accepted():
+def test_larger_buffers_are_accepted():
     geo, buf, _ = formatted()
-    view = RegionView(bytes(buf) + b"\0" * 8192)
+    view = RegionView(bytes(buf) + b"\0" * 8192, bytearray(geo.data_bytes + 8192))
     assert view.geometry == geo
     assert len(view.data) == geo.num_pages * geo.page_size
+
+
+# --- the data file's header ------------------------------------------------------------------------
+def test_data_header_round_trip_and_what_it_refuses():
+    geo, _, _ = formatted()
+    header = DataHeader.of(geo, 42)
+    raw = header.to_bytes()
+    assert len(raw) == HEADER_BYTES and raw[:8] == L.DATA_MAGIC
+    assert DataHeader.read(raw) == header and DataHeader.read(np.frombuffer(raw, np.uint8)) == header
+    with pytest.raises(FormatError, match="magic"):
+        DataHeader.read(b"\0" * HEADER_BYTES)
+    with pytest.raises(FormatError, match="too short"):
+        DataHeader.read(raw[:10])
+    old = bytearray(HEADER_BYTES)                       # a region of format 1: one file, metadata first
+    old[:8], old[8:12] = L.MAGIC, (1).to_bytes(4, "little")
+    with pytest.raises(FormatError, match="format version 1"):
+        DataHeader.read(bytes(old))
 
 
 # --- chains ----------------------------------------------------------------------------------
@@ -314,7 +338,7 @@ def test_namespace_record_round_trip(ns):
 
 
 def test_namespace_record_bytes_at_documented_offsets():
-    """FORMAT_VERSION 1's namespace record, byte for byte: the identity's columns never move."""
+    """The namespace record, byte for byte: the identity's columns never moved (format 1 to 2)."""
     raw = namespace_record(SHARD).tobytes()
     assert len(raw) == 512
     assert raw[0] == 1 and raw[1] == 1                                  # in use, sharded
@@ -331,3 +355,36 @@ def test_damaged_namespace_record_raises():
     rec["sharding"] = 7
     with pytest.raises(KeyError):
         namespace_from_record(rec)
+
+
+# --- record checksums ------------------------------------------------------------------------------
+def test_a_namespace_record_carries_its_sum_and_its_identity_ignores_use_and_flags():
+    rec = namespace_record(SHARD)
+    assert int(rec["record_sum"]) == int(namespace_record_sums(np.asarray(rec).reshape(1))[0]) != 0
+    flagged = namespace_record(SHARD, L.NS_CHECKSUMS)
+    assert int(flagged["flags"]) == L.NS_CHECKSUMS and int(flagged["record_sum"]) != int(rec["record_sum"])
+    ids = namespace_identities(np.stack([rec, flagged, namespace_record(REPL)]))
+    assert ids[0] == ids[1] != ids[2]
+
+
+def test_an_entry_record_sum_sees_any_one_field_and_page_but_not_state_or_tick():
+    rng = np.random.default_rng(5)
+    records = rng.integers(0, 256, (64, ENTRY_DTYPE.itemsize), dtype=np.uint8)
+    chains = rng.integers(0, 1 << 20, (64, 3)).astype(np.uint32)
+    base = entry_record_sums(records, chains, None, 77)
+    assert (base != 0).all()
+    summed = [n for n in ENTRY_DTYPE.names if n not in ("state", "tick", "record_sum")]
+    for name in ENTRY_DTYPE.names:
+        offset = ENTRY_DTYPE.fields[name][1]
+        edited = records.copy()
+        edited[:, offset] ^= 0x10
+        same = entry_record_sums(edited, chains, None, 77) == base
+        assert (~same).all() if name in summed else same.all(), name
+    for column in range(3):
+        edited = chains.copy()
+        edited[:, column] ^= 1
+        assert (entry_record_sums(records, edited, None, 77) != base).all()
+    assert (entry_record_sums(records, chains, None, 78) != base).all()                    # another namespace
+    assert (entry_record_sums(records, chains, np.full(64, 2), 77) != base).all()          # a shorter chain
+    padded = np.concatenate([chains, np.full((64, 2), L.CHAIN_END, np.uint32)], axis=1)
+    assert (entry_record_sums(records, padded, np.full(64, 3), 77) == base).all()          # padding is not read

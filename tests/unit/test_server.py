@@ -7,6 +7,7 @@ but never ``listen``\\ s, so frames go straight into ``handle`` and replies come
 
 from __future__ import annotations
 
+import itertools
 import os
 import typing
 
@@ -17,6 +18,7 @@ import pytest
 from kvtierd.contract import protocol as P
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.protocol import ErrorCode
+from kvtierd.peers import Conn
 from kvtierd.region import Region
 from kvtierd.processes import own_pid_namespace
 from kvtierd.server import Server
@@ -26,6 +28,7 @@ from kvtierd.store import Store
 NS = NamespaceId("server-model", "bfloat16", 16, 4096)
 KEYS = [bytes([i]) * 36 for i in range(4)]
 ME = (os.getuid(), os.getpid())     # what the socket's peer credentials say of this process
+UNSEEN = (os.getuid(), 0)           # ... of a process of this user in a PID namespace the daemon cannot see
 
 
 class Dispatch:
@@ -34,13 +37,26 @@ class Dispatch:
         self.store = Store(self.region.view, job_timeout=30.0)
         self.server = Server(self.store, self.region, heartbeat_timeout=6.0)
         self.rids = iter(range(1, 1 << 30))
+        self.conns: dict[bytes, Conn | None] = {}
+        self.serials = itertools.count(1)
 
     def call(self, op: str, identity: bytes = b"rank-0", admin: bool = False, peer: tuple | None = None,
              **fields) -> dict:
-        """One request; ``peer``: the (uid, pid) its socket's peer credentials would give."""
+        """One request; ``peer``: for a hello, the (uid, pid) its connection's peer credentials
+        would give (default UNSEEN: this user, a pid the daemon cannot see). Each identity speaks on
+        one connection, that of its last hello."""
         rid = next(self.rids)
         frame = P.encode({"op": op, "rid": rid, **fields})
-        reply = (self.server.handle_admin if admin else self.server.handle)(identity, frame, lambda: peer)
+        if admin:
+            reply = self.server.handle_admin(identity, frame)
+        else:
+            if op == "hello":
+                conn, peer = self.conns.get(identity), peer or UNSEEN
+                if conn is None or conn.peer != peer:         # another process: another connection
+                    conn = Conn(next(self.serials), -1, peer[1], peer[0], os.getgid())
+                self.conns[identity] = conn
+            conn = self.conns.get(identity)
+            reply = self.server.handle(identity, frame, lambda fresh: conn)
         assert reply["rid"] == rid
         P.encode(reply)                                      # every reply goes on the wire as it is
         return reply
@@ -113,12 +129,12 @@ def test_hello_reply(d):
     geo = d.region.geometry
     assert (h.version, h.daemon_pid, h.region, h.generation) == (P.PROTOCOL_VERSION, os.getpid(),
                                                                  d.region.paths.region, d.region.generation)
-    assert (h.file_bytes, h.page_size, h.num_pages, h.data_offset) == (geo.file_bytes, geo.page_size,
+    assert (h.file_bytes, h.page_size, h.num_pages, h.data_offset) == (geo.data_bytes, geo.page_size,
                                                                         geo.num_pages, geo.data_offset)
     assert (h.namespace, h.pages_per_shard, h.writers) == (NS.name(), 1, [0])
     assert h.watched and h.heartbeat_interval is None and h.job_timeout == 30.0 and h.checksums is False
     other = P.HelloReply.from_wire(d.ok("hello", b"far", version=P.PROTOCOL_VERSION, engine="f", rank=None,
-                                        world_size=1, namespace=NS.to_wire()))      # peer unknown: heartbeats
+                                        world_size=1, namespace=NS.to_wire()))      # pid not visible: heartbeats
     assert not other.watched and other.heartbeat_interval == pytest.approx(2.0)
     assert other.session != h.session and other.token != h.token
 
@@ -237,7 +253,7 @@ def test_the_peer_credentials_decide_who_is_watched_not_the_claims(d):
     assert lie["code"] == ErrorCode.BAD_REQUEST and "peer is pid" in lie["message"]
     child_ns = P.HelloReply.from_wire(d.ok("hello", peer=ME, pid=7, pidns=12345, **hello))
     assert child_ns.watched                                  # the daemon sees it: a pidfd, no heartbeats
-    unseen = P.HelloReply.from_wire(d.ok("hello", b"far", peer=(os.getuid(), 0), **dict(hello, engine="f"),
+    unseen = P.HelloReply.from_wire(d.ok("hello", b"far", peer=UNSEEN, **dict(hello, engine="f"),
                                          pid=os.getpid(), pidns=own_pid_namespace()))
     assert not unseen.watched and unseen.heartbeat_interval == pytest.approx(2.0)
 
@@ -261,10 +277,10 @@ def test_a_process_takes_over_its_own_orphaned_rank(d):
 
 
 def test_a_hello_naming_a_gone_session_releases_its_writers_pages(d):
-    first = P.HelloReply.from_wire(d.hello(b"a", peer=(os.getuid(), 0)))    # unwatchable
+    first = P.HelloReply.from_wire(d.hello(b"a", peer=UNSEEN))    # unwatchable
     d.ok("store", b"a", job=1, keys=KEYS[:3])
     d.server.sessions.end(d.store.sessions[first.session], SessionEnd.HEARTBEAT_LOST)
     assert P.StatsReply.from_wire(d.ok("stats")).fenced_pages["grace"] == 3
-    d.hello(b"b", peer=(os.getuid(), 0), replaces=first.session, replaces_token=first.token)
+    d.hello(b"b", peer=UNSEEN, replaces=first.session, replaces_token=first.token)
     stats = P.StatsReply.from_wire(d.ok("stats"))
     assert stats.pages_fenced == 0 and stats.fence_released_pages["reattached"] == 3

@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from kvtierd.contract.protocol import ErrorCode
+from kvtierd.peers import Conn
 from kvtierd.processes import Process, start_ticks
 from kvtierd.sessions import SessionEnd, SessionRegistry
 
@@ -149,3 +150,90 @@ def test_role():
     coord = env.store.attach("e", None, 2, lay("replicated", 2))
     rank = env.store.attach("e", 1, 2, lay("replicated", 2))
     assert (coord.role, rank.role) == ("coordinator", "rank 1")
+
+
+def test_a_pidfd_that_cannot_be_opened_for_want_of_descriptors_means_heartbeats_not_death(r):
+    # Issue 11 item 2: EMFILE from pidfd_open was taken for "pid does not exist".
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    held = []
+    try:
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        s, watched, _ = r.attach(b"id-emfile", pid=os.getpid())
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert not watched and s.id in r.reg.heartbeats and r.ended == []
+
+
+def test_a_session_ends_with_its_connection_and_is_not_its_identity_on_another():
+    reg = Registry()
+    reg.reg.max_sessions_per_peer = 2
+    a, b = Conn(1, 10, 100, 0, 0), Conn(2, 11, 100, 0, 0)       # two connections of pid 100
+    s = reg.env.store.attach("e", 0, 2, lay("replicated", 2))
+    reg.reg.register(b"id-a", s, a)
+    assert reg.reg.session_of(b"id-a", a) is s and reg.reg.session_of(b"id-a", b) is None
+    assert reg.reg.session_of(b"id-a") is None          # no connection is not its connection either
+    t = reg.env.store.attach("e", 1, 2, lay("replicated", 2))
+    reg.reg.register(b"id-b", t, b)
+    with pytest.raises(Exception) as limit:
+        reg.reg.admit(Conn(3, 12, 100, 0, 0))
+    assert limit.value.code == ErrorCode.LIMIT and "max_sessions_per_peer" in limit.value.message
+    reg.reg.admit(Conn(4, 13, 101, 0, 0))                 # another peer
+    reg.reg.disconnected(a)
+    assert reg.ended == [(s.id, SessionEnd.DISCONNECTED)] and reg.reg.per_peer[a.peer] == 1
+    reg.reg.admit(Conn(3, 12, 100, 0, 0))
+    reg.reg.close()
+    reg.env.store.verify()
+
+
+def test_a_watched_session_whose_connection_ends_gets_a_moment_for_its_pidfd_to_tell_a_death(r):
+    # A dying process closes its sockets a moment before its pidfd becomes readable: its session
+    # ends as DIED (what proves a writer gone), not DISCONNECTED. A living one ends as DISCONNECTED.
+    child = subprocess.Popen(["sleep", "60"])
+    alive, dying = Conn(1, 10, child.pid, 0, 0), Conn(2, 11, child.pid, 0, 0)
+    try:
+        s_alive = r.env.store.attach("e", 0, 2, lay("replicated", 2), Process(child.pid, start_ticks(child.pid)))
+        r.reg.register(b"alive", s_alive, alive)
+        r.reg.disconnected(alive)
+        assert r.ended == [] and r.reg.session_of(b"alive", alive) is None     # gone from its identity
+        r.reg.sweep(r.env.clock() + 0.5)
+        assert r.ended == []
+        r.reg.sweep(r.env.clock() + 5)
+        assert r.ended == [(s_alive.id, SessionEnd.DISCONNECTED)]
+        s_dying = r.env.store.attach("e", 1, 2, lay("replicated", 2), Process(child.pid, start_ticks(child.pid)))
+        r.reg.register(b"dying", s_dying, dying)
+        child.kill()
+        child.wait()
+        r.reg.disconnected(dying)
+        assert r.ended[-1] == (s_dying.id, SessionEnd.DIED)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_process_taking_over_its_orphan_is_not_counted_twice_against_the_caps():
+    # Issue 10 item 5 with issue 11's caps: the take-over replaces the orphan's session.
+    reg = Registry()
+    reg.reg.max_sessions, reg.reg.max_sessions_per_peer = 2, 1
+    conn, later = Conn(1, 10, 100, 0, 0), Conn(2, 11, 100, 0, 0)    # two connections of pid 100
+    orphan = reg.env.store.attach("e", 0, 2, lay("replicated", 2))
+    reg.reg.register(b"old", orphan, conn)
+    with pytest.raises(Exception) as limit:
+        reg.reg.admit(later)                                     # a second session of that peer
+    assert limit.value.code == ErrorCode.LIMIT
+    reg.reg.admit(later, replacing=orphan)                       # its own orphan's place
+    other = reg.env.store.attach("e", 1, 2, lay("replicated", 2))
+    reg.reg.register(b"other", other, Conn(3, 12, 101, 0, 0))
+    with pytest.raises(Exception) as limit:
+        reg.reg.admit(Conn(4, 13, 102, 0, 0))                   # max_sessions: 2 of 2
+    assert "max_sessions" in limit.value.message
+    reg.reg.admit(later, replacing=orphan)
+    reg.reg.close()
+    reg.env.store.verify()

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvtierd.contract.protocol import ErrorCode, RequestError
 from kvtierd.contract.region_format import EntryState
+from kvtierd.processes import Process
 from kvtierd.sessions import SessionEnd
 from kvtierd.store import Store
 
@@ -351,3 +352,24 @@ class StoreMachine(RuleBasedStateMachine):
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_an_engines_later_sessions_must_come_from_its_uid_with_its_secret(env):
+    # Issue 11 item 5: sessions of an engine are bound together by the uid of its first session
+    # (the kernel's word for the peer) and the secret it presented, if any.
+    st_, ns = env.store, lay("replicated", 3)
+    first = st_.attach("e", 0, 3, ns, process=Process(uid=1000), secret=b"s" * 16)
+    with err(ErrorCode.FORBIDDEN):
+        st_.attach("e", 1, 3, ns, process=Process(uid=1001), secret=b"s" * 16)     # another uid
+    with err(ErrorCode.FORBIDDEN):
+        st_.attach("e", None, 3, ns, process=Process(uid=1000))                    # no secret
+    with err(ErrorCode.FORBIDDEN):
+        st_.attach("e", 1, 3, ns, process=Process(uid=1000), secret=b"t" * 16)     # another secret
+    second = st_.attach("e", 1, 3, ns, process=Process(uid=1000), secret=b"s" * 16)
+    assert second.engine is first.engine and len(st_.sessions) == 2
+    st_.detach(first)
+    st_.detach(second)                                                            # gone: the id is free again
+    st_.attach("e", 0, 3, ns, process=Process(uid=1001))
+    with err(ErrorCode.FORBIDDEN):
+        st_.attach("e", 1, 3, ns, process=Process(uid=1001), secret=b"s" * 16)     # its first had none
+    st_.verify()
