@@ -71,7 +71,7 @@ def cold_warm(daemon, plan, populate_threads: int) -> tuple[float, float, float]
     warm / cold over the pairs. Taken in turns, so that both see the same machine: a job into
     fresh pages (cold), then the K least recently used entries evicted (all written by this
     client) and a job into the pages they freed, which the allocator hands out first (warm). The
-    region holds exactly the ``reps`` cold jobs."""
+    region holds the ``reps`` cold jobs (and less than one huge page more)."""
     import torch
     k, block = plan.attach_blocks, plan.attach_block
     kv = torch.empty((k, block), dtype=torch.uint8)
@@ -135,7 +135,10 @@ def run(ctx: Context) -> dict:
     plan = ctx.plan
     job_bytes = plan.attach_blocks * plan.attach_block
     pages = plan.attach_reps * job_bytes // DATA_PAGE
-    region = region_size(pages, DATA_PAGE)
+    # The daemon sizes a region that may have huge pages in whole 2 MiB pages, rounding --size down:
+    # the exact size of `pages` (two files, the metadata not a whole number of huge pages) left the
+    # 2 MiB backing 17 pages short of the last cold job. Round up, for both backings alike.
+    region = -(-region_size(pages, DATA_PAGE) // (2 * MiB)) * (2 * MiB)
     rows, notes = [], []
     with ExitStack() as stack:
         for label, directory, setting in backings(ctx, region, stack, notes):
