@@ -32,6 +32,11 @@ def pidns() -> int:
     return os.stat("/proc/self/ns/pid").st_ino
 
 
+def other_pidns() -> int:
+    """The inode of a PID namespace that is not ours (nor the daemon's): a pod's, as the daemon sees it."""
+    return pidns() + 1
+
+
 def hello(engine: str = "attacker", rank: int | None = 0, world_size: int = 1, namespace: dict | None = None,
           **fields) -> dict:
     msg = {"op": "hello", "rid": 1, "version": P.PROTOCOL_VERSION, "engine": engine, "rank": rank,
@@ -144,14 +149,17 @@ def idle_connections(socket_path: str, n: int, during=lambda: None) -> dict:
 
 
 # ------------------------------------------------------------------ item 3: sessions that never end
-def hello_and_vanish(socket_path: str, rounds: int, pid: int = 1) -> dict:
-    """Connect, say hello claiming ``pid`` (1 lives forever), close without bye; ``rounds`` times."""
+def hello_and_vanish(socket_path: str, rounds: int, pid: int = 1, ns: int | None = None) -> dict:
+    """Connect, say hello claiming ``pid`` (1 lives forever) in PID namespace ``ns`` (default: our
+    own), close without bye; ``rounds`` times. In the daemon's own namespace a claim that is not
+    the peer's pid is refused outright; from a namespace the daemon cannot see (``other_pidns()``,
+    as from another pod) it is the client's word."""
     ctx = zmq.Context()
     ok = limited = 0
     try:
         for i in range(rounds):
             raw = Raw(socket_path, ctx)
-            reply = raw.ask(hello(engine=f"vanish-{i}", pid=pid, pidns=pidns()))
+            reply = raw.ask(hello(engine=f"vanish-{i}", pid=pid, pidns=pidns() if ns is None else ns))
             if reply["ok"]:
                 ok += 1
             else:       # sessions of closed connections are ended a moment later: until then they count

@@ -121,29 +121,32 @@ def test_a_client_dropped_without_close_does_not_lock_its_rank(daemon):
         second.close()
 
 
-def hello_without_reading_the_reply(daemon, engine: str, namespace: dict) -> None:
-    """A hello whose reply comes after the client gave up: sent, and the socket closed unread."""
+def hello_without_reading_the_reply(daemon, engine: str, namespace: dict) -> zmq.Socket:
+    """A hello whose reply comes after the client gave up: sent, never read. The socket is returned
+    open (the caller closes it): a session ends with its connection, so the orphan stays only while
+    the socket it said hello on is open — here, until the client under test has attached."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(f"ipc://{daemon.socket}")
     sock.send(P.encode({"op": "hello", "rid": 1, "version": P.PROTOCOL_VERSION, "engine": engine, "rank": 0,
                         "world_size": 1, "namespace": namespace, "pid": os.getpid(),
                         "pidns": os.stat("/proc/self/ns/pid").st_ino}))
-    sock.close()
     wait_for(lambda: daemon.stats()["session_roles"]["rank"] >= 1, what="the late hello to attach")
+    return sock
 
 
 def test_a_hello_whose_reply_came_too_late_does_not_lock_its_rank(daemon):
     probe, _ = make_client(daemon, engine="probe")
     namespace = probe.namespace.to_wire()
     probe.close()
-    hello_without_reading_the_reply(daemon, "late", namespace)
+    orphan = hello_without_reading_the_reply(daemon, "late", namespace)
     client, kv = make_client(daemon, engine="late")
     try:
         assert daemon.stats()["sessions"] == 1
         assert_works(client, kv, 1)
     finally:
         client.close()
+        orphan.close()
 
 
 def test_the_reattach_loop_takes_over_an_orphan_of_its_own_process(daemon):
@@ -153,9 +156,12 @@ def test_the_reattach_loop_takes_over_an_orphan_of_its_own_process(daemon):
     client, kv = make_client(daemon, engine="loop")
     try:
         kill_and_restart(daemon)
-        hello_without_reading_the_reply(daemon, "loop", client.namespace.to_wire())
-        assert client.lookup(keys_for("loop", 1)) == 0          # re-attaches: takes its rank back
-        assert daemon.stats()["sessions"] == 1
-        assert_works(client, kv, 1)
+        orphan = hello_without_reading_the_reply(daemon, "loop", client.namespace.to_wire())
+        try:
+            assert client.lookup(keys_for("loop", 1)) == 0          # re-attaches: takes its rank back
+            assert daemon.stats()["sessions"] == 1
+            assert_works(client, kv, 1)
+        finally:
+            orphan.close()
     finally:
         client.close()

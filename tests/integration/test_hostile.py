@@ -120,10 +120,17 @@ def test_sessions_of_closed_sockets_end_and_give_their_descriptors_back(daemon, 
 # ------------------------------------------------------------------ item 3
 def test_sessions_claiming_an_immortal_pid_end_with_their_socket(daemon, engine):
     # Issue 11 item 3: hello with pid=1 gave a session, an engine and a descriptor that lived until
-    # the daemon stopped (2,000 rounds left 2,401 sessions).
+    # the daemon stopped (2,000 rounds left 2,401 sessions). In the daemon's PID namespace that claim
+    # is now refused (the peer's pid is the kernel's); from a namespace it cannot see, the session
+    # must still end with its socket.
     good = engine(daemon)
     baseline = fds_of(daemon)
-    out = attacks.hello_and_vanish(daemon.socket, 2000, pid=1)
+    raw = attacks.Raw(daemon.socket)
+    try:
+        attacks.refused(raw.ask(attacks.hello(engine="pid1", pid=1, pidns=attacks.pidns())), attacks.ErrorCode.BAD_REQUEST)
+    finally:
+        raw.close()
+    out = attacks.hello_and_vanish(daemon.socket, 2000, pid=1, ns=attacks.other_pidns())
     assert out["attached"] >= 128 and out["attached"] + out["limit"] == 2000, out
     stats = wait_for(lambda: (s := daemon.stats())["sessions"] == 1 and s, what="the vanished sessions to end")
     assert stats["engines"] == 1
@@ -280,7 +287,7 @@ def test_metadata_byte_edits_of_a_stopped_region_are_caught(start_daemon, engine
     # crash while kvtierctl check said OK.
     import numpy as np
     from .test_kvtierctl import ctl_json
-    daemon = start_daemon("--checksums", page_size="16KiB")
+    daemon = start_daemon("--checksums", "--policy", "lru", page_size="16KiB")   # evict picks x1, x2 by LRU order
     x = engine(daemon, "x", model="mx")
     y = engine(daemon, "y", model="my", block_bytes=32768)      # 2 pages a block
     z = engine(daemon, "z", model="mz")

@@ -92,7 +92,7 @@ def attacker(socket: str, region: str, admin: str, metrics: str, victim: tuple[s
         ("nested_op", lambda: attacks.nested_op(socket, 1000)),
         ("huge_op", lambda: attacks.huge_op(socket)),
         ("idle_connections", lambda: attacks.idle_connections(socket, 300)),
-        ("hello_pid1_and_vanish", lambda: attacks.hello_and_vanish(socket, 300, pid=1)),
+        ("hello_pid1_and_vanish", lambda: attacks.hello_and_vanish(socket, 300, pid=1, ns=attacks.other_pidns())),
         ("pid_out_of_range", lambda: attacks.pid_out_of_range(socket)),
         ("session_flood", lambda: attacks.session_flood(socket, 150)),
         # Sessions of closed connections end DISCONNECT_GRACE later; until then they count against
