@@ -3,13 +3,15 @@ the access clock, and recovery from the region's tables. No sockets, no threads,
 
 An entry is one cached block of one namespace. It is WRITING from the moment a store job is
 given its pages until every rank of the job has voted (``make_ready``), then READY: visible to
-lookup and load, and evictable unless a load pins it. Its record in the region's entry table
+lookup and load, and evictable unless a load pins it or a lease holds it (``kvtierd.leases``). Its record in the region's entry table
 mirrors it; READY is the last byte written there, FREE the first (invariant 1: a restarted
 daemon never takes a half-written record for a ready one).
 
-Eviction: the policy (``kvtierd.policy``) holds exactly the READY, unpinned entries and chooses
-among them, across all namespaces; the index frees what it chooses (invariant 2: WRITING and
-pinned entries are never in the policy, so they are never chosen).
+Eviction: the policy (``kvtierd.policy``) holds exactly the READY entries that no load pins and
+no lease holds, and chooses among them, across all namespaces; the index frees what it chooses
+(invariants 2 and 10: WRITING, pinned and leased entries are never in the policy, so they are
+never chosen). A pin and a lease are two counts on the entry; it leaves the policy's set when the
+first hold of either kind comes and re-enters it when the last one goes (``pinned``/``unpinned``).
 
 A page is free, held by an entry, or fenced (``kvtierd.fence``): held by no entry, but kept from
 everyone until the writer that was handed it is proven unable to write. Recovery asks the fence
@@ -61,7 +63,7 @@ COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "store_written_keys", "store_
 
 
 class Entry:
-    __slots__ = ("slot", "ns", "key", "state", "pages", "pins", "job")
+    __slots__ = ("slot", "ns", "key", "state", "pages", "pins", "leases", "job")
 
     def __init__(self, slot: int, ns: "Namespace", key: bytes, state: EntryState, pages: bytes, job=None):
         self.slot = slot
@@ -70,6 +72,7 @@ class Entry:
         self.state = state
         self.pages = pages      # the whole chain, PAGES_DTYPE bytes (sent to clients as slices)
         self.pins = 0           # load jobs holding this entry
+        self.leases = 0         # leases holding it
         self.job = job          # the store job writing it (WRITING only)
 
 
@@ -121,6 +124,7 @@ class Index:
         self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
         self.entry_count = {EntryState.WRITING: 0, EntryState.READY: 0}
         self.pinned_entries = 0
+        self.leased_entries = 0
         self.tick = int(view.header["tick"])      # the access clock (recovery orders by it)
         self.counters: Counter = Counter()
         self._states = view.entries["state"]      # columns of the entry table, for vectorised writes
@@ -216,13 +220,13 @@ class Index:
                  "entry_pages": ns.entry_pages} for ns in self.namespaces.values()]
 
     # ------------------------------------------------------------------ lookup and access
-    def lookup(self, ns: Namespace, keys: list[bytes]) -> int:
-        """How many leading keys are READY; accesses them (they are about to be used)."""
+    def lookup(self, ns: Namespace, keys: list[bytes]) -> list[Entry]:
+        """The entries of the leading keys that are READY; accesses them (they are about to be used)."""
         hits = self.ready_prefix(ns, keys)
         self.access(hits)
         self.counters["lookup_hit_keys"] += len(hits)
         self.counters["lookup_miss_keys"] += len(keys) - len(hits)
-        return len(hits)
+        return hits
 
     @staticmethod
     def ready_prefix(ns: Namespace, keys: list[bytes]) -> list[Entry]:
@@ -245,25 +249,49 @@ class Index:
         self._ticks[np.fromiter(slots, np.intp, len(slots))] = self.tick
 
     def pin(self, entries: list[Entry]) -> None:
-        """A load holds the entries: the newly pinned leave the policy; all get a new tick."""
-        pinned = []
+        """A load holds the entries: those held by nothing else leave the policy; all get a new tick."""
+        held = []
         for entry in entries:
             entry.pins += 1
             if entry.pins == 1:
-                pinned.append(entry.slot)
-        self.policy.pinned(pinned)
-        self.pinned_entries += len(pinned)
+                self.pinned_entries += 1
+                if not entry.leases:
+                    held.append(entry.slot)
+        self.policy.pinned(held)
         if entries:            # pinned: out of the policy until released; only the tick moves
             self.stamp(list(map(_SLOT, entries)))
 
     def unpin(self, entries: list[Entry]) -> None:
-        unpinned = []
+        back = []
         for entry in entries:
             entry.pins -= 1
             if entry.pins == 0:
-                unpinned.append(entry.slot)
-        self.pinned_entries -= len(unpinned)
-        self.policy.unpinned(unpinned)
+                self.pinned_entries -= 1
+                if not entry.leases:
+                    back.append(entry.slot)
+        self.policy.unpinned(back)
+
+    def lease(self, entries: list[Entry]) -> None:
+        """A lease holds the READY entries: those held by nothing else leave the policy, as a pin's
+        do (the lookup that leases them has just accessed them)."""
+        held = []
+        for entry in entries:
+            entry.leases += 1
+            if entry.leases == 1:
+                self.leased_entries += 1
+                if not entry.pins:
+                    held.append(entry.slot)
+        self.policy.pinned(held)
+
+    def unlease(self, entries: list[Entry]) -> None:
+        back = []
+        for entry in entries:
+            entry.leases -= 1
+            if entry.leases == 0:
+                self.leased_entries -= 1
+                if not entry.pins:
+                    back.append(entry.slot)
+        self.policy.unpinned(back)
 
     # ------------------------------------------------------------------ store decisions
     def decide_store(self, ns: Namespace, keys: list[bytes], job: Any) -> tuple[list[StoreOutcome], list[Entry]]:
@@ -356,7 +384,7 @@ class Index:
     # ------------------------------------------------------------------ eviction and freeing
     def evict(self, namespace: str | None, count: int | None) -> int:
         """Operator eviction: up to ``count`` (None: all) of the policy's victims in the namespace
-        named ``namespace`` (None: any). Pinned and WRITING entries stay."""
+        named ``namespace`` (None: any). Pinned, leased and WRITING entries stay."""
         if namespace is not None and not any(ns.id.name() == namespace for ns in self.namespaces.values()):
             raise RequestError(ErrorCode.BAD_REQUEST, f"no namespace {namespace!r}; kvtierctl namespaces lists them")
         victims = [self.by_slot[slot] for slot in self.policy.victims()
@@ -405,6 +433,7 @@ class Index:
             "entries_ready": self.entry_count[EntryState.READY],
             "entries_writing": self.entry_count[EntryState.WRITING],
             "entries_pinned": self.pinned_entries,
+            "entries_leased": self.leased_entries,
             "evictable": len(self.policy),
             "namespaces": len(self.namespaces),
             **self.policy_stats(),
@@ -420,7 +449,7 @@ class Index:
         """Check the index against itself and the entry table (tests, ``Store.verify``): every
         page is exactly one of free, held by one live entry, or parked by the fence; every slot
         is free or holds one entry; the policy holds exactly the READY unpinned entries; the
-        table's records match the index."""
+        table's records match the index. (The lease counts are ``Leases.verify``'s.)"""
         owner = np.full(self.geometry.num_pages, -1, dtype=np.int64)
         free = self.pages.free_ids()
         assert len(np.unique(free)) == len(free), "a page is free twice"
@@ -445,11 +474,14 @@ class Index:
                 rec = table[entry.slot]
                 assert int(rec["state"]) == entry.state and bytes(rec["key"][: rec["key_len"]]) == key
                 assert np.array_equal(self.view.chain_of(entry.slot), pages)
-                evictable = entry.state is EntryState.READY and entry.pins == 0
+                evictable = entry.state is EntryState.READY and entry.pins == 0 and entry.leases == 0
                 assert (entry.slot in self.policy) == evictable, f"entry {entry.slot} policy membership"
+                assert entry.state is EntryState.READY or not (entry.pins or entry.leases), f"entry {entry.slot} held"
         assert (owner != -1).all(), f"{int((owner == -1).sum())} pages leaked"
-        assert len(self.policy) == sum(1 for e in self.by_slot if e is not None
-                                       and e.state is EntryState.READY and e.pins == 0)
+        live = [e for e in self.by_slot if e is not None]
+        assert len(self.policy) == sum(1 for e in live if e.state is EntryState.READY and e.pins == 0 and e.leases == 0)
+        assert self.pinned_entries == sum(1 for e in live if e.pins) and self.leased_entries == sum(
+            1 for e in live if e.leases)
 
     def persist_tick(self) -> None:
         """Write the access clock to the header (a clean stop)."""
