@@ -22,10 +22,11 @@ class KvtierSettings:
     engine_id: str | None = None     # the kvtier engine id of this SGLang instance (default: per parent pid)
     timeout_s: float = 2.0           # bound on one request to kvtierd (and on re-attaching)
     retry_s: float = 10.0            # after kvtierd was unreachable: serve misses this long, then try again
+    lease_ttl_s: float = 5.0         # how long batch_exists' hits are held for the batch_get after it (0: no leases)
     interface_v1: bool = False       # SGLang's own key: zero-copy batch_get_v1/batch_set_v1
 
     KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_engine_id": "engine_id",
-            "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s"}
+            "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_lease_ttl_s": "lease_ttl_s"}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "KvtierSettings":
@@ -37,14 +38,15 @@ class KvtierSettings:
                              f"are {sorted(cls.KEYS)}")
         values: dict[str, Any] = {attr: extra[key] for key, attr in cls.KEYS.items() if extra.get(key) is not None}
         values.setdefault("socket", default_socket())
-        for name in ("timeout_s", "retry_s"):
+        for name in ("timeout_s", "retry_s", "lease_ttl_s"):
             if name in values:
                 try:
                     values[name] = float(values[name])
                 except (TypeError, ValueError):
                     raise ValueError(f"kvtier_{name} must be a number of seconds, got {values[name]!r}") from None
-                if not values[name] > 0:
-                    raise ValueError(f"kvtier_{name} must be > 0, got {values[name]}")
+                if not (values[name] >= 0 if name == "lease_ttl_s" else values[name] > 0):
+                    raise ValueError(f"kvtier_{name} must be {'>=' if name == 'lease_ttl_s' else '>'} 0, "
+                                     f"got {values[name]}")
         for name in ("socket", "namespace", "engine_id"):
             if name in values and not (isinstance(values[name], str) and values[name]):
                 raise ValueError(f"kvtier_{name} must be a non-empty string, got {values[name]!r}")
