@@ -16,7 +16,7 @@ Rank usage::
 
 Leases (invariant 10): ``lookup(keys, lease=L)`` also holds the hits for the engine until a load
 names the lease (``load(..., lease=L)``, or the coordinator's ``open_load``), ``unlease([L])``,
-or the lease's ttl passes; ``leases[L]`` says how many it holds. A load of leased keys cannot
+or the lease's ttl passes; ``lease_held(L)`` says how many it holds. A load of leased keys cannot
 come back short. Any session of the engine may consume the lease: a coordinator leases, its
 ranks' load job consumes.
 
@@ -203,6 +203,7 @@ class Client:
         # jobs a wait() finished before it timed out on another. poll()/wait() hand them out once.
         self._settled: list[JobResult] = []
         self._leases: dict[int, Lease] = {}
+        self._prune_at = 1024                     # lease records kept before lapsed ones are dropped
         self.attachments = 0                      # successful hellos so far (a restart makes it move)
         self._attach()
 
@@ -441,7 +442,7 @@ class Client:
         holds those hits for the engine: no eviction takes them until a load names the lease
         (``load``/``open_load`` of any session of the engine), ``unlease``, or ``ttl`` seconds
         pass (kvtierd clamps it to [10 ms, its max_lease_ttl]; None: its lease_ttl). The same id
-        again renews it (replaces it at once). ``leases[lease]`` says how many hits it holds
+        again renews it (replaces it at once). ``lease_held(lease)`` says how many hits it holds
         (fewer past kvtierd's caps) and until when. A lease belongs to this session: it ends with
         it, and after a daemon restart this client leases again what is left of it."""
         if lease is None:
@@ -454,19 +455,31 @@ class Client:
             fields["ttl_ms"] = max(0, round(ttl * 1000))
         sent = time.monotonic()
         reply = LookupReply.from_wire(call("lookup", **fields))
-        if reply.lease is None:
-            self._leases.pop(lease, None)
-        else:
+        self._leases.pop(lease, None)
+        if reply.lease is not None:
             self._leases[lease] = Lease(lease, keys, reply.hits, reply.leased, reply.ttl_ms / 1000,
                                         sent + reply.ttl_ms / 1000)
+            if len(self._leases) > self._prune_at:    # leases another session consumed linger until they lapse
+                self._drop_lapsed()
+                self._prune_at = max(1024, 2 * len(self._leases))
         return reply.hits
 
-    @property
-    def leases(self) -> dict[int, Lease]:
-        """The leases this client holds and that have not lapsed, by id."""
+    def _drop_lapsed(self) -> None:
         now = time.monotonic()
         for lease_id in [i for i, lease in self._leases.items() if lease.expires <= now]:
             del self._leases[lease_id]
+
+    def lease_held(self, lease: int) -> Lease | None:
+        """The lease of this id this client holds, unless it lapsed (what its lookup reported)."""
+        held = self._leases.get(lease)
+        return held if held is not None and held.expires > time.monotonic() else None
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        """The leases this client holds and that have not lapsed, by id. (A lease another session
+        of the engine consumed, e.g. the ranks' load of a coordinator's lease, stays listed until
+        it lapses: the client cannot know.)"""
+        self._drop_lapsed()
         return dict(self._leases)
 
     def unlease(self, leases: Iterable[int]) -> int:

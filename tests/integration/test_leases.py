@@ -70,7 +70,7 @@ def test_leased_hits_load_in_full_whatever_happens_between_lookup_and_load(daemo
     procs, coordinator, keys, source = engine(daemon, ranks, "race")
     try:
         assert coordinator.lookup(keys, lease=11, ttl=30) == 5
-        held = coordinator.leases[11]
+        held = coordinator.lease_held(11)
         assert (held.hits, held.leased, held.ttl) == (5, 5, 30.0)
         if window.startswith("another"):
             written = fill_region(daemon)
@@ -128,7 +128,7 @@ def test_a_lease_expires_and_a_renewed_one_holds(daemon, ranks):
             time.sleep(0.2)
             assert coordinator.lookup(keys[2:], lease=2, ttl=0.6) == 3
         wait_for(lambda: daemon.stats()["lease_ends"].get("expired") == 1, what="the lapsed lease expiring")
-        assert 1 not in coordinator.leases and coordinator.leases[2].leased == 3
+        assert coordinator.lease_held(1) is None and coordinator.lease_held(2).leased == 3
         fill_region(daemon)
         results = load_all(procs, 2, keys[2:], list(range(8, 11)), lease=2)
         assert [r["hits"] for r in results] == [3, 3]
@@ -157,7 +157,7 @@ def test_the_cap_per_engine_leases_a_prefix_and_clients_shows_the_leases(start_d
     procs, coordinator, keys, source = engine(daemon, ranks, "capped")
     try:
         assert coordinator.lookup(keys, lease=9) == 5
-        assert coordinator.leases[9].leased == 3                     # 3 entries + 1 for the lease
+        assert coordinator.lease_held(9).leased == 3                     # 3 entries + 1 for the lease
         rows = {row["session"]: row for row in ctl_json(daemon, "clients")["clients"]}
         assert rows[coordinator.session]["leases"] == 1 and rows[coordinator.session]["leased_keys"] == 3
         assert " leases " in ctl(daemon, "clients").splitlines()[0] + " "
@@ -213,7 +213,7 @@ def test_a_restart_between_lookup_and_load_loses_nothing(daemon, ranks, first):
         restart(daemon)
         if first == "the coordinator":
             coordinator.job_status([1])                               # its next call re-attaches, re-leases
-            assert daemon.stats()["leases_open"] == 1 and coordinator.leases[4].leased == 5
+            assert daemon.stats()["leases_open"] == 1 and coordinator.lease_held(4).leased == 5
             fill_region(daemon)                                       # the re-issued lease holds
         clobber(procs, list(range(8, 13)))
         for result in load_all(procs, 2, keys, list(range(8, 13)), lease=4):

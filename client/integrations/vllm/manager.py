@@ -385,7 +385,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 else:
                     lease = leases[index][chunk]
                     found = client.lookup(part, lease=lease, ttl=self._lease_ttl)
-                    granted = client.leases.get(lease)
+                    granted = client.lease_held(lease)
                     if granted is not None:
                         spans.append((lease, begin, granted.leased))
                         ttl = granted.ttl if ttl is None else min(ttl, granted.ttl)
