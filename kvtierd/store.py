@@ -159,7 +159,9 @@ class Store:
     # ------------------------------------------------------------------ operations
     def lookup(self, session: Session, keys: list[bytes]) -> int:
         """How many leading keys are READY; touches them (they are about to be used)."""
-        return len(self.index.lookup(session.engine.ns, keys))
+        hits = self.index.lookup(session.engine.ns, keys)
+        self.index.access(hits)
+        return len(hits)
 
     def lease(self, session: Session, lease_id: int, keys: list[bytes], ttl: float | None = None) -> Lookup:
         """``lookup``, and hold the ready prefix it found for the engine under ``lease_id`` for
@@ -167,6 +169,7 @@ class Store:
         (``Leases.grant``)."""
         hits = self.index.lookup(session.engine.ns, keys)
         leased, granted = self.leases.grant(session, lease_id, hits, ttl)
+        self.index.access(hits[leased:])          # the leased ones left the policy, and got a tick
         return Lookup(len(hits), lease_id if leased else None, leased, granted)
 
     def unlease(self, session: Session, lease_ids: list[int]) -> int:

@@ -366,8 +366,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert stats["pages_free"] + stats["pages_used"] == stats["pages_total"]
         assert stats["entries_ready"] + stats["entries_writing"] == sum(
             len(ns.index) for ns in self.store.index.namespaces.values())
+        index = self.store.index
         assert stats["entries_pinned"] == sum(
-            1 for ns in self.store.index.namespaces.values() for e in ns.index.values() if e.pins)
+            1 for ns in index.namespaces.values() for e in ns.index.values() if index.holds(e.slot)[0])
         if stats["pages_fenced"]:
             event("pages fenced")
         if stats["evictions"]:

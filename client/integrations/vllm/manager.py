@@ -147,9 +147,9 @@ class KvtierOffloadingManager(OffloadingManager):
       keys, MISS after it). The first lookup of a request sends one batched ``lookup`` of all its
       keys (from that key on, per KV-cache group, leasing the hits) and waits for it at most
       ``kvtier_lookup_wait_ms``; later lookups, including every step while the request waits
-      for GPU blocks, are dict lookups (the leases renewed in the background). An answer that comes later is used next step (this
-      step: RETRY once per KV-cache group, then MISS, so that vLLM defers the request without
-      scanning on). After a wait ran out, no request waits until kvtierd answered again (they
+      for GPU blocks, are dict lookups (the leases renewed in the background). An answer that
+      comes later is used next step (this step: RETRY once per KV-cache group, then MISS, so
+      that vLLM defers the request without scanning on). After a wait ran out, no request waits until kvtierd answered again (they
       are deferred), and after ``GIVE_UP_S`` without an answer they get MISS. MISS at once
       while kvtierd is unreachable, and for a request whose load failed.
       Where vLLM's key positions are not readable (another vLLM series): RETRY for every key,
