@@ -173,11 +173,11 @@ def cache_in_kvtierd(engine: Engine, requests: list) -> None:
     from kvtier.integrations.vllm.worker import KvtierOffloadingWorker
 
     manager = engine.manager
-    half = manager.layout.block_bytes // 2
+    half = manager.namespace.block_bytes // 2
     pages = [torch.zeros((16, half), dtype=torch.int8) for _ in range(2)]
     caches = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(p, half) for p in pages],
                                group_data_refs=[[CanonicalKVCacheRef(0, half), CanonicalKVCacheRef(1, half)]])
-    worker = KvtierOffloadingWorker(manager.settings, manager.engine_id, 0, 1, manager.layout, caches,
+    worker = KvtierOffloadingWorker(manager.settings, manager.engine_id, 0, 1, manager.namespace, caches,
                                     reports_failures=True)
     try:
         for job, request in enumerate(requests, start=1):

@@ -331,7 +331,8 @@ class Rank:
     def backend_info(self) -> dict:
         ident = self.backend.identity
         return {"engine": ident.engine_id, "rank": ident.rank, "world_size": ident.world_size,
-                "namespace": ident.namespace.model, "kind": ident.namespace.sharding.value, "block_bytes": ident.namespace.block_bytes,
+                "namespace": ident.namespace.model, "sharding": ident.namespace.sharding.value,
+                "block_bytes": ident.namespace.block_bytes,
                 "writer": self.controller.storage_config.is_storage_writer, "pid": os.getpid()}
 
     def timed(self, method: str, **kwargs) -> dict:

@@ -61,7 +61,7 @@ def test_l1_l2_l3_l2_l1_round_trip_and_a_second_instance_hits(daemon, ranks, kin
     stats = daemon.stats()
     assert stats["store_written_keys"] == pages(PROMPT) + pages(SHARED) - 4     # the shared prefix once
     info = a.call("backend_info")
-    assert info["kind"] == ("replicated" if kind == "mla" else "sharded")
+    assert info["sharding"] == ("replicated" if kind == "mla" else "sharded")
     assert stats["namespace_list"][0]["name"].startswith(info["namespace"])
 
     a.call("evict_all")
@@ -84,7 +84,7 @@ def test_tp2_mla_writes_one_copy_and_both_ranks_load_rank0s_bytes(daemon, ranks)
     r0, r1 = ranks(*[RankSpec("mla", daemon.socket, tp_rank=r, tp_size=2, variant=r) for r in (0, 1)])
     infos = [r0.call("backend_info"), r1.call("backend_info")]
     assert [i["writer"] for i in infos] == [True, False]
-    assert infos[0]["namespace"] == infos[1]["namespace"] and infos[0]["kind"] == "replicated"
+    assert infos[0]["namespace"] == infos[1]["namespace"] and infos[0]["sharding"] == "replicated"
     assert infos[0]["engine"] != infos[1]["engine"] and infos[0]["world_size"] == 1
 
     all_call([r0, r1], "write", tokens=PROMPT)
@@ -107,7 +107,7 @@ def test_tp2_mha_is_sharded_and_ready_only_when_both_ranks_voted(daemon, ranks):
     r0, r1 = ranks(*[RankSpec("mha", daemon.socket, tp_rank=r, tp_size=2, variant=r) for r in (0, 1)])
     infos = [r0.call("backend_info"), r1.call("backend_info")]
     assert infos[0]["engine"] == infos[1]["engine"] and [i["rank"] for i in infos] == [0, 1]
-    assert all(i["world_size"] == 2 and i["kind"] == "sharded" and i["writer"] for i in infos)
+    assert all(i["world_size"] == 2 and i["sharding"] == "sharded" and i["writer"] for i in infos)
 
     r0.call("write", tokens=PROMPT)
     assert r0.call("lookup", tokens=PROMPT) == 0                  # rank 1 has not stored its shard yet

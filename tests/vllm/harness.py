@@ -194,7 +194,7 @@ class RankWorker:
         client = self.worker.client
         return {"writer": client.is_writer, "namespace": client.info.namespace,
                 "connector": type(self.connector).__name__,
-                "kind": self.spec.layout.sharding.value, "block_bytes": self.spec.layout.block_bytes,
+                "sharding": self.spec.namespace.sharding.value, "block_bytes": self.spec.namespace.block_bytes,
                 "replicated_gate": self.spec.config.replicated_layout, "pid": os.getpid()}
 
     @staticmethod

@@ -64,7 +64,8 @@ def test_tp4_and_tp2_engines_of_one_mla_model_share_its_replicated_namespace(sta
     wide = EngineRecipe("tiny-mla", 4, daemon.socket, "mla-tp4")
     with running(wide) as (engine, ranks):
         infos = all_call(ranks, "info")
-        assert all(i["kind"] == "replicated" for i in infos) and [i["writer"] for i in infos] == [True] + [False] * 3
+        assert all(i["sharding"] == "replicated" for i in infos)
+        assert [i["writer"] for i in infos] == [True] + [False] * 3
         namespace = infos[0]["namespace"]
         engine.serve("wide", PROMPT)
     stored = daemon.stats()

@@ -72,7 +72,7 @@ def restart_daemon(daemon) -> None:
 def test_looked_up_blocks_load_in_full_whatever_happens_before_the_load(start_daemon, window):
     daemon = start_daemon(page_size="4KiB", size="8MiB")
     with running(EngineRecipe("tiny-llama", 1, daemon.socket, "race")) as (engine, ranks):
-        block_bytes = engine.manager.layout.block_bytes
+        block_bytes = engine.manager.namespace.block_bytes
         action = {"another engine fills the region": lambda: fill_region(daemon, block_bytes),
                   "kvtierctl clear": lambda: kvtierctl(daemon, "clear", "--all"),
                   "kvtierctl evict": lambda: kvtierctl(daemon, "evict", "--count", "1000"),

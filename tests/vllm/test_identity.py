@@ -1,11 +1,11 @@
-"""The model fingerprint in the namespace: what changes it and what does not (identity.py)."""
+"""vLLM's config mapped onto the model fingerprint (identity.py): what changes it and what does not.
+
+The weights digest itself is tested in tests/unit/test_fingerprint.py.
+"""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -14,21 +14,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: `make test-vllm` builds .venv-vllm")
 
-import torch  # noqa: E402
-
+from kvtier.integrations import fingerprint  # noqa: E402
 from kvtier.integrations.vllm import identity  # noqa: E402
+from tests.unit.test_fingerprint import write_safetensors  # noqa: E402
 
 MODELS = Path(__file__).parent / "models"
-
-
-def write_safetensors(path: Path, tensors: dict[str, bytes]) -> None:
-    header, offset = {}, 0
-    for name, data in tensors.items():
-        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values()))
 
 
 @pytest.fixture
@@ -40,38 +30,24 @@ def model(tmp_path) -> Path:
     return directory
 
 
-def test_the_weights_digest_sees_the_values_not_where_or_when(model, tmp_path):
-    digest = identity.weights_digest(str(model))
-    copy = tmp_path / "elsewhere"
-    shutil.copytree(model, copy)
-    os.utime(copy / "model.safetensors", (1, 1))
-    assert identity.weights_digest(str(copy)) == digest             # an identical copy agrees
-    # A fine-tune saved over the file: same header; values differ at the start, or only at the end.
-    write_safetensors(model / "model.safetensors", {"a": bytes(range(256)) * 40, "b": b"\2" + b"\1" * 8999})
-    assert identity.weights_digest(str(model)) != digest
-    write_safetensors(model / "model.safetensors", {"a": bytes(range(256)) * 40, "b": b"\1" * 8999 + b"\3"})
-    assert identity.weights_digest(str(model)) != digest
-    (copy / "config.json").write_text((copy / "config.json").read_text().replace('"vocab_size": 256',
-                                                                                  '"vocab_size": 257'))
-    assert identity.weights_digest(str(copy)) != digest             # the config is hashed whole
-
-
-def test_no_weight_file_no_digest_and_other_formats_are_sampled(tmp_path):
-    assert identity.weights_digest(str(MODELS / "tiny-llama")) is None
-    assert identity.weights_digest(str(tmp_path / "missing")) is None
-    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * (3 << 20))
-    first = identity.weights_digest(str(tmp_path))
-    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * ((3 << 20) - 1) + b"\1")
-    assert first is not None and identity.weights_digest(str(tmp_path)) != first
-
-
-def test_canonical_values_are_the_same_in_every_process():
-    class Opaque:
-        pass
-
-    assert identity.canonical({"d": torch.bfloat16, "s": {3, 1}, "t": (1, "x"), "f": len, "o": Opaque()}) == {
-        "d": "torch.bfloat16", "s": [1, 3], "t": [1, "x"], "f": "builtins.len",
-        "o": "test_canonical_values_are_the_same_in_every_process.<locals>.Opaque"}
+def test_a_hub_model_is_read_from_its_local_cache_snapshot(model, tmp_path):
+    """vLLM reads a hub id's weights from the Hugging Face cache (LoadConfig.download_dir); the
+    snapshot of the revision is fingerprinted, offline: a revision not cached has no digest."""
+    pytest.importorskip("huggingface_hub", reason="vLLM's huggingface_hub is not installed")
+    cache, revisions = tmp_path / "hub", ("a" * 40, "b" * 40)
+    repo = cache / "models--org--tiny-llama"
+    for revision in revisions:
+        shutil.copytree(model, repo / "snapshots" / revision)
+    write_safetensors(repo / "snapshots" / revisions[1] / "model.safetensors", {"a": b"\5" * 64})
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revisions[0])
+    assert fingerprint.weights_location("org/tiny-llama", None, str(cache)) == str(repo / "snapshots" / revisions[0])
+    first = fingerprint.local_weights_digest("org/tiny-llama", None, str(cache))
+    assert first == fingerprint.weights_digest(str(model))
+    second = fingerprint.local_weights_digest("org/tiny-llama", revisions[1], str(cache))
+    assert second is not None and second != first
+    assert fingerprint.local_weights_digest("org/tiny-llama", "c" * 40, str(cache)) is None
+    assert fingerprint.local_weights_digest("org/other", None, str(cache)) is None
 
 
 def vllm_config(model: Path, engine_id: str = "e", **model_fields):

@@ -75,7 +75,7 @@ def test_blocks_stored_by_the_first_request_load_into_the_second(start_daemon, c
     out = run_store_then_load(daemon, "tiny-llama", tp=1, engine_id="tp1", connector=connector)
     (info,) = out["info"]
     assert info["connector"] == connector
-    assert info["kind"] == "sharded" and not info["replicated_gate"] and info["writer"]
+    assert info["sharding"] == "sharded" and not info["replicated_gate"] and info["writer"]
     block_bytes = info["block_bytes"]
 
     # The first request's full prompt blocks went to kvtierd through the plugin.
@@ -104,7 +104,7 @@ def test_tp2_mla_only_rank0_writes_and_both_ranks_load_its_bytes(start_daemon):
     # holding after the load can only have come from rank 0's single copy.
     out = run_store_then_load(daemon, "tiny-mla", tp=2, engine_id="tp2-mla", rank_variant=True)
     rank0, rank1 = out["info"]
-    assert rank0["replicated_gate"] and rank0["kind"] == "replicated"
+    assert rank0["replicated_gate"] and rank0["sharding"] == "replicated"
     assert rank0["writer"] and not rank1["writer"]
     assert rank0["namespace"] == rank1["namespace"] and "replicated" in rank0["namespace"]
     block_bytes = rank0["block_bytes"]

@@ -37,7 +37,7 @@ from kvtier import NamespaceId  # noqa: E402
 from kvtier.integrations import vllm as plugin  # noqa: E402
 from kvtier.integrations.vllm.identity import ModelIdentity  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager  # noqa: E402
-from kvtier.integrations.vllm.settings import KvtierSettings, kvtier_key, namespace_layout  # noqa: E402
+from kvtier.integrations.vllm.settings import KvtierSettings, kvtier_key, namespace_id  # noqa: E402
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, LoadFailed  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -82,15 +82,17 @@ def test_importing_kvtier_does_not_import_vllm():
 def test_settings_are_checked():
     s = KvtierSettings.from_extra_config({"kvtier_socket": "/s", "kvtier_timeout_s": "2.5",
                                           "kvtier_lookup_wait_ms": 0, "spec_name": "KvtierOffloadingSpec"})
-    assert (s.socket, s.timeout_s, s.retry_s, s.layout, s.copier, s.namespace, s.lookup_wait_ms) == (
+    assert (s.socket, s.timeout_s, s.retry_s, s.sharding, s.copier, s.namespace, s.lookup_wait_ms) == (
         "/s", 2.5, 10.0, "auto", "auto", None, 0.0)
     for extra, match in [({"kvtier_sockett": "/s"}, "unknown .*kvtier_sockett"),
-                         ({"kvtier_layout": "replicated"}, "kvtier_layout must be 'auto' or 'sharded'"),
+                         ({"kvtier_sharding": "replicated"}, "kvtier_sharding must be 'auto' or 'sharded'"),
+                         ({"kvtier_layout": "sharded"},              # the old name: no alias
+                          r"unknown .*\['kvtier_layout'\]; kvtier's keys are \[.*'kvtier_sharding'"),
                          ({"kvtier_timeout_s": 0}, "kvtier_timeout_s must be > 0"),
                          ({"kvtier_retry_s": "soon"}, "kvtier_retry_s must be a number"),
                          ({"kvtier_lookup_wait_ms": -1}, "kvtier_lookup_wait_ms must be >= 0"),
                          ({"kvtier_copier": "dma"}, "kvtier_copier must be one of auto, cpu, cuda, torch"),
-                         ({"kvtier_namespace": 7}, "kvtier_namespace must be a string")]:
+                         ({"kvtier_namespace": 7}, "kvtier_namespace must be a non-empty string")]:
         with pytest.raises(ValueError, match=match):
             KvtierSettings.from_extra_config(extra)
 
@@ -108,13 +110,13 @@ MODEL = ModelIdentity("DeepSeek-V3", "0123456789abcdef", weights_read=True, comp
 
 def test_namespace_follows_vllms_replicated_gate():
     settings = KvtierSettings(socket="/s")
-    replicated = namespace_layout(offload_config(), settings, MODEL)
+    replicated = namespace_id(offload_config(), settings, MODEL)
     assert replicated == NamespaceId("DeepSeek-V3@0123456789abcdef|LBHNC", "bfloat16", 16, 3072, "replicated")
-    assert namespace_layout(offload_config(replicated_layout=False), settings, MODEL).sharding == "sharded"
+    assert namespace_id(offload_config(replicated_layout=False), settings, MODEL).sharding == "sharded"
     # kvtier_namespace replaces name and fingerprint.
-    forced = namespace_layout(offload_config(), replace(settings, layout="sharded", namespace="dsv3"), None)
+    forced = namespace_id(offload_config(), replace(settings, sharding="sharded", namespace="dsv3"), None)
     assert (forced.sharding, forced.model) == ("sharded", "dsv3|LBHNC")
-    long = namespace_layout(offload_config(), settings, replace(MODEL, name="m" * 400))
+    long = namespace_id(offload_config(), settings, replace(MODEL, name="m" * 400))
     assert len(long.model.encode()) <= 256 and long.model.endswith("@0123456789abcdef|LBHNC")
 
 
@@ -125,23 +127,31 @@ def test_namespace_follows_vllms_replicated_gate():
 ])
 def test_unsupported_configurations_fail_at_start(overrides, match):
     with pytest.raises(ValueError, match=match):
-        namespace_layout(offload_config(**overrides), KvtierSettings(socket="/s"), MODEL)
+        namespace_id(offload_config(**overrides), KvtierSettings(socket="/s"), MODEL)
 
 
 def test_pipeline_parallel_is_refused():
     config = offload_config()
     config = replace(config, parallel=replace(config.parallel, pp_size=2, world_size=4))
     with pytest.raises(ValueError, match="pipeline parallelism"):
-        namespace_layout(config, KvtierSettings(socket="/s"), MODEL)
+        namespace_id(config, KvtierSettings(socket="/s"), MODEL)
 
 
 def test_spec_keeps_vllms_replicated_flag_off_so_every_rank_votes():
     spec = plugin.KvtierOffloadingSpec(offload_config())
-    assert spec.layout.sharding == "replicated" and spec.replicated_layout is False
+    assert spec.namespace.sharding == "replicated" and spec.replicated_layout is False
     assert spec.engine_id == "vllm-e1"
     # Built by vLLM's plain OffloadingConnector: cannot report failed loads, fingerprints the name only.
     assert spec.reports_failures is False and spec.model.complete is False
-    assert spec.layout.model.startswith("DeepSeek-V3@")
+    assert spec.namespace.model.startswith("DeepSeek-V3@")
+
+
+def test_kvtier_sharding_is_honoured_at_start_and_the_old_kvtier_layout_refused():
+    extra = {"kvtier_socket": "/nonexistent/kvtierd.sock"}
+    spec = plugin.KvtierOffloadingSpec(offload_config(extra_config={**extra, "kvtier_sharding": "sharded"}))
+    assert spec.namespace.sharding == "sharded"
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['kvtier_layout'\]"):
+        plugin.KvtierOffloadingSpec(offload_config(extra_config={**extra, "kvtier_layout": "sharded"}))
 
 
 # ------------------------------------------------------------------------------ against kvtierd
@@ -194,20 +204,20 @@ def prefix_lookup(manager, ks: list[bytes], ctx: ReqContext) -> list[LookupResul
 def tier(start_daemon):
     daemon = start_daemon(page_size="4KiB")
     settings = KvtierSettings(socket=daemon.socket, timeout_s=5)
-    layout = NamespaceId("unit", "bfloat16", 16, BLOCK, "sharded")
+    namespace = NamespaceId("unit", "bfloat16", 16, BLOCK, "sharded")
     made = []
 
     def manager(num_groups: int = 1, **changes):
         # Answers are awaited without a practical bound (the tests assert on behaviour, also on a
         # loaded machine); the tests of late answers set kvtier_lookup_wait_ms themselves.
         changes.setdefault("lookup_wait_ms", 60_000)
-        m = KvtierOffloadingManager(replace(settings, **changes), "unit-engine", 1, layout, num_groups=num_groups)
+        m = KvtierOffloadingManager(replace(settings, **changes), "unit-engine", 1, namespace, num_groups=num_groups)
         made.append(m)
         return m
 
     def worker(seed: int = 1, reports_failures: bool = True):
         caches, pages = kv_caches(seed)
-        w = KvtierOffloadingWorker(settings, "unit-engine", 0, 1, layout, caches, reports_failures=reports_failures)
+        w = KvtierOffloadingWorker(settings, "unit-engine", 0, 1, namespace, caches, reports_failures=reports_failures)
         made.append(w)
         return w, pages
 

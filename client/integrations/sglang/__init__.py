@@ -18,8 +18,9 @@ scheduler process), ``settings`` (the ``kvtier_*`` extra-config keys).
 from __future__ import annotations
 
 import logging
-import os
 from importlib.metadata import PackageNotFoundError, version
+
+from ..common import check_engine_version
 
 SUPPORTED_SGLANG = ("0.5.23",)         # the storage interface and host pools it was tested against
 ALLOW_UNSUPPORTED_ENV = "KVTIER_SGLANG_ALLOW_UNSUPPORTED"
@@ -37,15 +38,10 @@ def check_sglang_version(installed: str | None = None) -> str:
             installed = version("sglang")
         except PackageNotFoundError:
             installed = "not installed"
-    if installed in SUPPORTED_SGLANG:
-        return installed
-    message = (f"kvtier's SGLang backend supports SGLang {', '.join(SUPPORTED_SGLANG)}; this process has SGLang "
-               f"{installed}. Install a supported one (pip install 'sglang=={SUPPORTED_SGLANG[-1]}') or a kvtierd "
-               f"release that supports SGLang {installed}; {ALLOW_UNSUPPORTED_ENV}=1 tries anyway.")
-    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
-        logging.getLogger("sglang.kvtier").warning("%s (%s=1: continuing)", message, ALLOW_UNSUPPORTED_ENV)
-        return installed
-    raise UnsupportedSglangVersion(message)
+    return check_engine_version(
+        installed, installed in SUPPORTED_SGLANG, adapter="SGLang backend", engine="SGLang",
+        versions=", ".join(SUPPORTED_SGLANG), pin=f"sglang=={SUPPORTED_SGLANG[-1]}", allow_env=ALLOW_UNSUPPORTED_ENV,
+        error=UnsupportedSglangVersion, logger=logging.getLogger("sglang.kvtier"))
 
 
 check_sglang_version()

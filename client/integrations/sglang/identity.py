@@ -6,11 +6,12 @@
 - ``name``: ``--served-model-name``, else the model path (or ``kvtier_namespace``);
 - the page byte order of the host layout (pages.ORDERS) and, with pipeline parallelism, the stage
   (stages hold different layers);
-- ``fingerprint`` (kvtier.integrations.fingerprint): model path, revision, a digest of the
-  checkpoint's configs and sampled weight files, weight dtype, quantization (and its KV scales
-  file), load format, model overrides, KV-cache dtype, page size, layout. With
+- ``fingerprint`` (kvtier.integrations.fingerprint): model path, revision, the weights digest
+  (``fingerprint.local_weights_digest``: safetensors headers and samples of every tensor, the
+  checkpoint's config, index and quantization files), weight dtype, quantization (and its KV
+  scales file), load format, model overrides, KV-cache dtype, page size, page order. With
   ``kvtier_namespace`` set, the operator vouches for the weights: the fingerprint keeps only the
-  KV format (KV dtype, page size, layout), so engines serving the same weights from different
+  KV format (KV dtype, page size, page order), so engines serving the same weights from different
   paths share.
 
 ``sharding``: *replicated* for rank-replicated KV (MLA, where SGLang's ``is_mla_model`` is set),
@@ -42,7 +43,8 @@ from typing import Any
 from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, NamespaceId, Sharding
 from kvtierd.contract.protocol import MAX_STR_BYTES
 
-from ..fingerprint import fingerprint, weights_digest
+from ..common import shorten
+from ..fingerprint import fingerprint, local_weights_digest
 from .pages import HostPages
 from .settings import KvtierSettings
 
@@ -56,14 +58,6 @@ class Identity:
     rank: int
     world_size: int
     fingerprint_parts: dict
-
-
-def _short(text: str, limit: int) -> str:
-    """``text`` if it fits, else a prefix plus a hash of the whole (stays unique)."""
-    if len(text.encode()) <= limit:
-        return text
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return text.encode()[: limit - 17].decode(errors="ignore") + "~" + digest
 
 
 def _file_digest(path: str | None) -> str | None:
@@ -102,10 +96,10 @@ def fingerprint_parts(args: dict, pages: HostPages, settings: KvtierSettings) ->
     if settings.namespace is not None:
         return parts
     model_path, revision = args.get("model_path"), args.get("revision")
-    digest = weights_digest(model_path, revision) if model_path else None
+    digest = local_weights_digest(model_path, revision) if model_path else None
     if digest is None:
-        logger.warning("kvtier: no local copy of %r found to fingerprint its weights; the namespace keys on "
-                       "its path and revision only", model_path)
+        logger.warning("kvtier: no weight file of %r found on this node to fingerprint its weights; the namespace "
+                       "keys on its path and revision only", model_path)
     parts.update({name: args.get(name) for name in MODEL_FIELDS}, weights=digest,
                  kv_scales=_file_digest(args.get("quantization_param_path")))
     return parts
@@ -134,8 +128,8 @@ def identify(config, pages: HostPages, settings: KvtierSettings, args: dict | No
     tag = f"sglang-{pages.kind}-{pages.order}"
     if config.pp_size > 1:
         tag += f"-pp{config.pp_rank}of{config.pp_size}"
-    model = f"{_short(name, 160)}|{tag}|{fingerprint(parts)}"
-    namespace = NamespaceId(model=_short(model, MAX_MODEL_BYTES), dtype=_short(pages.dtype, MAX_DTYPE_BYTES),
+    model = f"{shorten(name, 160)}|{tag}|{fingerprint(parts)}"
+    namespace = NamespaceId(model=shorten(model, MAX_MODEL_BYTES), dtype=shorten(pages.dtype, MAX_DTYPE_BYTES),
                             block_tokens=pages.page_size, block_bytes=pages.page_bytes,
                             sharding=Sharding.REPLICATED if replicated else Sharding.SHARDED)
     engine = settings.engine_id or f"sglang-{os.getppid()}"
@@ -148,4 +142,4 @@ def identify(config, pages: HostPages, settings: KvtierSettings, args: dict | No
         rank, world = 0, 1
     else:
         rank, world = config.tp_rank, config.tp_size
-    return Identity(namespace, _short(engine, MAX_STR_BYTES), rank, world, parts)
+    return Identity(namespace, shorten(engine, MAX_STR_BYTES), rank, world, parts)

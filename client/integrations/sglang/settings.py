@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvtierd.contract.paths import default_socket
+from ..common import read_settings
 
 
 @dataclass(frozen=True)
@@ -27,28 +27,12 @@ class KvtierSettings:
 
     KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_engine_id": "engine_id",
             "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_lease_ttl_s": "lease_ttl_s"}
+    NUMBERS = {"timeout_s": ("seconds", False), "retry_s": ("seconds", False),   # (unit, may be 0)
+               "lease_ttl_s": ("seconds", True)}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "KvtierSettings":
         """Read and check the settings; raises ValueError naming the key at fault."""
-        extra = dict(extra or {})
-        unknown = sorted(k for k in extra if k.startswith("kvtier_") and k not in cls.KEYS)
-        if unknown:
-            raise ValueError(f"unknown --hicache-storage-backend-extra-config keys {unknown}; kvtier's keys "
-                             f"are {sorted(cls.KEYS)}")
-        values: dict[str, Any] = {attr: extra[key] for key, attr in cls.KEYS.items() if extra.get(key) is not None}
-        values.setdefault("socket", default_socket())
-        for name in ("timeout_s", "retry_s", "lease_ttl_s"):
-            if name in values:
-                try:
-                    values[name] = float(values[name])
-                except (TypeError, ValueError):
-                    raise ValueError(f"kvtier_{name} must be a number of seconds, got {values[name]!r}") from None
-                if not (values[name] >= 0 if name == "lease_ttl_s" else values[name] > 0):
-                    raise ValueError(f"kvtier_{name} must be {'>=' if name == 'lease_ttl_s' else '>'} 0, "
-                                     f"got {values[name]}")
-        for name in ("socket", "namespace", "engine_id"):
-            if name in values and not (isinstance(values[name], str) and values[name]):
-                raise ValueError(f"kvtier_{name} must be a non-empty string, got {values[name]!r}")
-        values["interface_v1"] = bool(extra.get("interface_v1", False))
+        values = read_settings(extra, cls.KEYS, cls.NUMBERS, where="--hicache-storage-backend-extra-config")
+        values["interface_v1"] = bool((extra or {}).get("interface_v1", False))
         return cls(**values)

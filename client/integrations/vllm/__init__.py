@@ -19,7 +19,8 @@ vLLM. The rest is split the way vLLM splits its own offloading code (vllm/v1/kv_
 
 - ``settings``: the ``kvtier_*`` settings, and how vLLM's keys, namespaces and engine ids map
   onto kvtierd's;
-- ``identity``: the model fingerprint in the namespace (what the KV bytes depend on);
+- ``identity``: vLLM's config mapped onto the model fingerprint in the namespace (what the KV
+  bytes depend on; the digest is ``kvtier.integrations.fingerprint``);
 - ``spec``: ``KvtierOffloadingSpec``, which builds the two sides;
 - ``manager``: the scheduler side, ``KvtierOffloadingManager``, a kvtierd *coordinator* session,
   whose I/O runs on a ``link`` thread;
@@ -31,11 +32,11 @@ vLLM. The rest is split the way vLLM splits its own offloading code (vllm/v1/kv_
 All sessions of one vLLM engine (one per DP rank) form one kvtier engine, with world size =
 vLLM's world size.
 
-**Replicated (MLA) layout.** ``KvtierOffloadingSpec.replicated_layout`` stays False on purpose,
-even when the kvtier namespace is replicated: when True, vLLM's worker acknowledges non-writer
-ranks' stores without calling ``submit_store``, but kvtierd needs those ranks' votes (a block is
-ready only when every rank of the job voted), so every rank must see every store. The
-deduplication happens in kvtierd instead (only rank 0 copies).
+**Replicated (MLA) namespaces.** ``KvtierOffloadingSpec.replicated_layout`` (vLLM's flag) stays
+False on purpose, even when the kvtier namespace is replicated: when True, vLLM's worker
+acknowledges non-writer ranks' stores without calling ``submit_store``, but kvtierd needs those
+ranks' votes (a block is ready only when every rank of the job voted), so every rank must see
+every store. The deduplication happens in kvtierd instead (only rank 0 copies).
 
 Supported: one KV-cache group, or several groups that use the same per-block byte ranges (vLLM's
 hybrid allocator), ``blocks_per_chunk`` = 1, TP (and DCP/PCP, sharded) within one node. Not
@@ -49,9 +50,10 @@ restart fail (a store is then simply not cached; a load is reported failed).
 from __future__ import annotations
 
 import logging
-import os
 
 import vllm
+
+from ..common import check_engine_version
 
 SUPPORTED_VLLM_SERIES = ("0.33",)      # vLLM's offloading plugin API is experimental: pinned per minor
 TESTED_VLLM_VERSIONS = ("0.33.0",)
@@ -74,16 +76,11 @@ def check_vllm_version(version: str | None = None) -> str:
         series = f"{parsed.major}.{parsed.minor}"
     except InvalidVersion:
         series = None
-    if series in SUPPORTED_VLLM_SERIES:
-        return version
-    message = (f"kvtier's vLLM plugin supports vLLM {', '.join(s + '.x' for s in SUPPORTED_VLLM_SERIES)} "
-               f"(tested with {', '.join(TESTED_VLLM_VERSIONS)}); this process has vLLM {version}. Install a "
-               f"supported vLLM (pip install 'vllm=={TESTED_VLLM_VERSIONS[-1]}') or a kvtierd release that "
-               f"supports vLLM {version}; {ALLOW_UNSUPPORTED_ENV}=1 tries anyway.")
-    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
-        logging.getLogger("vllm.kvtier").warning("%s (%s=1: continuing)", message, ALLOW_UNSUPPORTED_ENV)
-        return version
-    raise UnsupportedVllmVersion(message)
+    versions = f"{', '.join(s + '.x' for s in SUPPORTED_VLLM_SERIES)} (tested with {', '.join(TESTED_VLLM_VERSIONS)})"
+    return check_engine_version(
+        version, series in SUPPORTED_VLLM_SERIES, adapter="vLLM plugin", engine="vLLM", versions=versions,
+        pin=f"vllm=={TESTED_VLLM_VERSIONS[-1]}", allow_env=ALLOW_UNSUPPORTED_ENV, error=UnsupportedVllmVersion,
+        logger=logging.getLogger("vllm.kvtier"))
 
 
 check_vllm_version()

@@ -179,13 +179,13 @@ class KvtierOffloadingManager(OffloadingManager):
     shares nothing with it but queues and ``Call`` objects.
     """
 
-    def __init__(self, settings: KvtierSettings, engine_id: str, world_size: int, layout: NamespaceId,
+    def __init__(self, settings: KvtierSettings, engine_id: str, world_size: int, namespace: NamespaceId,
                  num_groups: int = 1, connect: Callable[..., Client] = Client,
                  clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.engine_id = engine_id
         self.world_size = world_size
-        self.layout = layout
+        self.namespace = namespace
         self.num_groups = num_groups                   # offloaded KV-cache groups
         self.stats = ManagerStats()
         self.use_key_positions = key_positions_readable()
@@ -201,7 +201,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._writing: dict[OffloadKey, int] = {}      # key -> kvtier store job, until complete_store
         self._full_until = 0.0                         # the link thread sets it (see _open_stores)
         self._link = Link(functools.partial(connect, settings.socket, engine_id=engine_id, rank=None,
-                                            world_size=world_size, namespace=layout, timeout=settings.timeout_s,
+                                            world_size=world_size, namespace=namespace, timeout=settings.timeout_s,
                                             reconnect_timeout=settings.timeout_s),
                           settings.retry_s, f"coordinator of engine {engine_id} at {settings.socket}",
                           first_wait_s=settings.timeout_s + 1)

@@ -6,14 +6,15 @@
 - **Keys.** vLLM's ``OffloadKey`` (block hash ‖ 4-byte group index, 36 bytes with sha256) is the
   kvtier key as is; a key longer than kvtierd's limit is shortened to sha256(hash) ‖ group index
   (``kvtier_key``).
-- **Namespaces.** (model, KV dtype, tokens per block, bytes per block per rank, layout kind). The
-  model part is ``<model name>@<fingerprint>`` (``identity``: what determines the KV bytes,
-  weights included) with vLLM's KV-cache memory layout appended; ``kvtier_namespace`` replaces
-  name and fingerprint (for people who know their weights are identical). The namespace is
-  *replicated* exactly when vLLM's own gate says so (``OffloadingConfig.replicated_layout``: pure
-  MLA, TP > 1, no PP/PCP/DCP, single-node ``mp`` executor), else *sharded*; a replicated one keeps
-  one copy, which only rank 0 writes. ``namespace_layout`` refuses, at start-up and naming the
-  setting, the configurations the plugin does not support (the package docstring lists them).
+- **Namespaces.** ``namespace_id`` builds the engine's ``NamespaceId`` (model, KV dtype, tokens
+  per block, bytes per block per rank, sharding). The model part is ``<model name>@<fingerprint>``
+  (``identity``: what determines the KV bytes, weights included) with vLLM's KV-cache memory
+  layout appended; ``kvtier_namespace`` replaces name and fingerprint (for people who know their
+  weights are identical). The namespace is *replicated* exactly when vLLM's own gate says so
+  (``OffloadingConfig.replicated_layout``: pure MLA, TP > 1, no PP/PCP/DCP, single-node ``mp``
+  executor) and ``kvtier_sharding`` is ``auto``, else *sharded*; a replicated one keeps one copy,
+  which only rank 0 writes. ``namespace_id`` refuses, at start-up and naming the setting, the
+  configurations the plugin does not support (the package docstring lists them).
 - **Engine ids.** All sessions of one vLLM engine attach as one kvtier engine: ``vllm-<engine_id>``
   (one per DP rank), or the id the ``kvtier_engine_id`` setting names.
 """
@@ -27,10 +28,10 @@ from typing import Any, Iterable, Mapping
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtierd.contract import protocol as P
-from kvtierd.contract.namespace import NamespaceId
-from kvtierd.contract.paths import default_socket
+from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, NamespaceId, Sharding
 
 from ...select import COPIERS
+from ..common import read_settings, shorten
 from .identity import ModelIdentity
 
 
@@ -40,7 +41,7 @@ class KvtierSettings:
 
     socket: str                      # kvtierd's IPC socket
     namespace: str | None = None     # overrides the model part of the namespace
-    layout: str = "auto"             # auto: vLLM's replicated gate decides; sharded: never replicated
+    sharding: str = "auto"           # auto: vLLM's replicated gate decides; sharded: never replicated
     timeout_s: float = 5.0           # bound on one request to kvtierd
     retry_s: float = 10.0            # after kvtierd was unreachable, wait this long before reconnecting
     lookup_wait_ms: float = 10.0     # longest the scheduler waits for a batched lookup's answer
@@ -48,7 +49,7 @@ class KvtierSettings:
     copier: str = "auto"             # how the workers copy (kvtier.select.COPIERS: auto, cpu, cuda, torch)
     engine_id: str | None = None     # kvtier engine id; default vllm-<vLLM engine_id>
 
-    KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_layout": "layout",
+    KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_sharding": "sharding",
             "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_copier": "copier",
             "kvtier_engine_id": "engine_id", "kvtier_lookup_wait_ms": "lookup_wait_ms",
             "kvtier_lease_ttl_s": "lease_ttl_s"}
@@ -58,25 +59,9 @@ class KvtierSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "KvtierSettings":
         """Read and check the settings; a ``kvtier_*`` key that is not a setting is an error."""
-        unknown = sorted(k for k in extra if k.startswith("kvtier_") and k not in cls.KEYS)
-        if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config settings {unknown}; "
-                             f"kvtier's settings are {sorted(cls.KEYS)}")
-        values: dict[str, Any] = {attr: extra[key] for key, attr in cls.KEYS.items() if extra.get(key) is not None}
-        values.setdefault("socket", default_socket())
-        for name, (unit, zero_ok) in cls.NUMBERS.items():
-            if name in values:
-                try:
-                    values[name] = float(values[name])
-                except (TypeError, ValueError):
-                    raise ValueError(f"kvtier_{name} must be a number of {unit}, got {values[name]!r}") from None
-                if not (values[name] >= 0 if zero_ok else values[name] > 0):
-                    raise ValueError(f"kvtier_{name} must be {'>=' if zero_ok else '>'} 0, got {values[name]:g}")
-        for name in ("socket", "namespace", "layout", "copier", "engine_id"):
-            if name in values and not isinstance(values[name], str):
-                raise ValueError(f"kvtier_{name} must be a string, got {values[name]!r}")
-        if values.get("layout", "auto") not in ("auto", "sharded"):
-            raise ValueError(f"kvtier_layout must be 'auto' or 'sharded', got {values['layout']!r}")
+        values = read_settings(extra, cls.KEYS, cls.NUMBERS, where="kv_connector_extra_config")
+        if values.get("sharding", "auto") not in ("auto", "sharded"):
+            raise ValueError(f"kvtier_sharding must be 'auto' or 'sharded', got {values['sharding']!r}")
         if values.get("copier", "auto") not in COPIERS:
             raise ValueError(f"kvtier_copier must be one of {', '.join(COPIERS)}, got {values['copier']!r}")
         return cls(**values)
@@ -104,15 +89,7 @@ def kvtier_keys(keys: Iterable[bytes]) -> list[bytes]:
     return keys
 
 
-def _short(text: str, limit: int = P.MAX_STR_BYTES) -> str:
-    """``text`` if it fits a protocol string, else a prefix plus a hash of the whole (stays unique)."""
-    if len(text.encode()) <= limit:
-        return text
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return text.encode()[: limit - 17].decode(errors="ignore") + "~" + digest
-
-
-def namespace_layout(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None) -> NamespaceId:
+def namespace_id(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None) -> NamespaceId:
     """The kvtier namespace of an engine, from vLLM's offloading config and the model's identity.
 
     The model part is ``<name>@<fingerprint>|<vLLM KV-cache layout>``, or ``kvtier_namespace`` in
@@ -136,17 +113,18 @@ def namespace_layout(config: OffloadingConfig, settings: KvtierSettings, model: 
     tokens = {g.tokens_per_block for g in config.groups}
     if len(tokens) != 1:
         raise ValueError(f"KV-cache groups with different block sizes {sorted(tokens)} are not supported")
-    kind = "replicated" if config.replicated_layout and settings.layout == "auto" else "sharded"
+    replicated = config.replicated_layout and settings.sharding == "auto"
     tail = f"|{config.kv_cache_layout}" if config.kv_cache_layout else ""
     if settings.namespace:
         name = settings.namespace
     else:
         name, tail = model.name, f"@{model.fingerprint}{tail}"
-    return NamespaceId(model=_short(name, P.MAX_STR_BYTES - len(tail.encode())) + tail,
-                       dtype=_short(config.model.dtype, 32), block_tokens=tokens.pop(),
-                       block_bytes=config.worker_kv_bytes_per_block, sharding=kind)
+    return NamespaceId(model=shorten(name, MAX_MODEL_BYTES - len(tail.encode())) + tail,
+                       dtype=shorten(config.model.dtype, MAX_DTYPE_BYTES), block_tokens=tokens.pop(),
+                       block_bytes=config.worker_kv_bytes_per_block,
+                       sharding=Sharding.REPLICATED if replicated else Sharding.SHARDED)
 
 
 def kvtier_engine_id(config: OffloadingConfig, settings: KvtierSettings) -> str:
     """The engine id kvtierd sees for this vLLM engine: ``kvtier_engine_id``, else vllm-<engine_id>."""
-    return settings.engine_id or _short(f"vllm-{config.engine_id}")
+    return settings.engine_id or shorten(f"vllm-{config.engine_id}", P.MAX_STR_BYTES)

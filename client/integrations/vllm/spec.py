@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from . import identity
 from .manager import KvtierOffloadingManager
-from .settings import KvtierSettings, kvtier_engine_id, namespace_layout
+from .settings import KvtierSettings, kvtier_engine_id, namespace_id
 from .worker import KvtierOffloadingWorker
 
 logger = logging.getLogger("vllm.kvtier")
@@ -45,7 +45,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             _warn_plain_path()
             resolve = functools.partial(identity.from_offloading_config, config)
         self.model = None if self.settings.namespace else resolve()
-        self.layout = namespace_layout(config, self.settings, self.model)
+        self.namespace = namespace_id(config, self.settings, self.model)
         self.engine_id = kvtier_engine_id(config, self.settings)
         # Deliberately False even for the replicated namespace: see the package docstring.
         self.replicated_layout = False
@@ -55,13 +55,13 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = KvtierOffloadingManager(self.settings, self.engine_id, self.config.parallel.world_size,
-                                                    self.layout, num_groups=len(self.config.groups))
+                                                    self.namespace, num_groups=len(self.config.groups))
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             self._worker = KvtierOffloadingWorker(self.settings, self.engine_id, self.config.parallel.rank,
-                                                  self.config.parallel.world_size, self.layout, kv_caches,
+                                                  self.config.parallel.world_size, self.namespace, kv_caches,
                                                   reports_failures=self.reports_failures)
         return self._worker
 

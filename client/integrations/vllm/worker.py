@@ -109,15 +109,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
     - ``wait(jobs)``: blocks until those transfers' copies completed and were voted/released.
     """
 
-    def __init__(self, settings: KvtierSettings, engine_id: str, rank: int, world_size: int, layout: NamespaceId,
+    def __init__(self, settings: KvtierSettings, engine_id: str, rank: int, world_size: int, namespace: NamespaceId,
                  kv_caches: CanonicalKVCaches, connect: Callable[..., Client] = Client,
                  reports_failures: bool = False, clock: Callable[[], float] = time.monotonic):
-        self.layout = layout
+        self.namespace = namespace
         self.rank = rank
         self.reports_failures = reports_failures
-        self._views = block_views(kv_caches, layout.block_bytes)
+        self._views = block_views(kv_caches, namespace.block_bytes)
         self._connect = functools.partial(connect, settings.socket, engine_id=engine_id, rank=rank,
-                                          world_size=world_size, namespace=layout, copier=settings.copier,
+                                          world_size=world_size, namespace=namespace, copier=settings.copier,
                                           timeout=settings.timeout_s, reconnect_timeout=settings.timeout_s)
         self._retry_s = settings.retry_s
         self._clock = clock
@@ -146,7 +146,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._client = client
         logger.info("kvtier: rank %d of engine %s attached (%s, writer=%s, %d KV ranges, %d bytes/block)",
                     self.rank, self.engine_id, client.info.namespace, client.is_writer, len(self._views),
-                    self.layout.block_bytes)
+                    self.namespace.block_bytes)
 
     def _connected(self) -> Client | None:
         """The session, attaching if needed; None while kvtierd is treated as away."""
@@ -184,7 +184,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     continue
                 self._track(job_id, transfer, part.job, first)
                 if client.is_writer:
-                    transfer.nbytes += decision.written * self.layout.block_bytes
+                    transfer.nbytes += decision.written * self.namespace.block_bytes
         self._settle(job_id)
         return True
 
@@ -210,7 +210,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                         break
                     continue
                 self._track(job_id, transfer, part.job, first)
-                transfer.nbytes += hits * self.layout.block_bytes
+                transfer.nbytes += hits * self.namespace.block_bytes
                 if hits < len(part.keys):
                     self._fail(transfer, f"load job {part.job}: {hits} of {len(part.keys)} blocks were cached",
                                first + hits)
