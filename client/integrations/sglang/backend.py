@@ -35,9 +35,10 @@ across TP ranks), its io-aux thread reads the hit prefix in the same batches wit
 In between another engine may fill the region; so ``batch_exists`` leases its hits, and the read
 of exactly those pages names the lease, which its load job consumes: it loads them all. The
 lease id is derived from the keys (every TP rank of an engine leases and loads under the same
-id: the first load consumes it), and the read finds it by its keys (``_leased``: a bounded map).
-A read of other pages than were leased (ranks that disagreed on the hit count) is a plain load;
-a prefetch SGLang drops (below its threshold, out of host memory) leaves its lease to expire.
+id: the first load consumes it), and the read finds it by the hash of its keys (``_leased``: a
+bounded map). A read of other pages than were leased (ranks that disagreed on the hit count) is
+a plain load; a prefetch SGLang drops (below its threshold, out of host memory) leaves its lease
+to expire.
 
 Failure: kvtierd unreachable or restarting never raises into SGLang's threads. A request waits
 at most ``kvtier_timeout_s`` for its reply and the client re-attaches for at most as long again;
@@ -117,7 +118,7 @@ class KvtierStorage(HiCacheStorage):
         self._down_until = 0.0
         self._staging: torch.Tensor | None = None
         self._occurrences: OrderedDict = OrderedDict()
-        self._leased: OrderedDict = OrderedDict()   # leased keys (tuple) -> lease id, until read
+        self._leased: OrderedDict = OrderedDict()   # _lease_id(leased keys) -> lease id, until read
         self._leased_lock = threading.Lock()        # batch_exists and batch_get run on two threads
 
     # ------------------------------------------------------------------ attach
@@ -281,7 +282,7 @@ class KvtierStorage(HiCacheStorage):
                     break
             held = clients[1].lease_held(lease) if lease is not None else None
             if held is not None:
-                self._remember_lease(tuple(tkeys[:held.leased]), lease)
+                self._remember_lease(self._lease_id(tkeys[:held.leased]), lease)
         except KvtierError as exc:
             self._failed(exc, "lookup failed")
         finally:
@@ -295,17 +296,19 @@ class KvtierStorage(HiCacheStorage):
                                  digest_size=8).digest()
         return int.from_bytes(digest, "little") & P.MAX_LEASE_ID
 
-    def _remember_lease(self, keys: tuple, lease: int) -> None:
+    def _remember_lease(self, leased: int, lease: int) -> None:
+        """``lease`` holds the keys whose ``_lease_id`` is ``leased`` (all of its batch's, or a prefix)."""
         with self._leased_lock:
-            self._leased.pop(keys, None)
-            self._leased[keys] = lease
+            self._leased.pop(leased, None)
+            self._leased[leased] = lease
             if len(self._leased) > LEASE_MEMORY:
                 self._leased.popitem(last=False)
 
     def _lease_of(self, keys: List[bytes]) -> int | None:
         """The lease batch_exists took on exactly these keys (forgotten once asked)."""
+        leased = self._lease_id(keys)
         with self._leased_lock:
-            return self._leased.pop(tuple(keys), None)
+            return self._leased.pop(leased, None)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
