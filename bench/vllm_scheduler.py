@@ -17,9 +17,10 @@ the machine's load. Sections:
    "kvtier (no wait)" sends the same batch without waiting (``kvtier_lookup_wait_ms`` 0: RETRY,
    admitted a step later); "kvtier (public path)" is the RETRY collection vLLM's API offers
    without the private key positions (one batch per request sent at the end of the step, admitted
-   a step later). Reported: schedule() of the admitting step, the steps and the wall time from
-   ``add_request`` to admission, the time the scheduler waited for kvtierd, the lookups, the
-   kvtierd requests of the scheduler for the request.
+   a step later). "kvtier (no lease)" is "kvtier" with ``kvtier_lease_ttl_s`` 0: what holding the
+   hit until the load (a lease) costs the step. Reported: schedule() of the admitting step, the
+   steps and the wall time from ``add_request`` to admission, the time the scheduler waited for
+   kvtierd, the lookups, the kvtierd requests of the scheduler for the request.
 2. **waiting**: the same request while it waits for GPU blocks (a decoding request holds them):
    vLLM looks all 2,048 blocks up again every step. Reported: schedule() per step, lookups per
    step.
@@ -214,7 +215,8 @@ class Run:
         self.engines += 1
         if tier == "native":
             return Engine(self.model, "OffloadingConnector", NATIVE, f"native-{self.engines}", self.forward_s)
-        extra = {**self.kvtier, "kvtier_lookup_wait_ms": 0} if tier == "kvtier (no wait)" else self.kvtier
+        extra = {"kvtier (no wait)": {**self.kvtier, "kvtier_lookup_wait_ms": 0},
+                 "kvtier (no lease)": {**self.kvtier, "kvtier_lease_ttl_s": 0}}.get(tier, self.kvtier)
         engine = Engine(self.model, "KvtierOffloadingConnector", extra, f"kvtier-{self.engines}", self.forward_s)
         if tier == "kvtier (public path)":
             engine.manager.use_key_positions = False
@@ -372,7 +374,7 @@ def main() -> None:
     daemon = launcher.DaemonProcess(os.path.join(root, "d"), "--size", "256MiB", "--page-size", "4KiB", "--pin",
                                     "off", "--job-timeout", "30", "--metrics-address", "127.0.0.1:0")
     os.makedirs(daemon.dir)
-    tiers = ["native", "kvtier", "kvtier (no wait)", "kvtier (public path)"]
+    tiers = ["native", "kvtier", "kvtier (no lease)", "kvtier (no wait)", "kvtier (public path)"]
     out: dict = {"load_average_start": os.getloadavg()[0], "trials": args.trials}
     try:
         daemon.start(60)

@@ -12,10 +12,11 @@ from kvtierd.contract.namespace import NamespaceId, Sharding
 from kvtierd.contract.paths import default_socket
 from kvtierd.contract.protocol import ErrorCode, StoreOutcome
 
-from .api import Client, JobResult, StoreDecision
+from .api import Client, JobResult, Lease, StoreDecision
 
 __all__ = [
-    "Client", "NamespaceId", "JobResult", "StoreDecision", "StoreOutcome", "Sharding", "ErrorCode", "default_socket",
+    "Client", "NamespaceId", "JobResult", "Lease", "StoreDecision", "StoreOutcome", "Sharding", "ErrorCode",
+    "default_socket",
     "KvtierError", "DaemonUnavailable", "DaemonError", "BadRequest", "VersionMismatch", "NotAttached",
     "LayoutMismatch", "Conflict", "UnknownJob", "NoSpace", "JobTimeout", "ShuttingDown", "JobAborted",
     "LimitExceeded", "Forbidden", "InternalError",

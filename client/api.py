@@ -14,6 +14,12 @@ Rank usage::
     client.load(job2, keys[:hits], block_ids2)      # returns how many blocks will arrive
     for result in client.wait([job, job2]): ...     # or poll() from the engine's loop
 
+Leases (invariant 10): ``lookup(keys, lease=L)`` also holds the hits for the engine until a load
+names the lease (``load(..., lease=L)``, or the coordinator's ``open_load``), ``unlease([L])``,
+or the lease's ttl passes; ``lease_held(L)`` says how many it holds. A load of leased keys cannot
+come back short. Any session of the engine may consume the lease: a coordinator leases, its
+ranks' load job consumes.
+
 A store job finishes on this rank once its copy (if it is a writer) completed and its vote was
 accepted; a load job once its copy completed and its release was accepted. ``JobResult.ok`` is
 False when the daemon aborted the job (then loaded blocks must be treated as a miss).
@@ -23,11 +29,16 @@ or dropped a session that stopped heartbeating), the client re-attaches on its o
 rank and namespace; for up to ``reconnect_timeout`` seconds), remapping the region when its path
 or generation changed. Before it re-attaches it waits for every copy in flight, and its hello
 names the old session and token: that tells the daemon the pages it was handed are free again
-(the page fence, invariant 9). Jobs in flight across the restart finish with ``ok=False`` and a
-``DaemonUnavailable`` error (a miss for the engine); the call that discovered the restart is
-retried once on the new daemon, except commit/release, whose jobs died with the old one — so a
-client never commits into pages that were given to someone else meanwhile. ``poll`` and
-``wait`` report every job exactly once, whatever restart they find on the way. A session the
+(the page fence, invariant 9). Then it re-issues its live leases (leases are session state, lost
+with the daemon) and redoes its loads in flight (a load's first copy may have read pages the new
+daemon gave to someone else; READY blocks survive a restart, so the load job is opened again and
+the same blocks copied again: the engine sees latency only; if fewer blocks are cached now, the
+job finishes ``ok=False``). Stores in flight across the restart finish with ``ok=False`` and a
+``DaemonUnavailable`` error (not cached); the call that discovered the restart is retried once on
+the new daemon, except commit/release, whose jobs died with the old one — so a client never
+commits into pages that were given to someone else meanwhile (a load whose release found the
+restart is redone as above). ``poll`` and ``wait`` report every job exactly once, whatever
+restart they find on the way. A session the
 daemon cannot watch through a pidfd (another PID namespace) gets a heartbeat thread with its own
 socket.
 
@@ -42,6 +53,7 @@ then finds every page present.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -59,7 +71,7 @@ from kvtierd.contract.mapping import Mapping, Populate
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.paths import default_socket
 from kvtierd.contract.protocol import (HelloReply, JobsReply, LoadReply, LookupReply, StatsReply, StoreOutcome,
-                                      StoreReply)
+                                      StoreReply, UnleaseReply)
 from kvtierd.contract.region_format import HEADER_BYTES, DataHeader, FormatError, shard_checksum
 
 from .copy import Copier, CopyHandle
@@ -87,6 +99,18 @@ class JobResult:
     error: KvtierError | None = None
 
 
+@dataclass(frozen=True)
+class Lease:
+    """A lease this client holds (``Client.leases``): what its leasing lookup reported."""
+
+    id: int
+    keys: tuple               # the keys that lookup asked (a re-issue asks them again)
+    hits: int
+    leased: int               # the leading hits kvtierd holds (fewer than hits: its caps)
+    ttl: float                # seconds kvtierd granted
+    expires: float            # time.monotonic() by which it has lapsed (counted from the request)
+
+
 @dataclass
 class _Pending:
     kind: str
@@ -94,6 +118,8 @@ class _Pending:
     hits: int = 0
     vote: bool = True         # store: this rank must commit after the copy
     pages: np.ndarray | None = None   # store: [written keys, pages per shard] this rank copied into
+    keys: list | None = None          # load: its keys and GPU blocks, to redo it after a restart
+    block_ids: np.ndarray | None = None
     result: JobResult | None = field(default=None)
 
 
@@ -148,7 +174,7 @@ class _PopulateLog:
 SECRET_ENV = "KVTIER_ENGINE_SECRET"      # the engine secret when Client(engine_secret=) is not given
 
 # Ops that may be sent again after re-attaching: they do not refer to a job of the old daemon.
-_RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort"})
+_RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort", "unlease"})
 
 
 class Client:
@@ -187,6 +213,9 @@ class Client:
         # Results settled outside the call that returns them: jobs in flight across a restart, and
         # jobs a wait() finished before it timed out on another. poll()/wait() hand them out once.
         self._settled: list[JobResult] = []
+        self._leases: dict[int, Lease] = {}
+        self._prune_at = 1024                     # lease records kept before lapsed ones are dropped
+        self.attachments = 0                      # successful hellos so far (a restart makes it move)
         self._attach()
 
     # ------------------------------------------------------------------ setup
@@ -212,6 +241,7 @@ class Client:
             channel.close()
             raise
         self.channel, self.info = channel, info
+        self.attachments += 1
         self.session = info.session
         self.page_size = info.page_size
         self.pages_per_shard = info.pages_per_shard
@@ -231,11 +261,14 @@ class Client:
             self._heartbeat = _Heartbeat(self.socket_path, info.session, info.token, info.heartbeat_interval)
             self._heartbeat.start()
 
-    def _reattach(self, cause: KvtierError) -> None:
-        """The daemon restarted or dropped us: settle in-flight jobs as lost, attach again."""
+    def _reattach(self, cause: KvtierError, patience: float | None = None) -> None:
+        """The daemon restarted or dropped us: wait for the copies in flight, attach again (for
+        ``patience`` seconds, default reconnect_timeout; 0: one attempt), re-issue the live
+        leases, redo the loads in flight; stores in flight are settled as lost."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        redo = []
         for job, p in list(self._pending.items()):
             try:
                 # The copy must be over before the region may be remapped, and before the hello
@@ -243,22 +276,82 @@ class Client:
                 p.handle.wait()
             except Exception:
                 pass
-            self._settled.append(JobResult(job, p.kind, False, 0, DaemonUnavailable(
-                f"kvtierd restarted or dropped the session while job {job} was in flight ({cause})")))
+            if p.kind == "load" and p.handle.error() is None:
+                redo.append((job, p))
+            else:
+                self._settled.append(self._lost(job, p.kind, cause))
         self._pending.clear()
         self.channel.close()
-        deadline = time.monotonic() + self.reconnect_timeout
+        patience = self.reconnect_timeout if patience is None else patience
+        deadline = time.monotonic() + patience
         delay = 0.05
         while True:
             try:
                 self._attach()
-                return
+                break
             except (DaemonUnavailable, NotAttached, ShuttingDown) as exc:   # a stopping daemon: the next one
                 if time.monotonic() + delay > deadline:
-                    raise DaemonUnavailable(f"kvtierd did not come back within {self.reconnect_timeout:g}s: "
-                                            f"{exc}") from None
+                    self._settled.extend(self._lost(job, "load", cause) for job, _ in redo)
+                    raise DaemonUnavailable(f"kvtierd did not come back within {patience:g}s: {exc}") from None
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
+        self._reissue_leases()
+        for job, p in redo:
+            if not self._redo_load(job, p):
+                self._settled.append(self._lost(job, "load", cause))
+
+    @staticmethod
+    def _lost(job: int, kind: str, cause: KvtierError) -> JobResult:
+        return JobResult(job, kind, False, 0, DaemonUnavailable(
+            f"kvtierd restarted or dropped the session while job {job} was in flight ({cause})"))
+
+    def _reissue_leases(self) -> None:
+        """After re-attaching: lease again, for what is left of their ttl, the leases the old
+        session held (kvtierd lost them with it). A lease that now holds fewer keys says so."""
+        now = time.monotonic()
+        leases, self._leases = self._leases, {}
+        for lease in leases.values():
+            left = lease.expires - now
+            if left <= 0:
+                continue
+            try:
+                self._lookup_leased(lease.keys, lease.id, left, self.channel.call)
+            except KvtierError as exc:      # kvtierd went again: the next call finds out
+                log.info("kvtier: re-issuing lease %d after re-attaching failed: %s", lease.id, exc)
+                return
+
+    def _redo_load(self, job: int, p: _Pending) -> bool:
+        """Open load ``job`` again on the daemon we re-attached to and copy its blocks again
+        (the first copy may have read pages the new daemon gave to another entry). False when
+        kvtierd refuses it or holds fewer of its blocks now."""
+        try:
+            reply = LoadReply.from_wire(self.channel.call("load", job=job, keys=p.keys))
+        except KvtierError as exc:
+            log.info("kvtier: load job %d could not be redone after re-attaching: %s", job, exc)
+            return False
+        try:
+            if reply.hits < p.hits:
+                raise KvtierError(f"{reply.hits} of its {p.hits} blocks are cached now")
+            pages = np.frombuffer(reply.pages, dtype=P.PAGES_DTYPE).reshape(reply.hits, self.pages_per_shard)
+            desc = self.kv.descriptors(p.block_ids[:p.hits], pages[:p.hits], self.region_data, to_region=False)
+            handle = self.copier.submit(desc)
+        except Exception as exc:
+            log.info("kvtier: load job %d not redone after re-attaching: %s", job, exc)
+            try:
+                self.channel.call("release", job=job)
+            except KvtierError:
+                pass
+            return False
+        self._pending[job] = dataclasses.replace(p, handle=handle)
+        log.info("kvtier: load job %d redone after re-attaching (%d blocks)", job, p.hits)
+        return True
+
+    def reconnect(self) -> None:
+        """Attach again now, one attempt, after kvtierd restarted or dropped this session (as
+        any call does on its own, with retries for ``reconnect_timeout``): for a caller that
+        watches the connection and paces its attempts itself. Re-issues the live leases.
+        Raises DaemonUnavailable when kvtierd does not answer."""
+        self._reattach(DaemonUnavailable("reconnect"), patience=0.0)
 
     def _call(self, op: str, **fields) -> dict:
         """One request; after a restart (no answer, or session unknown), re-attach and retry once."""
@@ -359,9 +452,64 @@ class Client:
         return self.kv
 
     # ------------------------------------------------------------------ queries
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are cached and ready (they count as recently used)."""
-        return LookupReply.from_wire(self._call("lookup", keys=list(keys))).hits
+    def lookup(self, keys: Sequence[bytes], lease: int | None = None, ttl: float | None = None) -> int:
+        """How many leading keys are cached and ready (they count as recently used).
+
+        ``lease``: an id of your choice, unique among the engine's live leases. kvtierd then also
+        holds those hits for the engine: no eviction takes them until a load names the lease
+        (``load``/``open_load`` of any session of the engine), ``unlease``, or ``ttl`` seconds
+        pass (kvtierd clamps it to [10 ms, its max_lease_ttl]; None: its lease_ttl). The same id
+        again renews it (replaces it at once). ``lease_held(lease)`` says how many hits it holds
+        (fewer past kvtierd's caps) and until when. A lease belongs to this session: it ends with
+        it, and after a daemon restart this client leases again what is left of it."""
+        if lease is None:
+            return LookupReply.from_wire(self._call("lookup", keys=list(keys))).hits
+        return self._lookup_leased(tuple(keys), lease, ttl, self._call)
+
+    def _lookup_leased(self, keys: tuple, lease: int, ttl: float | None, call) -> int:
+        fields: dict = {"keys": list(keys), "lease": lease}
+        if ttl is not None:
+            fields["ttl_ms"] = max(0, round(ttl * 1000))
+        sent = time.monotonic()
+        reply = LookupReply.from_wire(call("lookup", **fields))
+        self._leases.pop(lease, None)
+        if reply.lease is not None:
+            self._leases[lease] = Lease(lease, keys, reply.hits, reply.leased, reply.ttl_ms / 1000,
+                                        sent + reply.ttl_ms / 1000)
+            if len(self._leases) > self._prune_at:    # leases another session consumed linger until they lapse
+                self._drop_lapsed()
+                self._prune_at = max(1024, 2 * len(self._leases))
+        return reply.hits
+
+    def _drop_lapsed(self) -> None:
+        now = time.monotonic()
+        for lease_id in [i for i, lease in self._leases.items() if lease.expires <= now]:
+            del self._leases[lease_id]
+
+    def lease_held(self, lease: int) -> Lease | None:
+        """The lease of this id this client holds, unless it lapsed (what its lookup reported)."""
+        held = self._leases.get(lease)
+        return held if held is not None and held.expires > time.monotonic() else None
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        """The leases this client holds and that have not lapsed, by id. (A lease another session
+        of the engine consumed, e.g. the ranks' load of a coordinator's lease, stays listed until
+        it lapses: the client cannot know.)"""
+        self._drop_lapsed()
+        return dict(self._leases)
+
+    def unlease(self, leases: Iterable[int]) -> int:
+        """End these leases of the engine (ids that name none are ignored); returns how many
+        were live in kvtierd."""
+        ids = list(dict.fromkeys(leases))
+        for lease_id in ids:
+            self._leases.pop(lease_id, None)
+        released = 0
+        for begin in range(0, len(ids), P.MAX_LEASES_PER_UNLEASE):
+            chunk = ids[begin:begin + P.MAX_LEASES_PER_UNLEASE]
+            released += UnleaseReply.from_wire(self._call("unlease", leases=chunk)).released
+        return released
 
     def stats(self) -> StatsReply:
         return StatsReply.from_wire(self._call("stats"))
@@ -385,9 +533,18 @@ class Client:
         reply = StoreReply.from_wire(self._call("store", job=job, keys=list(keys), **hints))
         return StoreDecision([StoreOutcome(o) for o in reply.outcomes])
 
-    def open_load(self, job: int, keys: Sequence[bytes]) -> int:
-        """Coordinator: pin the cached prefix of ``keys`` for a load job; returns its length."""
-        return LoadReply.from_wire(self._call("load", job=job, keys=list(keys))).hits
+    def open_load(self, job: int, keys: Sequence[bytes], lease: int | None = None) -> int:
+        """Coordinator: pin the cached prefix of ``keys`` for a load job; returns its length.
+        ``lease``: as for ``load``."""
+        return LoadReply.from_wire(self._call("load", job=job, keys=list(keys), **self._consume(lease))).hits
+
+    def _consume(self, lease: int | None) -> dict:
+        """A load's lease field: the job's first request consumes the lease, whichever session
+        sends it, so this client no longer holds it either way."""
+        if lease is None:
+            return {}
+        self._leases.pop(lease, None)
+        return {"lease": lease}
 
     def store(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int], chain: bool = True,
               cold_tail: int = 0) -> StoreDecision:
@@ -421,24 +578,31 @@ class Client:
         self._pending[job] = _Pending("store", handle, pages=pages)
         return StoreDecision(outcomes)
 
-    def load(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+    def load(self, job: int, keys: Sequence[bytes], block_ids: Sequence[int], lease: int | None = None) -> int:
         """Load the cached prefix of ``keys`` into KV-cache blocks ``block_ids`` (same order).
-        Returns how many blocks will arrive; they are in place once the job finished ok."""
+        Returns how many blocks will arrive; they are in place once the job finished ok.
+
+        ``lease``: a lease of the engine (``lookup``), which the job's first request consumes:
+        the leased keys become the job's pins with no moment in between, so if every key is
+        leased none is missing. A lease that is no longer live (expired, revoked, lost with a
+        restart) is no error: the load pins what is still cached."""
         kv = self._need_kv()
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
         if job in self._pending:
             raise KvtierError(f"job {job} is still in flight on this rank")
-        reply = LoadReply.from_wire(self._call("load", job=job, keys=list(keys)))
+        keys = list(keys)
+        reply = LoadReply.from_wire(self._call("load", job=job, keys=keys, **self._consume(lease)))
         hits = reply.hits
         pages = np.frombuffer(reply.pages, dtype=P.PAGES_DTYPE).reshape(hits, self.pages_per_shard)
+        block_ids = np.asarray(block_ids)
         try:
-            desc = kv.descriptors(np.asarray(block_ids)[:hits], pages, self.region_data, to_region=False)
+            desc = kv.descriptors(block_ids[:hits], pages, self.region_data, to_region=False)
             handle = self.copier.submit(desc)
         except BaseException:
             self._call_quietly("release", job=job)
             raise
-        self._pending[job] = _Pending("load", handle, hits=hits)
+        self._pending[job] = _Pending("load", handle, hits=hits, keys=keys, block_ids=block_ids)
         return hits
 
     def abort(self, job: int) -> None:
@@ -450,9 +614,11 @@ class Client:
         except KvtierError:
             pass
 
-    def _finish(self, job: int, p: _Pending) -> JobResult:
-        """The copy completed: vote or release, and turn the daemon's answer into a result."""
+    def _finish(self, job: int, p: _Pending) -> JobResult | None:
+        """The copy completed: vote or release, and turn the daemon's answer into a result.
+        None: the release found a daemon restart and the load was redone (still in flight)."""
         failure = p.handle.error()
+        attachments = self.attachments
         try:
             if p.kind == "store":
                 if p.vote and failure is None and self.info.checksums:
@@ -464,6 +630,9 @@ class Client:
             else:
                 self._call("release", job=job)
         except KvtierError as exc:        # an error reply, or no reply at all (DaemonUnavailable)
+            if (p.kind == "load" and failure is None and self.attachments != attachments
+                    and self.channel is not None and self._redo_load(job, p)):
+                return None               # re-attached meanwhile: the load was opened again
             return JobResult(job, p.kind, False, 0, exc)
         if failure is not None:
             return JobResult(job, p.kind, False, 0, KvtierError(f"copy failed: {failure!r}"))
@@ -480,12 +649,14 @@ class Client:
         """Jobs of this rank that finished since the last poll (their copies completed), each once.
 
         Finishing one job may find a daemon restart; the jobs still pending then are settled as
-        lost and returned by this same call."""
+        lost (stores) or redone (loads) and reported by this call or a later one."""
         done = []
         for job, p in list(self._pending.items()):
             if self._pending.get(job) is p and p.handle.done():   # not settled by a re-attach meanwhile
                 del self._pending[job]
-                done.append(self._finish(job, p))
+                result = self._finish(job, p)
+                if result is not None:
+                    done.append(result)
         return done + list(self._take_settled().values())
 
     def wait(self, jobs: Iterable[int], timeout: float | None = None) -> list[JobResult]:
@@ -500,19 +671,19 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         results: dict[int, JobResult] = {}
         for job in wanted:
-            p = self._pending.get(job)
-            if p is None:      # settled already (a restart, maybe found while finishing an earlier one)
-                continue
-            try:
-                p.handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                self._settled.extend(results.values())
-                raise
-            except Exception:
-                pass                          # a failed copy: _finish votes no and reports it
-            if self._pending.get(job) is p:
-                del self._pending[job]
-                results[job] = self._finish(job, p)
+            while (p := self._pending.get(job)) is not None:   # a redone load is in flight again
+                try:
+                    p.handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    self._settled.extend(results.values())
+                    raise
+                except Exception:
+                    pass                          # a failed copy: _finish votes no and reports it
+                if self._pending.get(job) is p:
+                    del self._pending[job]
+                    result = self._finish(job, p)
+                    if result is not None:
+                        results[job] = result
         results.update(self._take_settled(wanted))
         return [results[job] for job in wanted]
 

@@ -189,7 +189,17 @@ def fetch_evict(args: argparse.Namespace) -> dict:
 def fetch_clear(args: argparse.Namespace) -> dict:
     if args.namespace is None and not args.all:
         raise SystemExit("kvtierctl: clear needs --namespace NAME, or --all to clear every namespace")
-    return _call(_paths(args)[1], args.timeout, "clear", namespace=args.namespace)
+    return _call(_paths(args)[1], args.timeout, "clear", namespace=args.namespace, force=args.force)
+
+
+def format_eviction(data: dict, args: argparse.Namespace) -> str:
+    text = f"evicted {data['evicted']} entries"
+    if data["revoked_leases"]:
+        text += f"; revoked {data['revoked_leases']} leases first (their loads come back short)"
+    if data["skipped_leased"]:
+        text += (f"; skipped {data['skipped_leased']} leased entries (engines looked them up and will load them; "
+                 "they stay until loaded, released or expired: clear --force revokes the leases)")
+    return text + ("; pinned and in-flight ones stay" if args.command == "clear" else "")
 
 
 # --- formatters ---------------------------------------------------------------------------------
@@ -256,15 +266,20 @@ COMMANDS: dict[str, tuple] = {
               fetch_check, format_check, lambda d: 0 if d["ok"] else 1),
     "clients": ("attached sessions (admin socket)", None, fetch_clients,
                 lambda d, a: _table(d["clients"], ["session", "engine", "role", "pid", "world_size", "watched",
-                                                   "namespace"]), None),
-    "evict": ("evict entries, the eviction policy's first victims first (admin socket)",
+                                                   "leases", "leased_keys", "namespace"]), None),
+    "evict": ("evict entries, the eviction policy's first victims first; leased, pinned and in-flight ones stay "
+              "(admin socket)",
               lambda p: (p.add_argument("--count", type=int, required=True, help="how many entries"),
                          p.add_argument("--namespace", help="only from this namespace")),
-              fetch_evict, lambda d, a: f"evicted {d['evicted']} entries", None),
-    "clear": ("evict every evictable entry of a namespace, or of all (admin socket)",
+              fetch_evict, format_eviction, None),
+    "clear": ("evict every evictable entry of a namespace, or of all; leased, pinned and in-flight ones stay "
+              "(admin socket)",
               lambda p: (p.add_argument("--namespace", help="the namespace to clear"),
-                         p.add_argument("--all", action="store_true", help="clear every namespace")),
-              fetch_clear, lambda d, a: f"evicted {d['evicted']} entries (pinned and in-flight ones stay)", None),
+                         p.add_argument("--all", action="store_true", help="clear every namespace"),
+                         p.add_argument("--force", action="store_true",
+                                        help="revoke the leases in it first, so that leased entries go too (loads "
+                                             "that counted on them come back short and are recomputed)")),
+              fetch_clear, format_eviction, None),
     "bench": ("benchmark kvtierd against this machine's floors and Redis, each figure a ratio measured in the "
               "same run (starts its own daemons; docs/benchmarks.md)",
               lambda p: _bench().add_arguments(p), lambda a: _bench().fetch(a),

@@ -150,6 +150,16 @@ SETTINGS: tuple[Setting, ...] = (
             "namespace) was copying into stay fenced after it was last seen, when it neither re-attaches nor is "
             "proven dead. A writer the daemon can watch keeps its pages for as long as it lives. Lower values "
             "free pages sooner and widen the residual risk (docs/reliability.md).", lo=1, hi=86400 * 7),
+    Setting("lease_ttl", "float", "5", "Seconds a lookup's lease holds its hits for the engine when the client "
+            "names no ttl (a lease ends earlier when a load consumes it or the engine releases it). Leased "
+            "entries cannot be evicted: longer leases make loads safer and leave less room.", lo=0.01, hi=3600),
+    Setting("max_lease_ttl", "float", "60", "The longest lease a client may ask for, in seconds (longer asks are "
+            "cut to it; the shortest is 10 ms).", lo=0.01, hi=86400),
+    Setting("max_leased_keys_per_engine", "int", "262144", "Entries one engine's leases may hold, counted per "
+            "lease, plus one per lease; a lookup past it leases the prefix that fits (its reply says how many). "
+            "Bounds the capacity one engine can keep from eviction.", lo=1, hi=1 << 30),
+    Setting("max_leased_keys", "int", "1048576", "Entries the leases of all engines may hold together (as "
+            "max_leased_keys_per_engine counts them).", lo=1, hi=1 << 32),
     Setting("checksums", "bool", "false", "Writers hash each block (xxh64) after copying; the hash is kept in the "
             "entry table and verified when a restarted daemon recovers the region and by kvtierctl check "
             "--checksums. Turned on, a restart drops the entries stored while it was off.", ),

@@ -100,7 +100,10 @@ class Daemon:
         try:
             self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
                                fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
-                               max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones)
+                               max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
+                               lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
+                               max_leased_keys_per_engine=c.max_leased_keys_per_engine,
+                               max_leased_keys=c.max_leased_keys)
             # The recovered index (up to millions of entries) lives as long as the daemon: keep it
             # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
             gc.freeze()

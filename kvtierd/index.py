@@ -3,13 +3,16 @@ the access clock, and recovery from the region's tables. No sockets, no threads,
 
 An entry is one cached block of one namespace. It is WRITING from the moment a store job is
 given its pages until every rank of the job has voted (``make_ready``), then READY: visible to
-lookup and load, and evictable unless a load pins it. Its record in the region's entry table
-mirrors it; READY is the last byte written there, FREE the first (invariant 1: a restarted
-daemon never takes a half-written record for a ready one).
+lookup and load, and evictable unless a load pins it or a lease holds it (``kvtierd.leases``).
+Its record in the region's entry table mirrors it; READY is the last byte written there, FREE
+the first (invariant 1: a restarted daemon never takes a half-written record for a ready one).
 
-Eviction: the policy (``kvtierd.policy``) holds exactly the READY, unpinned entries and chooses
-among them, across all namespaces; the index frees what it chooses (invariant 2: WRITING and
-pinned entries are never in the policy, so they are never chosen).
+Eviction: the policy (``kvtierd.policy``) holds exactly the READY entries that no load pins and
+no lease holds, and chooses among them, across all namespaces; the index frees what it chooses
+(invariants 2 and 10: WRITING, pinned and leased entries are never in the policy, so they are
+never chosen). Pins and leases are two counts per entry slot (NumPy arrays, so that a job's or a
+lease's thousands of entries are held in a few passes); an entry leaves the policy's set when the
+first hold of either kind comes and re-enters it when the last one goes (``pinned``/``unpinned``).
 
 A page is free, held by an entry, or fenced (``kvtierd.fence``): held by no entry, but kept from
 everyone until the writer that was handed it is proven unable to write. Recovery asks the fence
@@ -48,6 +51,10 @@ _STATE = attrgetter("state")
 _PAGES = attrgetter("pages")
 
 
+def _slots(entries: list) -> np.ndarray:
+    return np.fromiter(map(_SLOT, entries), np.intp, len(entries))
+
+
 class _Absent:
     """Stands in for a key the index does not hold, so that a state can be read for every key."""
     state = EntryState.FREE
@@ -62,7 +69,7 @@ COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "store_written_keys", "store_
 
 
 class Entry:
-    __slots__ = ("slot", "ns", "key", "state", "pages", "pins", "job")
+    __slots__ = ("slot", "ns", "key", "state", "pages", "job")
 
     def __init__(self, slot: int, ns: "Namespace", key: bytes, state: EntryState, pages: bytes, job=None):
         self.slot = slot
@@ -70,7 +77,6 @@ class Entry:
         self.key = key
         self.state = state
         self.pages = pages      # the whole chain, PAGES_DTYPE bytes (sent to clients as slices)
-        self.pins = 0           # load jobs holding this entry
         self.job = job          # the store job writing it (WRITING only)
 
 
@@ -122,7 +128,12 @@ class Index:
         self.ns_by_slot: dict[int, Namespace] = {}
         self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
         self.entry_count = {EntryState.WRITING: 0, EntryState.READY: 0}
+        # What holds each slot's entry out of the policy: load jobs (pins) and leases, counted per
+        # slot so that a job's or a lease's thousands of entries are held in a few NumPy passes.
+        self._pins = np.zeros(self.geometry.entry_slots, np.uint32)
+        self._leases = np.zeros(self.geometry.entry_slots, np.uint32)
         self.pinned_entries = 0
+        self.leased_entries = 0
         self.checksums = verify_checksums         # entries carry data checksums (their namespaces' flag)
         self.tick = 0                             # the access clock (recovery orders by it)
         self.counters: Counter = Counter()
@@ -242,13 +253,13 @@ class Index:
                  "entry_pages": ns.entry_pages} for ns in self.namespaces.values()]
 
     # ------------------------------------------------------------------ lookup and access
-    def lookup(self, ns: Namespace, keys: list[bytes]) -> int:
-        """How many leading keys are READY; accesses them (they are about to be used)."""
+    def lookup(self, ns: Namespace, keys: list[bytes]) -> list[Entry]:
+        """The entries of the leading keys that are READY, counted as looked up. The caller
+        accesses them (they are about to be used), or leases them (``lease``)."""
         hits = self.ready_prefix(ns, keys)
-        self.access(hits)
         self.counters["lookup_hit_keys"] += len(hits)
         self.counters["lookup_miss_keys"] += len(keys) - len(hits)
-        return len(hits)
+        return hits
 
     @staticmethod
     def ready_prefix(ns: Namespace, keys: list[bytes]) -> list[Entry]:
@@ -265,31 +276,55 @@ class Index:
             self.policy.accessed(slots)
             self.stamp(slots)
 
-    def stamp(self, slots: list[int]) -> None:
+    def stamp(self, slots: list[int] | np.ndarray) -> None:
         """A new access tick for these entries in the table (recovery rebuilds the policy's order from it)."""
         self.tick += 1
-        self._ticks[np.fromiter(slots, np.intp, len(slots))] = self.tick
+        self._ticks[slots if isinstance(slots, np.ndarray) else np.fromiter(slots, np.intp, len(slots))] = self.tick
 
     def pin(self, entries: list[Entry]) -> None:
-        """A load holds the entries: the newly pinned leave the policy; all get a new tick."""
-        pinned = []
-        for entry in entries:
-            entry.pins += 1
-            if entry.pins == 1:
-                pinned.append(entry.slot)
-        self.policy.pinned(pinned)
-        self.pinned_entries += len(pinned)
-        if entries:            # pinned: out of the policy until released; only the tick moves
-            self.stamp(list(map(_SLOT, entries)))
+        """A load holds the (distinct) entries: those held by nothing else leave the policy; all
+        get a new tick."""
+        slots = _slots(entries)
+        self.pinned_entries += self._hold(self._pins, self._leases, slots)
+        if len(slots):         # pinned: out of the policy until released; only the tick moves
+            self.stamp(slots)
 
     def unpin(self, entries: list[Entry]) -> None:
-        unpinned = []
-        for entry in entries:
-            entry.pins -= 1
-            if entry.pins == 0:
-                unpinned.append(entry.slot)
-        self.pinned_entries -= len(unpinned)
-        self.policy.unpinned(unpinned)
+        self.pinned_entries -= self._let_go(self._pins, self._leases, _slots(entries))
+
+    def lease(self, entries: list[Entry]) -> None:
+        """A lease holds the (distinct, READY) entries: those held by nothing else leave the
+        policy, as a pin's do; all get a new tick (just looked up: they are not accessed in the
+        policy first, since they leave it)."""
+        slots = _slots(entries)
+        self.leased_entries += self._hold(self._leases, self._pins, slots)
+        if len(slots):
+            self.stamp(slots)
+
+    def unlease(self, entries: list[Entry]) -> None:
+        self.leased_entries -= self._let_go(self._leases, self._pins, _slots(entries))
+
+    def _hold(self, mine: np.ndarray, other: np.ndarray, slots: np.ndarray) -> int:
+        """One more hold of one kind (``mine``, beside the ``other`` kind) on each slot: those
+        held by nothing before leave the policy. Returns how many had no hold of this kind."""
+        before = mine[slots]
+        mine[slots] = before + 1
+        fresh = slots[before == 0]
+        self.policy.pinned(fresh[other[fresh] == 0].tolist())
+        return len(fresh)
+
+    def _let_go(self, mine: np.ndarray, other: np.ndarray, slots: np.ndarray) -> int:
+        """One hold of this kind less on each slot: those held by nothing now re-enter the policy.
+        Returns how many have no hold of this kind left."""
+        after = mine[slots] - 1
+        mine[slots] = after
+        gone = slots[after == 0]
+        self.policy.unpinned(gone[other[gone] == 0].tolist())
+        return len(gone)
+
+    def holds(self, slot: int) -> tuple[int, int]:
+        """(load pins, leases) holding the entry of ``slot``."""
+        return int(self._pins[slot]), int(self._leases[slot])
 
     # ------------------------------------------------------------------ store decisions
     def decide_store(self, ns: Namespace, keys: list[bytes], job: Any) -> tuple[list[StoreOutcome], list[Entry]]:
@@ -386,7 +421,7 @@ class Index:
     # ------------------------------------------------------------------ eviction and freeing
     def evict(self, namespace: str | None, count: int | None) -> int:
         """Operator eviction: up to ``count`` (None: all) of the policy's victims in the namespace
-        named ``namespace`` (None: any). Pinned and WRITING entries stay."""
+        named ``namespace`` (None: any). Pinned, leased and WRITING entries stay."""
         if namespace is not None and not any(ns.id.name() == namespace for ns in self.namespaces.values()):
             raise RequestError(ErrorCode.BAD_REQUEST, f"no namespace {namespace!r}; kvtierctl namespaces lists them")
         victims = [self.by_slot[slot] for slot in self.policy.victims()
@@ -436,6 +471,7 @@ class Index:
             "entries_ready": self.entry_count[EntryState.READY],
             "entries_writing": self.entry_count[EntryState.WRITING],
             "entries_pinned": self.pinned_entries,
+            "entries_leased": self.leased_entries,
             "evictable": len(self.policy),
             "namespaces": len(self.namespaces),
             **self.policy_stats(),
@@ -451,7 +487,7 @@ class Index:
         """Check the index against itself and the entry table (tests, ``Store.verify``): every
         page is exactly one of free, held by one live entry, or parked by the fence; every slot
         is free or holds one entry; the policy holds exactly the READY unpinned entries; the
-        table's records match the index."""
+        table's records match the index. (The lease counts are ``Leases.verify``'s.)"""
         owner = np.full(self.geometry.num_pages, -1, dtype=np.int64)
         free = self.pages.free_ids()
         assert len(np.unique(free)) == len(free), "a page is free twice"
@@ -476,11 +512,17 @@ class Index:
                 rec = table[entry.slot]
                 assert int(rec["state"]) == entry.state and bytes(rec["key"][: rec["key_len"]]) == key
                 assert np.array_equal(self.view.chain_of(entry.slot), pages)
-                evictable = entry.state is EntryState.READY and entry.pins == 0
-                assert (entry.slot in self.policy) == evictable, f"entry {entry.slot} policy membership"
+                held = self._pins[entry.slot] or self._leases[entry.slot]
+                assert (entry.slot in self.policy) == (entry.state is EntryState.READY and not held), \
+                    f"entry {entry.slot} policy membership"
+                assert entry.state is EntryState.READY or not held, f"entry {entry.slot} held"
         assert (owner != -1).all(), f"{int((owner == -1).sum())} pages leaked"
-        assert len(self.policy) == sum(1 for e in self.by_slot if e is not None
-                                       and e.state is EntryState.READY and e.pins == 0)
+        free = np.asarray(free_slots, np.intp)
+        assert not self._pins[free].any() and not self._leases[free].any(), "a free slot is held"
+        assert len(self.policy) == sum(1 for e in self.by_slot if e is not None and e.state is EntryState.READY
+                                       and not self._pins[e.slot] and not self._leases[e.slot])
+        assert self.pinned_entries == int(np.count_nonzero(self._pins))
+        assert self.leased_entries == int(np.count_nonzero(self._leases))
 
     def persist_tick(self) -> None:
         """Write the access clock to the header (a clean stop)."""

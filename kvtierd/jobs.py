@@ -11,7 +11,9 @@ A non-writer's store request is its vote; a writer votes with ``commit`` after i
 When all world_size ranks voted, the job's entries become READY (invariant 5).
 
 Load job: the leading READY keys are the hits; they are pinned (not evictable) until every rank
-released the job, then unpinned (invariant 2).
+released the job, then unpinned (invariant 2). A load job may name a lease of its engine
+(``kvtierd.leases``): its first request pins the hits, then ends the lease (consumed), so the
+leased entries are never evictable in between and a load of leased keys is never short.
 
 The page fence (``kvtierd.fence``, invariant 9): the pages a writer is handed are fenced for it
 before the reply carries them, and settled when its commit is accepted. Abort (failed vote,
@@ -41,6 +43,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -50,6 +53,9 @@ from .fence import Fence
 from .histogram import Histogram
 from .index import Index, Namespace
 from .sessions import Session, SessionEnd
+
+if TYPE_CHECKING:
+    from .leases import Leases
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +118,12 @@ class Job:
 
 
 class Jobs:
-    def __init__(self, index: Index, fence: Fence, job_timeout: float = 30.0, clock=time.monotonic,
+    def __init__(self, index: Index, fence: Fence, leases: "Leases", job_timeout: float = 30.0, clock=time.monotonic,
                  checksums: bool = False, max_job_keys: int = 1 << 20, max_job_keys_per_engine: int = 1 << 18,
                  max_tombstones: int = 1 << 17):
         self.index = index
         self.fence = fence
+        self.leases = leases
         self.job_timeout = job_timeout
         self.clock = clock
         self.checksums = checksums        # keep writers' checksums of their shards
@@ -292,16 +299,20 @@ class Jobs:
         self._finish(job, JobState.DONE)
 
     # ------------------------------------------------------------------ load
-    def load(self, session: Session, job_id: int, keys: list[bytes]) -> tuple[int, list[bytes]]:
+    def load(self, session: Session, job_id: int, keys: list[bytes], lease: int | None = None
+             ) -> tuple[int, list[bytes]]:
         """Open or join a load job. Returns (hits, this rank's pages per hit key).
 
         The first request pins the READY prefix of ``keys``; they stay pinned until every rank
-        released the job (or it is aborted).
+        released the job (or it is aborted). It also consumes ``lease``, after pinning (later
+        requests of the job ignore it).
         """
         job, new = self._job(session, job_id, JobKind.LOAD, keys)
         if new:
             job.entries = self.index.ready_prefix(job.engine.ns, keys)
             self.index.pin(job.entries)
+            if lease is not None:
+                self.leases.consume(job.engine, lease)
             self.counters["load_hit_keys"] += len(job.entries)
             self.counters["load_miss_keys"] += len(keys) - len(job.entries)
         hits = len(job.entries)

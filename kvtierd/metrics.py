@@ -85,8 +85,22 @@ class DaemonCollector:
                     "fenced after it was last seen.", s.fence_grace_seconds)
         yield gauge("writer_rows", "Rows of the region's writer table in use (writers attached, or gone with pages "
                     "fenced).", s.writer_rows)
-        yield labelled(GaugeMetricFamily, "entries", "Entries by state (pinned: READY and held by a load).",
-                       "state", {"ready": s.entries_ready, "writing": s.entries_writing, "pinned": s.entries_pinned})
+        yield labelled(GaugeMetricFamily, "entries", "Entries by state (pinned: READY and held by a load; leased: "
+                       "READY and held by a lease; an entry may be both).", "state",
+                       {"ready": s.entries_ready, "writing": s.entries_writing, "pinned": s.entries_pinned,
+                        "leased": s.entries_leased})
+        yield gauge("leases_open", "Leases holding a lookup's hits for an engine.", s.leases_open)
+        yield gauge("leased_keys", "Entries in open leases, counted per lease (what max_leased_keys counts).",
+                    s.leased_keys)
+        yield counter("leases_granted", "Leases granted or renewed by a lookup.", s.leases_granted)
+        yield labelled(CounterMetricFamily, "lease_ends", "Leases ended, by cause: consumed (by a load), released, "
+                       "replaced (renewed), expired, revoked (kvtierctl clear --force), session_ended.", "cause",
+                       s.lease_ends)
+        yield counter("lease_missed_loads", "Load jobs that named a lease that was not live (expired, revoked, "
+                      "released, or lost with a daemon restart): their keys were pinned only if still ready.",
+                      s.lease_missed_loads)
+        yield counter("lease_capped_keys", "Hits a lookup could not lease because of max_leased_keys_per_engine or "
+                      "max_leased_keys.", s.lease_capped_keys)
         yield labelled(CounterMetricFamily, "lookup_keys", "Keys asked by lookup, by result.", "result",
                        {"hit": s.lookup_hit_keys, "miss": s.lookup_miss_keys})
         yield labelled(CounterMetricFamily, "store_keys", "Keys of store jobs by outcome.", "outcome",

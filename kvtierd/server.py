@@ -121,8 +121,8 @@ class Server:
         self.metrics_address: str | None = None
         self.handlers: dict[str, Callable[[bytes, Session | None, dict], P.Reply]] = {
             "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
-            "store": self._store, "commit": self._commit, "load": self._load, "release": self._release,
-            "abort": self._abort, "jobs": self._jobs, "stats": self._stats,
+            "store": self._store, "commit": self._commit, "load": self._load, "unlease": self._unlease,
+            "release": self._release, "abort": self._abort, "jobs": self._jobs, "stats": self._stats,
         }
         self.admin_handlers: dict[str, Callable[[dict], P.Reply]] = {
             "stats": lambda msg: self.stats(), "ping": lambda msg: P.AdminPingReply(self.region.generation),
@@ -422,7 +422,14 @@ class Server:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new jobs")
 
     def _lookup(self, identity: bytes, session: Session, msg: dict) -> P.LookupReply:
-        return P.LookupReply(self.store.lookup(session, msg["keys"]))
+        if "lease" not in msg:
+            return P.LookupReply(self.store.lookup(session, msg["keys"]), None, 0, 0)
+        ttl = msg["ttl_ms"] / 1000 if "ttl_ms" in msg else None
+        found = self.store.lease(session, msg["lease"], msg["keys"], ttl)
+        return P.LookupReply(found.hits, found.lease, found.leased, round(found.ttl * 1000))
+
+    def _unlease(self, identity: bytes, session: Session, msg: dict) -> P.UnleaseReply:
+        return P.UnleaseReply(self.store.unlease(session, msg["leases"]))
 
     def _store(self, identity: bytes, session: Session, msg: dict) -> P.StoreReply:
         self._refuse_if_stopping(session, msg["job"])
@@ -436,7 +443,7 @@ class Server:
 
     def _load(self, identity: bytes, session: Session, msg: dict) -> P.LoadReply:
         self._refuse_if_stopping(session, msg["job"])
-        hits, pages = self.store.load(session, msg["job"], msg["keys"])
+        hits, pages = self.store.load(session, msg["job"], msg["keys"], msg.get("lease"))
         return P.LoadReply(hits, b"".join(pages))
 
     def _release(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:
@@ -487,17 +494,22 @@ class Server:
     # ------------------------------------------------------------------ admin ops
     def _clients(self, msg: dict) -> P.ClientsReply:
         now = time.monotonic()
-        return P.ClientsReply([
-            {"session": s.id, "engine": s.engine.id, "role": s.role, "rank": s.rank, "pid": s.pid,
-             "world_size": s.engine.world_size, "namespace": s.engine.ns.id.name(),
-             "watched": self.sessions.watched(s), "attached_seconds": now - s.attached_at}
-            for s in self.store.sessions.values()])
+        clients = []
+        for s in self.store.sessions.values():
+            leases, leased_keys = self.store.leases.of_session(s)
+            clients.append({"session": s.id, "engine": s.engine.id, "role": s.role, "rank": s.rank, "pid": s.pid,
+                            "world_size": s.engine.world_size, "namespace": s.engine.ns.id.name(),
+                            "watched": self.sessions.watched(s), "attached_seconds": now - s.attached_at,
+                            "leases": leases, "leased_keys": leased_keys})
+        return P.ClientsReply(clients)
 
     def _evict(self, msg: dict) -> P.EvictReply:
-        return P.EvictReply(self.store.evict(msg.get("namespace"), msg["count"]))
+        done = self.store.evict(msg.get("namespace"), msg["count"])
+        return P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases)
 
     def _clear(self, msg: dict) -> P.EvictReply:
-        return P.EvictReply(self.store.evict(msg.get("namespace"), None))
+        done = self.store.evict(msg.get("namespace"), None, msg.get("force", False))
+        return P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases)
 
     def _replace_data(self) -> None:
         """The data file was truncated under the daemon: its blocks are gone. End every session

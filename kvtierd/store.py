@@ -1,6 +1,7 @@
 """The daemon's state, as the server sees it: engines and sessions attach and detach, and the
-operations run on the entry index (``kvtierd.index``), the job machine (``kvtierd.jobs``) and
-the writer fence (``kvtierd.fence``): whatever pages the fence releases go back to the index here.
+operations run on the entry index (``kvtierd.index``), the job machine (``kvtierd.jobs``), the
+leases (``kvtierd.leases``) and the writer fence (``kvtierd.fence``): whatever pages the fence
+releases go back to the index here.
 
 No sockets and no threads: the server's single loop calls these methods one request at a time,
 so nothing here locks. Every method either returns a result or raises ``RequestError`` with a
@@ -14,6 +15,7 @@ import hmac
 import itertools
 import secrets
 import time
+from dataclasses import dataclass
 
 from .contract.namespace import NamespaceId
 from .contract.protocol import ErrorCode, RequestError
@@ -23,6 +25,7 @@ from .index import COUNTERS as INDEX_COUNTERS
 from .index import Index
 from .jobs import COUNTERS as JOB_COUNTERS
 from .jobs import Engine, Jobs
+from .leases import Leases
 from .policy import DEFAULT as DEFAULT_POLICY
 from .policy import create as create_policy
 from .processes import Process
@@ -39,15 +42,36 @@ PROOF_OF_END = {SessionEnd.LEFT: Release.LEFT, SessionEnd.DIED: Release.DIED,
                 SessionEnd.REGION_REPLACED: Release.REGION_REPLACED}
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """What a leasing lookup found, and what its lease holds (``lease`` None: it holds nothing)."""
+
+    hits: int
+    lease: int | None
+    leased: int
+    ttl: float
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What an operator eviction did (``protocol.EvictReply``)."""
+
+    evicted: int
+    skipped_leased: int
+    revoked_leases: int
+
+
 class Store:
     def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
                  checksums: bool = False, policy: str = DEFAULT_POLICY, fence_grace: float = 600.0,
-                 **job_limits: int):
+                 lease_ttl: float = 5.0, max_lease_ttl: float = 60.0, max_leased_keys_per_engine: int = 1 << 18,
+                 max_leased_keys: int = 1 << 20, **job_limits: int):
         """``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
         self.fence = Fence(view, fence_grace, clock)
         self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums)
-        self.jobs = Jobs(self.index, self.fence, job_timeout, clock, checksums, **job_limits)
+        self.leases = Leases(self.index, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine, max_leased_keys)
+        self.jobs = Jobs(self.index, self.fence, self.leases, job_timeout, clock, checksums, **job_limits)
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)
 
@@ -138,6 +162,7 @@ class Store:
         proves it cannot (``PROOF_OF_END``). ``last_seen``: its last proof of life (default now)."""
         if self.sessions.pop(session.id, None) is None:
             return
+        self.leases.session_gone(session)
         engine = session.engine
         if session.rank is None:
             engine.coordinators.discard(session)
@@ -163,7 +188,22 @@ class Store:
     # ------------------------------------------------------------------ operations
     def lookup(self, session: Session, keys: list[bytes]) -> int:
         """How many leading keys are READY; touches them (they are about to be used)."""
-        return self.index.lookup(session.engine.ns, keys)
+        hits = self.index.lookup(session.engine.ns, keys)
+        self.index.access(hits)
+        return len(hits)
+
+    def lease(self, session: Session, lease_id: int, keys: list[bytes], ttl: float | None = None) -> Lookup:
+        """``lookup``, and hold the ready prefix it found for the engine under ``lease_id`` for
+        ``ttl`` seconds (clamped; None: the lease_ttl setting), replacing a live lease of that id
+        (``Leases.grant``)."""
+        hits = self.index.lookup(session.engine.ns, keys)
+        leased, granted = self.leases.grant(session, lease_id, hits, ttl)
+        self.index.access(hits[leased:])          # the leased ones left the policy, and got a tick
+        return Lookup(len(hits), lease_id if leased else None, leased, granted)
+
+    def unlease(self, session: Session, lease_ids: list[int]) -> int:
+        """End the engine's live leases of these ids; returns how many there were."""
+        return self.leases.release(session, lease_ids)
 
     def store(self, session: Session, job_id: int, keys: list[bytes], chain: bool = True,
               cold_tail: int = 0) -> tuple[list[int], list[bytes]]:
@@ -172,8 +212,9 @@ class Store:
     def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
         self.jobs.commit(session, job_id, ok, checksums)
 
-    def load(self, session: Session, job_id: int, keys: list[bytes]) -> tuple[int, list[bytes]]:
-        return self.jobs.load(session, job_id, keys)
+    def load(self, session: Session, job_id: int, keys: list[bytes], lease: int | None = None
+             ) -> tuple[int, list[bytes]]:
+        return self.jobs.load(session, job_id, keys, lease)
 
     def release(self, session: Session, job_id: int) -> None:
         self.jobs.release(session, job_id)
@@ -185,25 +226,31 @@ class Store:
         return self.jobs.job_states(session, job_ids)
 
     def expire(self) -> float | None:
-        """Abort jobs past their deadline, release unwatchable writers past their grace. Returns
-        the next deadline."""
+        """Abort jobs past their deadline, end leases past theirs, release unwatchable writers past
+        their grace. Returns the next deadline."""
         pages, grace = self.fence.expire(self.clock())
         self.index.release_pages(pages)
         deadline = self.jobs.expire()
-        return min(filter(None, (deadline, grace)), default=None)
+        return min(filter(None, (deadline, self.leases.expire(), grace)), default=None)
 
     def drop_all(self) -> int:
         """Drop every entry and every writer's fence: the data file holding their pages is gone
-        (``Fence.reset``). Call with no session attached: no job is open, nothing is pinned.
-        Returns how many entries were dropped."""
+        (``Fence.reset``). Call with no session attached: no job is open, nothing is pinned, and
+        no lease is held (leases die with their sessions). Returns how many entries were dropped."""
         assert not self.sessions, "drop_all with sessions attached"
+        assert not len(self.leases), "drop_all with leases held"
         dropped = self.index.evict(None, None)
         self.index.release_pages(self.fence.reset())
         return dropped
 
-    def evict(self, namespace: str | None, count: int | None) -> int:
-        """Operator eviction (kvtierctl evict/clear): see ``Index.evict``."""
-        return self.index.evict(namespace, count)
+    def evict(self, namespace: str | None, count: int | None, force: bool = False) -> Eviction:
+        """Operator eviction (kvtierctl evict/clear; ``Index.evict``): leased entries stay, and are
+        reported as skipped when the evictable ones ran out; ``force`` revokes the leases in scope
+        first, so that they go too (pinned and WRITING entries always stay)."""
+        revoked = self.leases.revoke(namespace) if force else 0
+        evicted = self.index.evict(namespace, count)
+        ran_out = count is None or evicted < count
+        return Eviction(evicted, self.leases.leased_entries(namespace) if ran_out else 0, revoked)
 
     # ------------------------------------------------------------------ what is going on
     def open_jobs(self) -> int:
@@ -219,7 +266,8 @@ class Store:
         index, jobs = self.index, self.jobs
         counters = {name: index.counters[name] for name in INDEX_COUNTERS}
         counters.update({name: jobs.counters[name] for name in JOB_COUNTERS})
-        return {**index.stats(), **jobs.stats(), **self.fence.stats(), "sessions": len(self.sessions), **counters}
+        return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.fence.stats(),
+                "sessions": len(self.sessions), **counters}
 
     def namespace_stats(self) -> list[dict]:
         return self.index.namespace_stats()
@@ -227,6 +275,7 @@ class Store:
     def verify(self) -> None:
         """Check the in-memory state against itself and the region's tables (tests)."""
         self.index.verify()
+        self.leases.verify()
         self.fence.verify(self.jobs.handed())
         engines = self.jobs.engines.values()
         for engine in engines:

@@ -48,7 +48,10 @@ from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 #    oldest fence's age, the grace and the writer rows (the page fence, issue 10). The region is two
 #    files: hello's "region" is the data file, whose header the client checks
 #    (region_format.DataHeader); "file_bytes" is that file's size. hello takes a "secret" (issue 11).
-PROTOCOL_VERSION = 3
+# 4: leases (issue 13): lookup may ask for one (lease, ttl_ms) and its reply says what it holds
+#    (lease, leased, ttl_ms); load may name one; unlease; admin clear's force, and evict/clear's
+#    skipped_leased and revoked_leases; the lease counters in stats, leases per session in clients.
+PROTOCOL_VERSION = 4
 
 # --- limits (enforced before any allocation) ------------------------------------------------
 MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
@@ -61,6 +64,8 @@ MAX_JOBS_PER_QUERY = 4096
 MAX_ERROR_CHARS = 512                  # an error reply's message is cut to this many characters
 MAX_PID = 1 << 22                      # the kernel's largest pid_max (PID_MAX_LIMIT on 64-bit)
 MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 64   # an engine secret (hello's ``secret``)
+MAX_LEASE_ID = (1 << 63) - 1
+MAX_LEASES_PER_UNLEASE = 4096
 
 PAGES_DTYPE = "<u4"                    # page indices on the wire and in the region's chain table
 
@@ -159,6 +164,7 @@ assert MAX_MODEL_BYTES <= MAX_STR_BYTES, "the bounded decoder must accept a mode
 
 JOB = _int(0, MAX_JOB_ID)
 KEYS = Field("keys")
+LEASE = _int(0, MAX_LEASE_ID, required=False)
 
 REQUESTS: dict[str, dict[str, Field]] = {
     # rank is None for a coordinator session (the engine's scheduler: looks up, opens jobs).
@@ -186,7 +192,10 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "ping": {"session": _int(0, 1 << 63, required=False), "token": _int(0, 1 << 63, required=False)},
     # bye: the session ends; it says that no copy of the session is in flight (the client waits).
     "bye": {},
-    "lookup": {"keys": KEYS},
+    # lease: hold the ready prefix this lookup reports for the engine (kvtierd.leases), under this
+    # id (the client's choice, unique per engine while live; a live id is renewed: replaced at once);
+    # ttl_ms: for how long (the daemon clamps it; default its lease_ttl setting).
+    "lookup": {"keys": KEYS, "lease": LEASE, "ttl_ms": _int(0, 1 << 40, required=False)},
     # chain (default true): the keys are a prefix chain in the order given, each extending the one
     # before (the eviction policy evicts a chain's tail before its head); false for unrelated keys.
     # cold_tail: how many of the last keys the client expects no reuse of (a partial last block,
@@ -198,7 +207,11 @@ REQUESTS: dict[str, dict[str, Field]] = {
     # each WRITE key (in key order) after its copy (region_format.shard_checksum).
     "commit": {"job": JOB, "ok": Field("bool"), "checksums": Field("ints", lo=0, hi=(1 << 64) - 1, required=False,
                                                                       max_items=MAX_KEYS_PER_REQUEST)},
-    "load": {"job": JOB, "keys": KEYS},
+    # lease: a lease of the engine this job consumes; its first request pins the job's ready prefix,
+    # then ends the lease (its keys were held all along, so a load of leased keys is never short).
+    "load": {"job": JOB, "keys": KEYS, "lease": LEASE},
+    # Ends the engine's leases of these ids (those not live are ignored).
+    "unlease": {"leases": Field("ints", lo=0, hi=MAX_LEASE_ID, max_items=MAX_LEASES_PER_UNLEASE)},
     "release": {"job": JOB},
     "abort": {"job": JOB},
     "jobs": {"jobs": Field("ints", lo=0, hi=MAX_JOB_ID)},
@@ -216,8 +229,9 @@ ADMIN_REQUESTS: dict[str, dict[str, Field]] = {
     "clients": {},
     # Evict up to `count` evictable entries (of one namespace, or any), the policy's first victims.
     "evict": {"namespace": _str(nullable=True, required=False), "count": _int(1, 1 << 40)},
-    # Evict every evictable entry of a namespace (or of all); pinned and WRITING ones stay.
-    "clear": {"namespace": _str(nullable=True, required=False)},
+    # Evict every evictable entry of a namespace (or of all); pinned, leased and WRITING ones stay.
+    # force: revoke the leases in it first (their loads then come back short), so leased ones go too.
+    "clear": {"namespace": _str(nullable=True, required=False), "force": Field("bool", required=False)},
 }
 
 
@@ -496,6 +510,14 @@ class PingReply(Reply):
 @_shape
 class LookupReply(Reply):
     hits: int                         # how many leading keys are READY
+    lease: int | None                 # the lease now holding them (None: none asked, or none held)
+    leased: int                       # how many leading hits the lease holds (fewer: the caps)
+    ttl_ms: int                       # for how long from now (0: no lease)
+
+
+@_shape
+class UnleaseReply(Reply):
+    released: int                     # how many of the ids named a live lease
 
 
 @_shape
@@ -543,6 +565,14 @@ class StatsReply(Reply):
     open_job_keys: int                # keys (+1 per job) of the open jobs (bounded by max_job_keys)
     tombstones: int                   # finished job ids remembered (bounded by max_tombstones)
     aborted_jobs: dict                # AbortCause value → jobs
+    # leases (kvtierd.leases)
+    leases_open: int
+    entries_leased: int               # READY entries held by at least one lease
+    leased_keys: int                  # entries in open leases, counted per lease (what the caps count, less 1 each)
+    leases_granted: int               # leases granted or renewed
+    lease_ends: dict                  # leases.LeaseEnd value (consumed, released, replaced, ...) → leases
+    lease_missed_loads: int           # load jobs that named a lease that was not live
+    lease_capped_keys: int            # hits not leased because of max_leased_keys(_per_engine)
     vote_wait: dict                   # histogram snapshot: first request of a store job → its last vote
     # monotonic counters
     lookup_hit_keys: int
@@ -600,18 +630,21 @@ class AdminPingReply(Reply):
 
 @_shape
 class ClientsReply(Reply):
-    clients: list                     # per session: {session, engine, role, rank, pid, world_size, namespace, ...}
+    clients: list                     # per session: {session, engine, role, rank, pid, world_size, namespace,
+                                      #   watched, attached_seconds, leases, leased_keys}
 
 
 @_shape
 class EvictReply(Reply):
     evicted: int
+    skipped_leased: int               # leased entries in scope that were left (when evictable ones ran out)
+    revoked_leases: int               # leases ended first (clear --force)
 
 
 REPLIES: dict[str, type[Reply]] = {
     "hello": HelloReply, "ping": PingReply, "bye": EmptyReply, "lookup": LookupReply, "store": StoreReply,
-    "commit": EmptyReply, "load": LoadReply, "release": EmptyReply, "abort": EmptyReply, "jobs": JobsReply,
-    "stats": StatsReply,
+    "commit": EmptyReply, "load": LoadReply, "unlease": UnleaseReply, "release": EmptyReply, "abort": EmptyReply,
+    "jobs": JobsReply, "stats": StatsReply,
 }
 ADMIN_REPLIES: dict[str, type[Reply]] = {
     "stats": StatsReply, "ping": AdminPingReply, "clients": ClientsReply, "evict": EvictReply, "clear": EvictReply,

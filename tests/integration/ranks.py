@@ -8,7 +8,8 @@ and its own pid, as in a real engine; the daemon watches each through a pidfd.
 Commands (``rank.call(name, **kwargs)``):
 
 - ``connect``, ``close``, ``fill``, ``hashes``, ``lookup``, ``stats``: set-up and queries.
-- ``store`` / ``load``: a whole job on this rank (request, copy, vote/release), its result.
+- ``store`` / ``load``: a whole job on this rank (request, copy, vote/release), its result; a
+  load may name a lease of the engine (``lease``).
 - ``store_hold`` / ``load_hold``: send the request and start the copy, but do not vote or
   release yet; ``finish(jobs)`` does that later (``Client.wait``) and returns the results. A
   rank that is SIGKILLed in between dies holding its pages (writer) or its pins (loader).
@@ -127,8 +128,8 @@ def _worker(conn) -> None:  # runs in the child
         return {"outcomes": [int(o) for o in decision.outcomes], "ok": result.ok,
                 "error": repr(result.error) if result.error else None}
 
-    def load(job, keys, block_ids):
-        hits = state["client"].load(job, keys, block_ids)
+    def load(job, keys, block_ids, lease=None):
+        hits = state["client"].load(job, keys, block_ids, lease=lease)
         (result,) = state["client"].wait([job], timeout=60)
         return {"hits": hits, "ok": result.ok, "error": repr(result.error) if result.error else None}
 
@@ -147,8 +148,8 @@ def _worker(conn) -> None:  # runs in the child
         decision = state["client"].store(job, keys, block_ids)
         return {"outcomes": [int(o) for o in decision.outcomes]}
 
-    def load_hold(job, keys, block_ids):
-        return {"hits": state["client"].load(job, keys, block_ids)}
+    def load_hold(job, keys, block_ids, lease=None):
+        return {"hits": state["client"].load(job, keys, block_ids, lease=lease)}
 
     def finish(jobs, timeout=60):
         return [result_dict(r) for r in state["client"].wait(jobs, timeout=timeout)]

@@ -153,6 +153,7 @@ class Rank:
             self.host.pin_memory = False     # CPU torch cannot allocate pinned pages
         self.backend = self.controller.storage_backend
         self._requests = 0
+        self._held = None                    # prefetch_query's operation, until prefetch_read
 
     # --- the fake model
     def _fill(self, tokens: list[int], slots) -> None:
@@ -274,17 +275,30 @@ class Rank:
     def fetch_pages(self, tokens: list[int], timeout: float = 60.0) -> dict:
         """SGLang's prefetch (hit query, then the io-aux thread's reads) into fresh host pages;
         returns the tokens fetched and how many pages hold the expected bytes."""
-        from queue import Empty
+        hit = self.prefetch_query(tokens, timeout)
+        return {"hit": hit, **self.prefetch_read(timeout)}
 
+    def prefetch_query(self, tokens: list[int], timeout: float = 60.0) -> int:
+        """The first half of ``fetch_pages``: SGLang's prefetch thread asks storage (batch_exists)
+        and hands the operation to the scheduler, which holds it here (what SGLang's scheduler
+        decides in between: host memory, the prefetch threshold). Returns the tokens hit."""
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-        host = self.host.alloc(len(tokens))
         self._requests += 1
         self.controller.prefetch(CacheRequestHandle(f"req-{self._requests}", 0), array("q", tokens))
-        deadline = time.monotonic() + timeout
         op = self.controller.prefetch_hit_queue.get(timeout=timeout)
-        hit = op.storage_hit_count
-        op.host_indices = host[:hit]
+        self._held = (op, tokens)
+        return op.storage_hit_count
+
+    def prefetch_read(self, timeout: float = 60.0) -> dict:
+        """The second half: host pages for the held operation, the io-aux thread's reads
+        (batch_get); returns the tokens fetched and how many pages hold the expected bytes."""
+        from queue import Empty
+
+        op, tokens = self._held
+        host = self.host.alloc(len(tokens))
+        op.host_indices = host[:op.storage_hit_count]
         self.controller.prefetch_buffer.put(op)
+        deadline = time.monotonic() + timeout
         done_tokens = 0
         while time.monotonic() < deadline:
             try:
@@ -303,7 +317,7 @@ class Rank:
                 break
             correct += 1
         self.host.free(host)
-        return {"hit": hit, "fetched": done_tokens, "correct_pages": correct}
+        return {"fetched": done_tokens, "correct_pages": correct}
 
     def expected_page(self, tokens: list[int], page: int) -> bytes:
         """The flat bytes of page ``page`` of ``tokens`` in this host layout (distinct per page and rank)."""

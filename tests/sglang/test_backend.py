@@ -69,8 +69,11 @@ def test_settings_are_checked():
                                                       "interface_v1": 1, "module_path": "x"})
     assert (s.socket, s.timeout_s, s.retry_s, s.interface_v1, s.namespace, s.engine_id) == \
         ("/s", 2.5, 10.0, True, None, None)
+    assert s.lease_ttl_s == 5.0
+    assert integration.KvtierSettings.from_extra_config({"kvtier_lease_ttl_s": 0}).lease_ttl_s == 0
     for extra, match in [({"kvtier_sockett": "/s"}, "unknown .*kvtier_sockett"),
                          ({"kvtier_timeout_s": 0}, "kvtier_timeout_s must be > 0"),
+                         ({"kvtier_lease_ttl_s": -1}, "kvtier_lease_ttl_s must be >= 0"),
                          ({"kvtier_retry_s": "soon"}, "kvtier_retry_s must be a number"),
                          ({"kvtier_namespace": 7}, "kvtier_namespace must be a non-empty string")]:
         with pytest.raises(ValueError, match=match):
@@ -215,6 +218,53 @@ def test_every_host_layout_through_sglangs_controller_threads(daemon, kind, layo
         got = reader.call("fetch_pages", tokens=tokens)
         assert got == {"hit": 32, "fetched": 32, "correct_pages": 8}
     finally:
+        for p in procs:
+            p.stop()
+
+
+def fill_region(daemon, block_bytes: int):
+    """Another engine opens stores for as many blocks as the region has pages: every evictable page
+    goes (its jobs stay open, holding their pages, until the returned client closes)."""
+    from kvtier import Client, NamespaceId
+    filler = Client(daemon.socket, engine_id="filler", rank=None, world_size=1,
+                    namespace=NamespaceId("another-model", "bfloat16", 4, block_bytes, "sharded"))
+    pages = daemon.stats()["pages_total"]
+    for job, begin in enumerate(range(0, pages, 4096), start=1):
+        filler.open_store(job, [b"fill%09d" % i for i in range(begin, min(pages, begin + 4096))])
+    return filler
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("leases", [True, False], ids=["leased", "no-lease"])
+@pytest.mark.parametrize("v1", [True, False], ids=["v1", "generic"])
+def test_batch_exists_leases_its_hits_for_the_read_that_follows(daemon, leases, v1):
+    """Between SGLang's hit query (batch_exists, prefetch thread) and its reads (batch_get, io-aux
+    thread) another engine fills the region: the leased pages all arrive, with their bytes; without
+    the lease (kvtier_lease_ttl_s 0) they are gone."""
+    procs = []
+    filler = None
+    try:
+        extra = {} if leases else {"kvtier_lease_ttl_s": 0}
+        for engine, interface_v1 in (("writer", True), ("reader", v1)):
+            procs.append(RankProcess(RankSpec("mha", daemon.socket, engine_id=engine, interface_v1=interface_v1,
+                                              extra=extra)))
+        writer, reader = (p.ready() for p in procs)
+        tokens = list(range(500, 532))
+        assert writer.call("store_pages", tokens=tokens) == 32
+        assert reader.call("prefetch_query", tokens=tokens) == 32
+        stats = daemon.stats()
+        assert (stats["leases_open"], stats["entries_leased"]) == ((1, 8) if leases else (0, 0))
+        filler = fill_region(daemon, reader.call("backend_info")["block_bytes"])
+        got = reader.call("prefetch_read")
+        if leases:
+            assert got == {"fetched": 32, "correct_pages": 8}
+            stats = daemon.stats()
+            assert stats["lease_ends"] == {"consumed": 1} and stats["lease_missed_loads"] == 0
+        else:
+            assert got["fetched"] == 0
+    finally:
+        if filler is not None:
+            filler.close()
         for p in procs:
             p.stop()
 

@@ -3,7 +3,7 @@
 The exported metric names and label values come from running the real collector
 (kvtierd.metrics.DaemonCollector) on a synthetic stats reply (every field of protocol.StatsReply),
 with the label-bearing dicts filled from the code that fills them in the daemon (error codes,
-request ops, abort causes, session roles, pin modes, eviction policy segments). The Prometheus
+request ops, abort causes, lease ends, session roles, pin modes, eviction policy segments). The Prometheus
 expressions in alerts.yml and in the Grafana dashboard are then read with regexes, so those
 checks run without PyYAML; the structural checks of the YAML files need it and skip without it.
 """
@@ -24,6 +24,7 @@ from kvtierd.contract import protocol as P
 from kvtierd.histogram import Histogram
 from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
 from kvtierd.fence import Reason, Release
+from kvtierd.leases import LeaseEnd
 from kvtierd.policy import POLICIES, create
 from kvtierd.sessions import SessionEnd
 
@@ -82,6 +83,8 @@ def snapshot(pinned: str) -> P.StatsReply:
         fenced_pages={reason.value: 1 for reason in Reason}, fence_released_pages={c.value: 1 for c in Release},
         fence_oldest_seconds=1.0, fence_grace_seconds=600.0, writer_rows=2,
         entries_ready=100, entries_writing=3, entries_pinned=7, evictable=93, namespaces=1,
+        leases_open=2, entries_leased=5, leased_keys=6, leases_granted=3, lease_ends={end.value: 1 for end in LeaseEnd},
+        lease_missed_loads=1, lease_capped_keys=1,
         lookup_hit_keys=5, lookup_miss_keys=6, load_hit_keys=7, load_miss_keys=8,
         **{field: 1 for field in STORE_KEY_OUTCOMES.values()},
         store_jobs_done=9, load_jobs_done=10, evictions=11, operator_evictions=0,

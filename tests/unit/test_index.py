@@ -430,7 +430,7 @@ def test_stats_count_evictions_by_reason_and_by_segment():
     env.put(a, 1, keys("a", 8))
     env.store.lookup(a[0], keys("a", 2))                 # used again: promoted at the next walk
     env.put(a, 2, keys("b", 3))                          # evicts 3 for room, from probation
-    assert env.store.evict(None, 2) == 2                 # the operator takes the next 2
+    assert env.store.evict(None, 2).evicted == 2         # the operator takes the next 2
     s = env.stats()
     assert (s["evictions"], s["operator_evictions"]) == (3, 2)
     assert s["policy_evictions"] == {"probation": 5, "protected": 0}

@@ -103,7 +103,13 @@ def test_every_reply_matches_its_declared_shape(d):
     replies["lookup"] = d.ok("lookup", keys=KEYS)
     replies["store"] = d.ok("store", job=1, keys=KEYS)
     replies["commit"] = d.ok("commit", job=1, ok=True)
-    replies["load"] = d.ok("load", job=2, keys=KEYS)
+    leased = d.ok("lookup", keys=KEYS, lease=5, ttl_ms=1500)
+    assert_shape(leased, P.LookupReply)
+    assert (leased["hits"], leased["lease"], leased["leased"], leased["ttl_ms"]) == (4, 5, 4, 1500)
+    d.ok("lookup", keys=KEYS, lease=6)
+    replies["unlease"] = d.ok("unlease", leases=[6, 7])
+    assert replies["unlease"]["released"] == 1
+    replies["load"] = d.ok("load", job=2, keys=KEYS, lease=5)
     replies["release"] = d.ok("release", job=2)
     d.ok("store", job=3, keys=[b"other"])
     replies["abort"] = d.ok("abort", job=3)
@@ -117,11 +123,14 @@ def test_every_reply_matches_its_declared_shape(d):
         assert_shape(reply, P.REPLIES[op])
     for op, reply in admin.items():
         assert_shape(reply, P.ADMIN_REPLIES[op])
-    assert replies["lookup"]["hits"] == 0 and replies["load"]["hits"] == 4
+    assert (replies["lookup"]["hits"], replies["lookup"]["lease"], replies["lookup"]["leased"]) == (0, None, 0)
+    assert replies["load"]["hits"] == 4
+    assert admin["stats"]["lease_ends"] == {"consumed": 1, "released": 1} and admin["stats"]["leases_open"] == 0
     assert np.frombuffer(replies["store"]["outcomes"], np.uint8).tolist() == [P.StoreOutcome.WRITE] * 4
     assert replies["load"]["pages"] == replies["store"]["pages"] and len(replies["store"]["pages"]) == 4 * 4
     assert [j["state"] for j in replies["jobs"]["jobs"]] == ["done", "done", "aborted", "unknown"]
     assert admin["evict"]["evicted"] == 1 and admin["clear"]["evicted"] == 3
+    assert admin["clear"]["skipped_leased"] == admin["clear"]["revoked_leases"] == 0
 
 
 def test_hello_reply(d):

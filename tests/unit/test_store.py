@@ -297,6 +297,45 @@ class StoreMachine(RuleBasedStateMachine):
     def lookup(self, data, ks):
         assert 0 <= self.store.lookup(self.pick(data), ks) <= len(ks)
 
+    @precondition(lambda self: self.sessions)
+    @rule(data=st.data(), lease=st.integers(0, 3), ks=KEYLISTS, ttl=st.sampled_from([None, 0.5, TIMEOUT * 2]))
+    def lease(self, data, lease, ks, ttl):
+        found = self.store.lease(self.pick(data), lease, ks, ttl)
+        assert 0 <= found.leased <= found.hits <= len(ks) and (found.lease is None) == (found.leased == 0)
+        if found.leased:
+            event("leased")
+
+    @precondition(lambda self: self.sessions)
+    @rule(data=st.data(), leases=st.lists(st.integers(0, 4), max_size=3))
+    def unlease(self, data, leases):
+        self.store.unlease(self.pick(data), leases)
+
+    @precondition(lambda self: self.sessions)
+    @rule(data=st.data(), job=JOBS, ks=KEYLISTS, lease=st.integers(0, 3), force=st.booleans())
+    def lease_survives_pressure(self, data, job, ks, lease, force):
+        """Invariant 10: between a leasing lookup and the load that names its lease, other engines
+        fill the region and the operator clears it: the load gets at least the leased prefix (a
+        forced clear revokes the lease, and then nothing is promised)."""
+        group = self.engine_sessions(data)
+        found = self.store.lease(group[0], lease, ks)
+        for other in {s.engine.id for s in self.sessions} - {group[0].engine.id}:
+            for s in [s for s in self.sessions if s.engine.id == other]:
+                self.do_store(s, job, [bytes([200 + i]) for i in range(4)])
+        evicted = self.store.evict(None, None, force).evicted
+        if evicted:
+            event("operator cleared around a lease")
+        fresh = job + 12 not in group[0].engine.jobs       # else the job's decision was fixed before
+        for s in group:
+            try:
+                hits, _ = self.store.load(s, job + 12, ks, lease)
+            except RequestError:
+                return
+            if fresh and not force:
+                assert hits >= found.leased, (hits, found)
+                event("leased load after pressure")
+        for s in group:
+            self.call(self.store.release, s, job + 12)
+
     @rule(data=st.data())
     def job_states(self, data):
         if self.sessions:
@@ -328,8 +367,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert stats["pages_free"] + stats["pages_used"] == stats["pages_total"]
         assert stats["entries_ready"] + stats["entries_writing"] == sum(
             len(ns.index) for ns in self.store.index.namespaces.values())
+        index = self.store.index
         assert stats["entries_pinned"] == sum(
-            1 for ns in self.store.index.namespaces.values() for e in ns.index.values() if e.pins)
+            1 for ns in index.namespaces.values() for e in ns.index.values() if index.holds(e.slot)[0])
         if stats["pages_fenced"]:
             event("pages fenced")
         if stats["evictions"]:

@@ -1,6 +1,7 @@
 """Run by test_failures.py as ``python -O -m tests.vllm.optimized_run SOCKET DIR``: a load that
-fails in its window, once through KvtierOffloadingConnector and once through the plain spec path,
-with every ``assert`` statement compiled out (vLLM's included). Prints one JSON line."""
+fails in its window (a forced clear revokes its lease), once through KvtierOffloadingConnector and
+once through the plain spec path, with every ``assert`` statement compiled out (vLLM's included).
+Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .test_failures import PROMPT
 def main(socket: str, directory: str) -> dict:
     def clear():
         subprocess.run([os.path.join(os.path.dirname(sys.executable), "kvtierctl"), "--dir", directory, "clear",
-                        "--all"], check=True, capture_output=True)
+                        "--all", "--force"], check=True, capture_output=True)
 
     result: dict = {"optimize": sys.flags.optimize}
     with running(EngineRecipe("tiny-llama", 1, socket, "optimized")) as (engine, ranks):

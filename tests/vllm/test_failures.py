@@ -1,17 +1,20 @@
-"""Loads that fail after vLLM's lookup said HIT: never an AssertionError, never wrong bytes.
+"""Between vLLM's lookup (HIT) and the load: leases keep the blocks; what still fails is never an
+AssertionError, never wrong bytes.
 
 Through vLLM 0.33's real Scheduler and worker connector (``KvtierOffloadingConnector``) and a real
-kvtierd: between a request's lookup (HIT) and its load, its blocks are taken away — another
-engine fills the region, ``kvtierctl clear``, or part of them is evicted. The workers report
-what did not arrive; vLLM recomputes it (``kv_load_failure_policy`` "recompute") or ends that
-one request with an error ("fail"), and the engine serves on. Without leases (phase 2) this
-window stays open; these tests pin down that it is harmless.
+kvtierd. In a request's load window another engine fills the region, ``kvtierctl clear`` or
+``evict`` runs, or kvtierd restarts: the blocks the lookup leased load in full, with the right
+bytes (invariant 10). Where blocks are truly gone — a forced clear revokes the lease, or a block
+was never leased (past kvtierd's caps) — the workers report what did not arrive; vLLM recomputes it
+(``kv_load_failure_policy`` "recompute") or ends that one request with an error ("fail"), and the
+engine serves on.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +23,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: `make test-vllm` builds .venv-vllm")
 
-from vllm.v1.kv_offload.base import make_offload_key  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvtier import Client, NamespaceId  # noqa: E402
@@ -59,53 +61,66 @@ def fill_region(daemon, block_bytes: int) -> None:
         other.close()            # its jobs are aborted with its session, after our load failed
 
 
-@pytest.mark.parametrize("window", ["another engine fills the region", "kvtierctl clear"])
-def test_blocks_gone_before_the_load_are_recomputed(start_daemon, window):
+def restart_daemon(daemon) -> None:
+    """kvtierd SIGKILLed and started again on the same region (its READY blocks survive)."""
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+
+
+@pytest.mark.parametrize("window", ["another engine fills the region", "kvtierctl clear", "kvtierctl evict",
+                                    "kvtierd restarts"])
+def test_looked_up_blocks_load_in_full_whatever_happens_before_the_load(start_daemon, window):
     daemon = start_daemon(page_size="4KiB", size="8MiB")
     with running(EngineRecipe("tiny-llama", 1, daemon.socket, "race")) as (engine, ranks):
         block_bytes = engine.manager.namespace.block_bytes
-        action = ((lambda: fill_region(daemon, block_bytes)) if window.startswith("another")
-                  else (lambda: kvtierctl(daemon, "clear", "--all")))
+        action = {"another engine fills the region": lambda: fill_region(daemon, block_bytes),
+                  "kvtierctl clear": lambda: kvtierctl(daemon, "clear", "--all"),
+                  "kvtierctl evict": lambda: kvtierctl(daemon, "evict", "--count", "1000"),
+                  "kvtierd restarts": lambda: restart_daemon(daemon)}[window]
         request, right_bytes = serve_twice(engine, ranks, PROMPT, action)
+        assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and right_bytes
+        assert engine.first_computed["again"] == FULL * BLOCK_TOKENS      # every block loaded, none recomputed
+        assert engine.manager.stats.load_failures == 0 and engine.manager.stats.leased_loads == 1
+        assert serves_on(engine, ranks)
+    stats = daemon.stats()
+    assert stats["load_hit_keys"] == FULL and stats["load_miss_keys"] == 0
+    if window != "kvtierd restarts":           # the restarted daemon's counters start at its restart
+        assert stats["lease_ends"]["consumed"] >= 1 and stats["lease_missed_loads"] == 0
+
+
+def test_a_forced_clear_revokes_the_lease_and_the_request_is_recomputed(start_daemon):
+    daemon = start_daemon(page_size="4KiB")
+    with running(EngineRecipe("tiny-llama", 1, daemon.socket, "forced")) as (engine, ranks):
+        request, right_bytes = serve_twice(engine, ranks, PROMPT,
+                                           lambda: kvtierctl(daemon, "clear", "--all", "--force"))
         assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and right_bytes
         assert engine.first_computed["again"] == 0              # nothing arrived: all recomputed
         assert engine.manager.stats.load_failures == 1
         assert serves_on(engine, ranks)
-    assert daemon.stats()["load_hit_keys"] == 0
+    stats = daemon.stats()
+    assert stats["load_hit_keys"] == 0 and stats["lease_ends"]["revoked"] == 1
 
 
-def test_a_partly_evicted_prefix_loads_what_is_left_and_recomputes_the_rest(start_daemon):
-    # LRU: the tail is evicted by touching the head and evicting the least recently used rest; the
-    # default policy (slru) chooses other victims here, by design (tests/unit/test_policy_slru.py).
-    daemon = start_daemon("--policy", "lru", page_size="4KiB")
+def test_blocks_past_the_lease_cap_may_be_evicted_and_only_they_are_recomputed(start_daemon):
     kept = 2
+    # The engine's leases may hold kept + 1 (a lease counts its entries plus one): the tail of the
+    # hit is not leased, and kvtierctl evict takes exactly it (the leased head is not evictable).
+    daemon = start_daemon("--max-leased-keys-per-engine", str(kept + 1), page_size="4KiB")
     with running(EngineRecipe("tiny-llama", 1, daemon.socket, "partial")) as (engine, ranks):
-        manager = engine.manager
-
-        def evict_the_tail():
-            # The lookup touched the prefix in order, so its head is least recently used: touch the
-            # head again, then evict the LRU rest.
-            keys = [make_offload_key(h, 0) for h in engine.scheduler.requests["again"].block_hashes[:FULL]]
-            toucher = Client(daemon.socket, engine_id="toucher", rank=None, world_size=1, namespace=manager.namespace)
-            try:
-                touched = toucher.lookup(keys[:kept])
-            finally:
-                toucher.close()
-            kvtierctl(daemon, "evict", "--count", str(FULL - kept))
-            assert touched == kept
-
-        request, right_bytes = serve_twice(engine, ranks, PROMPT, evict_the_tail)
+        request, right_bytes = serve_twice(engine, ranks, PROMPT,
+                                           lambda: kvtierctl(daemon, "evict", "--count", str(FULL)))
         assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and right_bytes
         assert engine.first_computed["again"] == kept * BLOCK_TOKENS     # the rest was recomputed
         assert serves_on(engine, ranks)
-    assert daemon.stats()["load_hit_keys"] == kept
+    stats = daemon.stats()
+    assert stats["load_hit_keys"] == kept and stats["lease_capped_keys"] >= FULL - kept
 
 
 def test_under_the_fail_policy_only_that_request_ends_with_an_error(start_daemon):
     daemon = start_daemon(page_size="4KiB")
     recipe = EngineRecipe("tiny-llama", 1, daemon.socket, "fail", failure_policy="fail")
     with running(recipe) as (engine, ranks):
-        request, _ = serve_twice(engine, ranks, PROMPT, lambda: kvtierctl(daemon, "clear", "--all"))
+        request, _ = serve_twice(engine, ranks, PROMPT, lambda: kvtierctl(daemon, "clear", "--all", "--force"))
         assert request.status == RequestStatus.FINISHED_ERROR
         assert serves_on(engine, ranks)
 

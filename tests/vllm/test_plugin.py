@@ -427,6 +427,105 @@ def test_large_transfers_are_split_into_several_kvtier_jobs(tier, monkeypatch):
     assert [block_bytes(pages, 8 + i) for i in range(8)] == [block_bytes(pages, i) for i in range(8)]
 
 
+def fill_region(daemon) -> None:
+    """Another engine (another namespace) stores as many blocks as the region holds and commits
+    them: every evictable block goes."""
+    from kvtier import Client
+    stats = daemon.stats()
+    filler = Client(daemon.socket, engine_id="filler", rank=0, world_size=1,
+                    namespace=NamespaceId("another-model", "bfloat16", 16, BLOCK, "sharded"))
+    try:
+        filler.register_kv_caches(kv_caches(9)[1])
+        count = stats["pages_total"] // -(-BLOCK // stats["page_size"])
+        for job, begin in enumerate(range(0, count, NUM_BLOCKS), start=1):
+            ks = keys(f"fill{job}-", min(NUM_BLOCKS, count - begin))
+            filler.store(job, ks, list(range(len(ks))))
+            filler.wait([job])
+    finally:
+        filler.close()
+
+
+def test_the_batched_lookup_leases_its_hits_and_the_load_consumes_the_lease(tier):
+    daemon, make_manager, make_worker = tier
+    manager = make_manager()
+    worker, pages = make_worker()
+    ks = keys("lease", 6)
+    store(manager, worker, ks[:4], 1, range(4))
+    ctx = request(manager, ks, "leased")
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 4 + [LookupResult.MISS]
+    stats = daemon.stats()
+    assert stats["leases_open"] == 1 and stats["entries_leased"] == 4 and stats["evictable"] == 0
+    fill_region(daemon)                                  # between lookup and load: nothing of ours goes
+    expected = [block_bytes(pages, b) for b in range(4)]
+    spec = manager.prepare_load(ks[:4], ctx)
+    assert [part.lease for part in spec.parts] == [1]
+    worker.submit_load(5, spec, gpu([8, 9, 10, 11]))
+    assert drain(worker, {5})[5].success and worker.take_load_outcomes() == [(5, None)]
+    assert [block_bytes(pages, b) for b in (8, 9, 10, 11)] == expected
+    settled(manager)
+    stats = daemon.stats()
+    assert stats["lease_ends"] == {"consumed": 1} and stats["lease_missed_loads"] == 0
+    assert manager.stats.leased_loads == 1
+
+
+def test_leases_of_a_load_split_into_jobs_follow_the_lookups_parts(tier, monkeypatch):
+    daemon, make_manager, make_worker = tier
+    monkeypatch.setattr("kvtier.integrations.vllm.manager.PART_KEYS", 3)
+    manager = make_manager()
+    worker, pages = make_worker()
+    ks = keys("parts", 8)
+    store(manager, worker, ks, 1, range(8))
+    ctx = request(manager, ks, "parts")
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 8      # three lookups, three leases
+    assert daemon.stats()["leases_open"] == 3
+    spec = manager.prepare_load(ks[1:7], ctx)                              # vLLM loads part of the hit
+    assert [(len(p.keys), p.lease) for p in spec.parts] == [(2, 1), (3, 2), (1, 3)]
+    worker.submit_load(2, spec, gpu(range(8, 14)))
+    assert drain(worker, {2})[2].success and worker.take_load_outcomes() == [(2, None)]
+    assert [block_bytes(pages, 8 + i) for i in range(6)] == [block_bytes(pages, 1 + i) for i in range(6)]
+    settled(manager)
+    assert daemon.stats()["lease_ends"] == {"consumed": 3} and daemon.stats()["leases_open"] == 0
+
+
+def test_a_waiting_request_has_its_lease_renewed_without_waiting(tier):
+    daemon, make_manager, make_worker = tier
+    manager = make_manager(lease_ttl_s=0.4)
+    worker, _ = make_worker()
+    ks = keys("renew", 3)
+    store(manager, worker, ks, 1, range(3))
+    ctx = request(manager, ks, "waits")
+    ended = time.monotonic() + 2.0
+    while time.monotonic() < ended:                      # waiting for GPU blocks: looked up every step
+        assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 3
+        time.sleep(0.02)
+    settled(manager)
+    stats = daemon.stats()
+    assert manager.stats.batches == 1 + manager.stats.renewals and manager.stats.renewals >= 3
+    assert stats["leases_open"] == 1 and "expired" not in stats["lease_ends"]
+    assert stats["lease_ends"]["replaced"] == stats["leases_granted"] - 1
+    manager.on_request_finished(ctx)                      # finished without a load: released
+    settled(manager)
+    assert daemon.stats()["leases_open"] == 0 and daemon.stats()["lease_ends"]["released"] == 1
+
+
+def test_reset_cache_releases_the_leases_and_leases_can_be_off(tier):
+    daemon, make_manager, make_worker = tier
+    manager = make_manager()
+    worker, _ = make_worker()
+    ks = keys("reset", 2)
+    store(manager, worker, ks, 1, range(2))
+    assert prefix_lookup(manager, ks, request(manager, ks, "a")) == [LookupResult.HIT] * 2
+    assert prefix_lookup(manager, ks, request(manager, ks, "b")) == [LookupResult.HIT] * 2
+    assert daemon.stats()["leases_open"] == 2
+    manager.reset_cache()
+    settled(manager)
+    assert daemon.stats()["leases_open"] == 0
+    off = make_manager(lease_ttl_s=0)
+    ctx = request(off, ks, "off")
+    assert prefix_lookup(off, ks, ctx) == [LookupResult.HIT] * 2
+    assert daemon.stats()["leases_open"] == 0 and off.prepare_load(ks, ctx).parts[0].lease is None
+
+
 def until(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -470,6 +569,31 @@ def test_manager_serves_misses_while_kvtierd_is_away_and_reattaches(tier):
     assert manager.link.requests == requests
     daemon.start()                                               # same region: READY entries recovered
     until(lambda: prefix_lookup(manager, ks, request(manager, ks, "again")) == [LookupResult.HIT] * 2)
+    # "before" never finished: its lease was re-issued when the link re-attached; "again" leased anew.
+    assert daemon.stats()["leases_open"] == 2
+
+
+def test_an_answer_from_before_a_restart_is_asked_again_and_leased_anew(tier):
+    daemon, make_manager, make_worker = tier
+    manager = make_manager(timeout_s=1.0, retry_s=0.2)
+    worker, pages = make_worker()
+    ks = keys("epoch", 3)
+    store(manager, worker, ks, 1, range(3))
+    ctx = request(manager, ks, "across")
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 3
+    daemon.stop(signal.SIGKILL)
+    until(lambda: not manager.link.up)
+    daemon.start()
+    until(lambda: manager.link.up)
+    assert daemon.stats()["leases_open"] == 1                    # the link's client leased it again
+    batches = manager.stats.batches
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 3
+    assert manager.stats.batches == batches + 1                  # not answered from the old session's verdict
+    fill_region(daemon)
+    spec = manager.prepare_load(ks, ctx)
+    worker.submit_load(4, spec, gpu([8, 9, 10]))
+    assert drain(worker, {4})[4].success and worker.take_load_outcomes() == [(4, None)]
+    assert [block_bytes(pages, b) for b in (8, 9, 10)] == [block_bytes(pages, b) for b in range(3)]
 
 
 def test_the_documented_serve_line_loads_this_plugin():

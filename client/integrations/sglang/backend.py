@@ -6,7 +6,8 @@ the methods below from its storage threads. Contract per method (SGLang 0.5.23):
 
 - ``batch_exists(keys)`` (prefetch thread): how many leading keys kvtierd holds ready, in one
   ``lookup`` request (more only past kvtierd's 8192 keys per request), on a coordinator session
-  of its own so that it never waits behind a copy.
+  of its own so that it never waits behind a copy. The lookup leases the hits
+  (``kvtier_lease_ttl_s``) for the ``batch_get`` of the same pages that follows (see Leases).
 - ``batch_set_v1(keys, host_indices)`` / ``batch_get_v1(keys, host_indices)`` (backup / io-aux
   thread, with ``interface_v1``): zero copy. The pages are copied between SGLang's host pool and
   the region by the kvtier client's CPU copier, with descriptors built from the host pool's
@@ -28,11 +29,23 @@ Job ids: each SGLang TP rank calls the backend on its own, with the same keys in
 named alike on every rank of a sharded engine, so its id is derived from what the ranks share:
 a hash of (store|load, the keys, how many times this backend opened a job for these very keys).
 
+Leases: SGLang asks ``batch_exists`` on its prefetch thread, batch by batch (``STORAGE_BATCH_SIZE``
+pages), and once its scheduler decided to fetch (host memory allocated, the hit count reduced
+across TP ranks), its io-aux thread reads the hit prefix in the same batches with ``batch_get``.
+In between another engine may fill the region; so ``batch_exists`` leases its hits, and the read
+of exactly those pages names the lease, which its load job consumes: it loads them all. The
+lease id is derived from the keys (every TP rank of an engine leases and loads under the same
+id: the first load consumes it), and the read finds it by the hash of its keys (``_leased``: a
+bounded map). A read of other pages than were leased (ranks that disagreed on the hit count) is
+a plain load; a prefetch SGLang drops (below its threshold, out of host memory) leaves its lease
+to expire.
+
 Failure: kvtierd unreachable or restarting never raises into SGLang's threads. A request waits
 at most ``kvtier_timeout_s`` for its reply and the client re-attaches for at most as long again;
 then the backend serves misses (0 hits, False) at once for ``kvtier_retry_s`` before it asks
 kvtierd again, so a storage thread is held for a few ``kvtier_timeout_s`` once per outage, never
-more. Blocks stored before a daemon restart stay (kvtierd recovers its ready entries).
+more. Blocks stored before a daemon restart stay (kvtierd recovers its ready entries); a load in
+flight at the restart is redone by the client once it re-attached.
 """
 
 from __future__ import annotations
@@ -62,6 +75,7 @@ PART_KEYS = 4096                       # keys per kvtier job (SGLang batches 128
 STAGING_BYTES = 64 << 20               # the generic path's staging buffer: at most this ...
 STAGING_PAGES = 128                    # ... and at most SGLang's STORAGE_BATCH_SIZE pages
 JOB_MEMORY = 65536                     # key lists whose job occurrences are remembered
+LEASE_MEMORY = 4096                    # leased batches awaiting their read (older ones are forgotten)
 
 
 def kvtier_key(key: str) -> bytes:
@@ -104,6 +118,8 @@ class KvtierStorage(HiCacheStorage):
         self._down_until = 0.0
         self._staging: torch.Tensor | None = None
         self._occurrences: OrderedDict = OrderedDict()
+        self._leased: OrderedDict = OrderedDict()   # _lease_id(leased keys) -> lease id, until read
+        self._leased_lock = threading.Lock()        # batch_exists and batch_get run on two threads
 
     # ------------------------------------------------------------------ attach
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -206,12 +222,14 @@ class KvtierStorage(HiCacheStorage):
         return results
 
     def _load_locked(self, client: Client, keys: List[bytes], block_ids: np.ndarray) -> int:
-        """Loads the ready prefix of ``keys``; returns how many arrived."""
+        """Loads the ready prefix of ``keys`` (consuming the lease of exactly these keys, if
+        batch_exists took one); returns how many arrived."""
+        lease = self._lease_of(keys)
         loaded = 0
         for start in range(0, len(keys), PART_KEYS):
             chunk = keys[start:start + PART_KEYS]
             job = self._job_id("load", chunk)
-            hits = client.load(job, chunk, block_ids[start:start + len(chunk)])
+            hits = client.load(job, chunk, block_ids[start:start + len(chunk)], lease=lease if start == 0 else None)
             (done,) = client.wait([job])
             if not done.ok:
                 logger.warning("kvtier: load job %d failed: %s", job, done.error)
@@ -254,18 +272,43 @@ class KvtierStorage(HiCacheStorage):
         if not self._lookup_lock.acquire(timeout=self.settings.timeout_s):
             return 0
         hits = 0
+        lease = self._lease_id(tkeys) if self.settings.lease_ttl_s and len(tkeys) <= PART_KEYS else None
         try:
             for start in range(0, len(tkeys), P.MAX_KEYS_PER_REQUEST):
                 chunk = tkeys[start:start + P.MAX_KEYS_PER_REQUEST]
-                found = clients[1].lookup(chunk)
+                found = clients[1].lookup(chunk, lease=lease, ttl=self.settings.lease_ttl_s)
                 hits += found
                 if found < len(chunk):
                     break
+            held = clients[1].lease_held(lease) if lease is not None else None
+            if held is not None:
+                self._remember_lease(self._lease_id(tkeys[:held.leased]), lease)
         except KvtierError as exc:
             self._failed(exc, "lookup failed")
         finally:
             self._lookup_lock.release()
         return hits
+
+    @staticmethod
+    def _lease_id(keys: List[bytes]) -> int:
+        """The lease of a batch: the same on every TP rank of the engine (they ask the same keys)."""
+        digest = hashlib.blake2b(b"lease" + b"".join(len(k).to_bytes(1, "little") + k for k in keys),
+                                 digest_size=8).digest()
+        return int.from_bytes(digest, "little") & P.MAX_LEASE_ID
+
+    def _remember_lease(self, leased: int, lease: int) -> None:
+        """``lease`` holds the keys whose ``_lease_id`` is ``leased`` (all of its batch's, or a prefix)."""
+        with self._leased_lock:
+            self._leased.pop(leased, None)
+            self._leased[leased] = lease
+            if len(self._leased) > LEASE_MEMORY:
+                self._leased.popitem(last=False)
+
+    def _lease_of(self, keys: List[bytes]) -> int | None:
+        """The lease batch_exists took on exactly these keys (forgotten once asked)."""
+        leased = self._lease_id(keys)
+        with self._leased_lock:
+            return self._leased.pop(leased, None)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

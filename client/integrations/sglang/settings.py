@@ -22,11 +22,13 @@ class KvtierSettings:
     engine_id: str | None = None     # the kvtier engine id of this SGLang instance (default: per parent pid)
     timeout_s: float = 2.0           # bound on one request to kvtierd (and on re-attaching)
     retry_s: float = 10.0            # after kvtierd was unreachable: serve misses this long, then try again
+    lease_ttl_s: float = 5.0         # how long batch_exists' hits are held for the batch_get after it (0: no leases)
     interface_v1: bool = False       # SGLang's own key: zero-copy batch_get_v1/batch_set_v1
 
     KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_engine_id": "engine_id",
-            "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s"}
-    NUMBERS = {"timeout_s": ("seconds", False), "retry_s": ("seconds", False)}   # (unit, may be 0)
+            "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_lease_ttl_s": "lease_ttl_s"}
+    NUMBERS = {"timeout_s": ("seconds", False), "retry_s": ("seconds", False),   # (unit, may be 0)
+               "lease_ttl_s": ("seconds", True)}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "KvtierSettings":

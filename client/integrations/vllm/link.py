@@ -2,13 +2,16 @@
 
 vLLM's scheduler thread must never wait on kvtierd longer than it chooses to, so it never touches
 a socket. A ``Link`` thread owns the coordinator ``Client``: it attaches, re-attaches after a
-restart, and while kvtierd is unreachable retries every ``retry_s``. The scheduler hands it work
-through a queue (``submit``: a ``Call`` it may wait on with its own bound; ``send``: fire and
-forget) and reads two plain attributes the thread alone writes:
+restart (the same ``Client``, so that it leases again what its old session held), and while
+kvtierd is unreachable retries every ``retry_s``. The scheduler hands it work through a queue
+(``submit``: a ``Call`` it may wait on with its own bound; ``send``: fire and forget) and reads
+three plain attributes the thread alone writes:
 
 - ``up``: attached and the connection stands. While False the scheduler does no I/O.
 - ``replies``: how many answers the thread has had; a scheduler that gave up waiting remembers
   the count and waits again only once it moved (a hung daemon costs one wait, not one per call).
+- ``epoch``: the client's count of attachments (``Client.attachments``) as last seen; it moves
+  when the session is new (a daemon restart), which ends what the old one held (leases).
 
 A daemon that dies closes its end of the IPC connection; the thread watches for that (a ZMQ
 socket monitor, checked every ``WATCH_INTERVAL_S`` while idle) and marks the link down at once,
@@ -84,6 +87,7 @@ class Link:
         self.what = what                      # for log lines: "coordinator of engine X at <socket>"
         self.up = False
         self.replies = 0
+        self.epoch = 0
         self.requests = 0                     # requests sent to kvtierd (the thread counts them)
         self.client: Client | None = None     # the link thread's; others only read it for logging
         self._watch: zmq.Socket | None = None
@@ -116,7 +120,7 @@ class Link:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                if self.client is None and not self._attach():
+                if not self.up and not self._attach():
                     self._first.set()
                     self._refuse_until(time.monotonic() + self.retry_s)
                     continue
@@ -172,8 +176,12 @@ class Link:
                 pass
 
     def _attach(self) -> bool:
+        """Attach (the first time) or re-attach the same client: one attempt."""
         try:
-            self.client = self._connect()
+            if self.client is None:
+                self.client = self._connect()
+            else:
+                self.client.reconnect()
         except KvtierError as exc:
             if not self._said_down:
                 level = logging.WARNING if isinstance(exc, LOST) else logging.ERROR
@@ -184,6 +192,7 @@ class Link:
         logger.info("kvtier: %s attached, namespace %s", self.what, self.client.info.namespace)
         self._said_down = False
         self.replies += 1
+        self.epoch = self.client.attachments
         self.up = True
         return True
 
@@ -211,6 +220,7 @@ class Link:
             return
         except KvtierError as exc:            # kvtierd answered with an error
             self.replies += 1
+            self.epoch = self.client.attachments
             call._finish(None, exc)
             logger.debug("kvtier: %s: %s", self.what, exc)
             return
@@ -219,11 +229,13 @@ class Link:
             call._finish(None, exc)
             return
         self.replies += 1
+        self.epoch = self.client.attachments   # the client may have re-attached on its own
         call._finish(value, None)
 
     def _lose(self, exc: BaseException) -> None:
+        """The connection is gone: down until ``_attach`` re-attaches the same client."""
         self.up = False
         logger.warning("kvtier: %s lost kvtierd (%s); the engine serves without it (every lookup a miss, nothing "
                        "stored) and re-attaches within %gs", self.what, exc, self.retry_s)
         self._said_down = True
-        self._drop_client()
+        self._unwatch()

@@ -10,8 +10,12 @@ Two rules shape it (docs/vllm.md has the measurements):
 - **One kvtierd request per request, not one per block.** vLLM asks
   ``lookup`` one key at a time, thousands of times for a long prompt, and again every step while
   the request waits for GPU blocks. The manager answers from one batched ``lookup`` of all the
-  request's keys and keeps the answer (per request, in vLLM's ``ReqContext``) for
-  ``LOOKUP_RESULTS_TTL_S``.
+  request's keys and keeps the answer (per request, in vLLM's ``ReqContext``).
+- **A HIT stays loadable.** That batched lookup leases its hits (``kvtier_lease_ttl_s``): kvtierd
+  holds them for this engine until the load names the lease (``JobPart.lease``: the ranks' load
+  job, or the manager's own ``open_load``, consumes it), the manager releases it, or it expires.
+  A request that waits for GPU blocks has its lease renewed (the same lookup, the same lease ids)
+  once half its ttl passed, in the background, answered from the answer it has meanwhile.
 - **The scheduler thread never waits on kvtierd beyond ``kvtier_lookup_wait_ms``.** All I/O runs
   on a ``Link`` thread, and only a request's batched lookup is waited for; stores and loads are
   opened in the background. While kvtierd is unreachable every lookup is a MISS at once and
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from typing import Callable, Collection, Iterable
@@ -52,10 +57,15 @@ from .transfer import JobPart, KvtierLoadStoreSpec
 # A child of vLLM's logger, so that these lines go where vLLM's own go.
 logger = logging.getLogger("vllm.kvtier")
 
-# How long a request's batched lookup answers its later lookups. Without a lease a block may be
-# evicted in the meantime (the load then fails and is reported, see connector.py); asking again
-# once a second also keeps a waiting request's blocks young in kvtierd's LRU.
+# How long a batched lookup that holds no lease answers the request's later lookups (leases off,
+# or every hit past kvtierd's caps): a block may be evicted meanwhile (the load then comes back
+# short and is reported, see connector.py); asking again once a second keeps it young in kvtierd.
 LOOKUP_RESULTS_TTL_S = 1.0
+
+# A leased answer is used for this share of the ttl kvtierd granted (counted from when the lookup
+# was sent), and renewed once half of it passed: the margin covers a renewal answered late.
+LEASE_USE = 0.8
+LEASE_RENEW = 0.5
 
 # After a wait for kvtierd ran out, the scheduler does not wait again until the link has an answer
 # (a hung daemon costs one wait); requests asked meanwhile are deferred (RETRY), and after this
@@ -97,9 +107,15 @@ class _Request:
     start: int = 0                    # end-token position of the batch's first key
     npos: int = -1                    # how many key positions vLLM had recorded for the batch
     expires: float = 0.0
+    renew_at: float = float("inf")    # when to renew the verdict's leases
+    epoch: int = -1                   # the link's epoch (coordinator session) the verdict came from
     valid_step: int = -1              # the step in which ``verdict`` was last checked as current
+    lease_ids: dict = dataclasses.field(default_factory=dict)  # (group, chunk) -> the lease id it uses
+    held: set = dataclasses.field(default_factory=set)         # lease ids kvtierd holds for the verdict
+    groups: list = dataclasses.field(default_factory=list)     # the verdict's batch: its keys per group
+    lease_of: dict = dataclasses.field(default_factory=dict)   # leased key -> its lease id
     pending: Call | None = None       # the batch in flight
-    pending_batch: tuple = ()         # (start, npos, merge, [per-group keys]) of that batch
+    pending_batch: tuple = ()         # (start, npos, [per-group keys], when sent) of that batch
     retry_step: int = -1              # the step in which it last answered RETRY
     retry_groups: set = dataclasses.field(default_factory=set)   # the KV-cache groups it answered RETRY then
     collected: list | None = None     # public path: keys answered RETRY this step, to batch
@@ -117,6 +133,8 @@ class ManagerStats:
     down: int = 0                     # lookups answered MISS without asking (kvtierd away or slow)
     stores_skipped: int = 0           # prepare_store answered "not stored" without asking
     load_failures: int = 0            # requests whose load failed (reported by the connector)
+    renewals: int = 0                 # batches sent to renew a waiting request's leases
+    leased_loads: int = 0             # load jobs that named a lease
 
 
 class KvtierOffloadingManager(OffloadingManager):
@@ -127,11 +145,11 @@ class KvtierOffloadingManager(OffloadingManager):
     - ``lookup(key)``: HIT_PENDING while a store of the key that this manager prepared has not
       completed; else the verdict of the request's batched lookup (HIT for the ready prefix of its
       keys, MISS after it). The first lookup of a request sends one batched ``lookup`` of all its
-      keys (from that key on, per KV-cache group) and waits for it at most
+      keys (from that key on, per KV-cache group, leasing the hits) and waits for it at most
       ``kvtier_lookup_wait_ms``; later lookups, including every step while the request waits
-      for GPU blocks, are dict lookups. An answer that comes later is used next step (this
-      step: RETRY once per KV-cache group, then MISS, so that vLLM defers the request without
-      scanning on). After a wait ran out, no request waits until kvtierd answered again (they
+      for GPU blocks, are dict lookups (the leases renewed in the background). An answer that
+      comes later is used next step (this step: RETRY once per KV-cache group, then MISS, so
+      that vLLM defers the request without scanning on). After a wait ran out, no request waits until kvtierd answered again (they
       are deferred), and after ``GIVE_UP_S`` without an answer they get MISS. MISS at once
       while kvtierd is unreachable, and for a request whose load failed.
       Where vLLM's key positions are not readable (another vLLM series): RETRY for every key,
@@ -143,13 +161,17 @@ class KvtierOffloadingManager(OffloadingManager):
       slow, and for ``FULL_REGION_BACKOFF_S`` after a store found no room for any key; never
       ``None`` (which would make vLLM offer the keys again, and warn, every step).
       ``evicted_keys`` is always empty: kvtierd evicts on its own, across engines.
-    - ``prepare_load(keys)``: returns the load's kvtier jobs at once and opens them in the
-      background (pinning the ready prefix); the ranks' own load requests open them if they get
-      there first. A key evicted since lookup makes the load come back short: the workers report
+    - ``prepare_load(keys)``: returns the load's kvtier jobs at once, each naming the lease that
+      holds its keys, and opens them in the background; the ranks' own load requests open them if
+      they get there first. Whichever opens a job consumes its lease: the leased keys cannot come
+      back short. Leases of the request the load does not use are released. A key that was not
+      leased (leases off, kvtierd's caps) or whose lease was lost (revoked, a restart before the
+      client re-leased it) and then evicted makes the load come back short: the workers report
       it and the request is recomputed or failed (``KvtierOffloadingConnector``).
     - ``complete_store``/``complete_load``: local bookkeeping (the ranks voted / released); a
       failed store's jobs are aborted.
-    - ``reset_cache``: forgets this engine's in-flight bookkeeping and lookup answers; it does not
+    - ``on_request_finished``: releases the request's leases. ``reset_cache``: forgets this
+      engine's in-flight bookkeeping and lookup answers (releasing their leases); it does not
       clear kvtierd, whose cache is shared and outlives the engine (kvtierctl clears it).
     - No KV events: kvtierd's evictions are not reported back.
 
@@ -169,6 +191,8 @@ class KvtierOffloadingManager(OffloadingManager):
         self.use_key_positions = key_positions_readable()
         self._clock = clock
         self._wait_s = settings.lookup_wait_ms / 1000
+        self._lease_ttl = settings.lease_ttl_s or None      # None: no leases
+        self._next_lease = 1
         self._step = 0
         self._stalled_at: tuple[int, float] | None = None   # (link.replies, when) as a wait last ran out
         self._next_job = 1
@@ -190,6 +214,14 @@ class KvtierOffloadingManager(OffloadingManager):
         job = self._next_job
         self._next_job += 1
         return job
+
+    def _lease_id(self, state: _Request, slot: tuple) -> int:
+        """The lease id of one (group, chunk) of the request's batches: the same on renewal."""
+        lease = state.lease_ids.get(slot)
+        if lease is None:
+            lease = state.lease_ids[slot] = self._next_lease
+            self._next_lease += 1
+        return lease
 
     def _stalled(self) -> bool:
         """A wait ran out and the link has had no answer since: do not wait again."""
@@ -254,10 +286,15 @@ class KvtierOffloadingManager(OffloadingManager):
     def _known(self, state: _Request, key: OffloadKey, positions: dict | None) -> LookupResult | None:
         """The answer from the request's current batch; None when kvtierd must be asked."""
         verdict = state.verdict
-        if verdict is None or self._clock() >= state.expires:
+        if verdict is None:
             return None
+        now = self._clock()
+        if now >= state.expires or state.epoch != self._link.epoch:
+            return None                       # lapsed, or from a session before a restart (its leases are gone)
         if positions is not None and len(positions) != state.npos:
             return None                       # the request grew (e.g. preempted, then resumed)
+        if now >= state.renew_at and state.pending is None:
+            self._renew(state)
         state.valid_step = self._step
         hit = verdict.get(key)
         if hit is not None:
@@ -305,7 +342,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 if position >= start:
                     groups.setdefault(k[-4:], []).append(k)
             batch = list(groups.values())
-        self._send_batch(state, (start, len(positions), False, batch))
+        self._send_batch(state, start, len(positions), batch)
         if not self._stalled():
             waiting = time.perf_counter()
             answered = state.pending.wait(self._wait_s)
@@ -317,49 +354,91 @@ class KvtierOffloadingManager(OffloadingManager):
             self.stats.late += 1
         return self._retry(state, key)
 
-    def _send_batch(self, state: _Request, batch: tuple) -> None:
+    def _send_batch(self, state: _Request, start: int, npos: int, groups: list[list]) -> None:
+        """One batched lookup of the request's keys (per KV-cache group), leasing what it finds
+        under the request's lease ids (the same ids again renew)."""
         self.stats.batches += 1
-        state.pending, state.pending_batch = self._link.submit(functools.partial(self._ready_prefixes, batch[3])), batch
+        leases = None
+        if self._lease_ttl is not None:
+            leases = [[self._lease_id(state, (keys[0][-4:], chunk)) for chunk in range(-(-len(keys) // PART_KEYS))]
+                      for keys in groups]
+        state.pending = self._link.submit(functools.partial(self._ready_prefixes, groups, leases))
+        state.pending_batch = (start, npos, groups, self._clock())
 
-    def _ready_prefixes(self, groups: list[list], client: Client) -> list[int]:
-        """(link thread) The ready prefix length of each group's keys."""
-        out = []
-        for keys in groups:
-            tkeys, hits = kvtier_keys(keys), 0
-            for begin in range(0, len(tkeys), PART_KEYS):
-                chunk = tkeys[begin:begin + PART_KEYS]
+    def _renew(self, state: _Request) -> None:
+        """Send the request's batch again, not waited for: its leases are renewed, and the answer
+        replaces the verdict when it comes."""
+        self.stats.renewals += 1
+        self._send_batch(state, state.start, state.npos, state.groups)
+
+    def _ready_prefixes(self, groups: list[list], leases: list[list] | None, client: Client) -> tuple:
+        """(link thread) Per group: the ready prefix length of its keys, and (lease id, first key,
+        keys held) of each lease that holds some; the shortest ttl granted; the session's epoch."""
+        prefixes, held, ttl = [], [], None
+        for index, keys in enumerate(groups):
+            tkeys, hits, spans = kvtier_keys(keys), 0, []
+            for chunk, begin in enumerate(range(0, len(tkeys), PART_KEYS)):
+                part = tkeys[begin:begin + PART_KEYS]
                 self._link.requests += 1
-                found = client.lookup(chunk)
+                if leases is None:
+                    found = client.lookup(part)
+                else:
+                    lease = leases[index][chunk]
+                    found = client.lookup(part, lease=lease, ttl=self._lease_ttl)
+                    granted = client.lease_held(lease)
+                    if granted is not None:
+                        spans.append((lease, begin, granted.leased))
+                        ttl = granted.ttl if ttl is None else min(ttl, granted.ttl)
                 hits += found
-                if found < len(chunk):
+                if found < len(part):
                     break
-            out.append(hits)
-        return out
+            prefixes.append(hits)
+            held.append(spans)
+        return prefixes, held, ttl, client.attachments
 
     def _absorb(self, state: _Request) -> None:
         """Turn the finished batch into the request's verdict (all MISS if kvtierd refused it)."""
         call, state.pending = state.pending, None
-        start, npos, merge, groups = state.pending_batch
+        start, npos, groups, sent = state.pending_batch
         state.pending_batch = ()
         try:
-            prefixes = call.result()
+            prefixes, held, ttl, epoch = call.result()
         except LOST:                          # asked again once the link is back
             state.verdict, state.valid_step = None, -1
             return
         except Exception as exc:              # kvtierd refused: these keys are misses (for a while)
             logger.debug("kvtier: lookup of request %s failed: %s", state.req_id, exc)
-            prefixes = [0] * len(groups)
-        now = self._clock()
-        verdict = state.verdict if merge and state.verdict is not None and now < state.expires else None
-        for keys, hits in zip(groups, prefixes):
-            if verdict is None:
-                verdict = dict.fromkeys(keys[:hits], True)
-            else:
-                verdict.update(dict.fromkeys(keys[:hits], True))
+            prefixes, held, ttl, epoch = [0] * len(groups), [[] for _ in groups], None, self._link.epoch
+        verdict: dict = {}
+        lease_of: dict = {}
+        for keys, hits, spans in zip(groups, prefixes, held):
+            verdict.update(dict.fromkeys(keys[:hits], True))
             verdict.update(dict.fromkeys(keys[hits:], False))
-        verdict = {} if verdict is None else verdict
-        state.verdict, state.start, state.npos, state.expires = verdict, start, npos, now + LOOKUP_RESULTS_TTL_S
+            for lease, begin, leased in spans:
+                lease_of.update(dict.fromkeys(keys[begin:begin + leased], lease))
+        now_held = {lease for spans in held for lease, _, _ in spans}
+        self._release(state.held - now_held)  # leases of chunks this batch no longer reached
+        state.verdict, state.start, state.npos, state.epoch = verdict, start, npos, epoch
+        state.held, state.lease_of, state.groups = now_held, lease_of, groups
+        if ttl is None:
+            state.expires, state.renew_at = self._clock() + LOOKUP_RESULTS_TTL_S, float("inf")
+        else:
+            state.expires, state.renew_at = sent + ttl * LEASE_USE, sent + ttl * LEASE_RENEW
         state.valid_step = -1
+
+    def _release(self, leases: Collection[int]) -> None:
+        """Release these leases in the background (a lapsed link: kvtierd lost or expires them)."""
+        if leases and self._link.up:
+            self._link.send(functools.partial(self._unlease, sorted(leases)))
+
+    def _unlease(self, leases: list[int], client: Client) -> None:
+        self._link.requests += 1
+        client.unlease(leases)
+
+    def _forget(self, state: _Request) -> None:
+        """Drop the request's answer and release its leases; a later lookup asks kvtierd again."""
+        self._release(state.held)
+        state.verdict, state.valid_step, state.held, state.lease_of = None, -1, set(), {}
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._step += 1
@@ -368,17 +447,18 @@ class KvtierOffloadingManager(OffloadingManager):
             keys, state.collected = state.collected, None
             if state.req_id not in self._requests or not self._link.up or state.pending is not None:
                 continue
-            groups: dict[bytes, list] = {}
-            for k in dict.fromkeys(keys):
-                groups.setdefault(k[-4:], []).append(k)
-            self._send_batch(state, (0, -1, True, list(groups.values())))
+            if state.verdict is not None and self._clock() < state.expires:
+                keys = [*state.verdict, *keys]    # one batch holds all the request's keys (and leases)
+            self._send_batch(state, 0, -1, _grouped(dict.fromkeys(keys)))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if keys and self._link.up:
-            self._link.send(functools.partial(self._ready_prefixes, [list(keys)]))
+            self._link.send(functools.partial(self._ready_prefixes, [list(keys)], None))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._requests.pop(req_context.req_id, None)
+        state = self._requests.pop(req_context.req_id, None)
+        if state is not None:
+            self._forget(state)
 
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """The workers could not load these requests' blocks: answer MISS for them from now on, so
@@ -386,7 +466,8 @@ class KvtierOffloadingManager(OffloadingManager):
         for req_id in req_ids:
             state = self._requests.get(req_id)
             if state is not None and not state.load_failed:
-                state.load_failed, state.verdict, state.valid_step = True, None, -1
+                self._forget(state)
+                state.load_failed = True
                 self.stats.load_failures += 1
                 logger.warning("kvtier: request %s: loading its blocks from kvtierd failed; its lookups are "
                                "misses from now on", req_id)
@@ -405,11 +486,18 @@ class KvtierOffloadingManager(OffloadingManager):
             self._writing.update(dict.fromkeys(keys[index * PART_KEYS:(index + 1) * PART_KEYS], part.job))
         return PrepareStoreOutput(keys_to_store=keys, store_spec=KvtierLoadStoreSpec(parts), evicted_keys=[])
 
-    def _parts(self, keys: list[OffloadKey]) -> list[JobPart]:
-        """The keys (as kvtier keys) in kvtier jobs of at most PART_KEYS keys, in order."""
+    def _parts(self, keys: list[OffloadKey], lease_of: dict | None = None) -> list[JobPart]:
+        """The keys (as kvtier keys) in kvtier jobs of at most PART_KEYS keys, in order; with
+        ``lease_of`` (key -> lease id), one job per run of keys of the same lease, naming it."""
         tkeys = kvtier_keys(keys)
-        return [JobPart(self._new_job(), tuple(tkeys[begin:begin + PART_KEYS]))
-                for begin in range(0, len(tkeys), PART_KEYS)]
+        runs = itertools.groupby(map(lease_of.get, keys)) if lease_of else [(None, tkeys)]
+        parts, begin = [], 0
+        for lease, run in runs:
+            end = begin + len(list(run))
+            parts.extend(JobPart(self._new_job(), tuple(tkeys[first:min(end, first + PART_KEYS)]), lease)
+                         for first in range(begin, end, PART_KEYS))
+            begin = end
+        return parts
 
     def _open_stores(self, parts: list[JobPart], client: Client) -> None:
         """(link thread) Open the store jobs before the ranks' requests arrive: kvtierd decides and
@@ -443,9 +531,15 @@ class KvtierOffloadingManager(OffloadingManager):
     # --- loads
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         state = req_context.get_state(_Request)
-        if state is not None:                       # a later lookup (recompute, preemption) asks again
-            state.verdict, state.valid_step = None, -1
-        parts = self._parts(list(keys))
+        keys = list(keys)
+        parts = self._parts(keys, state.lease_of if state is not None else None)
+        if state is not None:
+            # The load's jobs consume the leases they name; the rest are released, and a later
+            # lookup (recompute, preemption) asks again under new lease ids.
+            state.held -= {part.lease for part in parts}
+            self._forget(state)
+            state.lease_ids = {}
+        self.stats.leased_loads += sum(1 for part in parts if part.lease is not None)
         if parts and self._link.up:
             self._link.send(functools.partial(self._open_loads, parts))
         return KvtierLoadStoreSpec(parts)
@@ -455,7 +549,7 @@ class KvtierOffloadingManager(OffloadingManager):
         for part in parts:
             try:
                 self._link.requests += 1
-                hits = client.open_load(part.job, part.keys)
+                hits = client.open_load(part.job, part.keys, lease=part.lease)
             except LOST:
                 raise
             except KvtierError as exc:                  # e.g. the ranks were faster and finished it
@@ -470,11 +564,11 @@ class KvtierOffloadingManager(OffloadingManager):
 
     # --- the rest
     def reset_cache(self) -> None:
-        logger.info("kvtier: reset_cache forgets %d in-flight stores and the lookup answers of engine %s; "
-                    "kvtierd's cache is shared and stays (kvtierctl clears it)", len(self._writing), self.engine_id)
+        logger.info("kvtier: reset_cache forgets %d in-flight stores and the lookup answers (and leases) of engine "
+                    "%s; kvtierd's cache is shared and stays (kvtierctl clears it)", len(self._writing), self.engine_id)
         self._writing.clear()
         for state in self._requests.values():
-            state.verdict, state.valid_step = None, -1
+            self._forget(state)
 
     def take_events(self) -> Iterable:
         return ()
@@ -484,6 +578,14 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self._link.close()
+
+
+def _grouped(keys: Iterable[OffloadKey]) -> list[list]:
+    """Keys per KV-cache group (a key's last 4 bytes), in order."""
+    groups: dict[bytes, list] = {}
+    for key in keys:
+        groups.setdefault(key[-4:], []).append(key)
+    return list(groups.values())
 
 
 def _nothing_stored() -> PrepareStoreOutput:

@@ -45,14 +45,16 @@ class KvtierSettings:
     timeout_s: float = 5.0           # bound on one request to kvtierd
     retry_s: float = 10.0            # after kvtierd was unreachable, wait this long before reconnecting
     lookup_wait_ms: float = 10.0     # longest the scheduler waits for a batched lookup's answer
+    lease_ttl_s: float = 5.0         # how long kvtierd holds a lookup's hits for the load (0: no leases)
     copier: str = "auto"             # how the workers copy (kvtier.select.COPIERS: auto, cpu, cuda, torch)
     engine_id: str | None = None     # kvtier engine id; default vllm-<vLLM engine_id>
 
     KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_sharding": "sharding",
             "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_copier": "copier",
-            "kvtier_engine_id": "engine_id", "kvtier_lookup_wait_ms": "lookup_wait_ms"}
+            "kvtier_engine_id": "engine_id", "kvtier_lookup_wait_ms": "lookup_wait_ms",
+            "kvtier_lease_ttl_s": "lease_ttl_s"}
     NUMBERS = {"timeout_s": ("seconds", False), "retry_s": ("seconds", False),   # (unit, may be 0)
-               "lookup_wait_ms": ("milliseconds", True)}
+               "lookup_wait_ms": ("milliseconds", True), "lease_ttl_s": ("seconds", True)}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "KvtierSettings":

@@ -9,7 +9,8 @@ job id to those kvtier jobs and reports vLLM's id back.
 A kvtier job is decided by whichever of its requests reaches kvtierd first, the manager's (sent
 in the background) or a rank's: for a store, which keys are written (the others are present
 already or find no room); for a load, the ready prefix it pins. Every rank gets that same
-decision.
+decision; a load job also consumes the lease its part names (kvtierd.leases), so that the keys
+the scheduler's lookup found cannot have been evicted meanwhile.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from vllm.v1.kv_offload.base import LoadStoreSpec
 @dataclass(frozen=True)
 class JobPart:
     """One kvtier job of a transfer: its id and its keys, in the order of the transfer's GPU
-    block ids (every rank must name the same keys)."""
+    block ids (every rank must name the same keys); for a load, the lease of the engine that
+    holds those keys (the job's first request consumes it), if any."""
 
     job: int
     keys: tuple[bytes, ...]
+    lease: int | None = None
 
 
 class KvtierLoadStoreSpec(LoadStoreSpec):

@@ -202,7 +202,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             for part in src_spec.parts:
                 first, offset = offset, offset + len(part.keys)
                 try:
-                    hits = client.load(part.job, list(part.keys), block_ids[first:offset])
+                    hits = client.load(part.job, list(part.keys), block_ids[first:offset], lease=part.lease)
                 except KvtierError as exc:
                     self._fail(transfer, f"load job {part.job}: {exc}", first)
                     if isinstance(exc, (DaemonUnavailable, NotAttached)):
