@@ -42,7 +42,9 @@ from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 # 2: hello's "layout" map became "namespace", its "kind" field "sharding".
 # 3: stats: pages_quarantined became pages_fenced, with fenced_pages by reason, fence releases, the
 #    oldest fence's age, the grace and the writer rows (the page fence, issue 10).
-PROTOCOL_VERSION = 3
+# 4: lookup replies say how many keys after the hits are being promoted from the second tier
+#    (pending); evict/clear replies say whether they reached it; stats carry the tier (issue 16).
+PROTOCOL_VERSION = 4
 
 # --- limits (enforced before any allocation) ------------------------------------------------
 MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
@@ -93,6 +95,7 @@ class StoreOutcome(enum.IntEnum):
 class JobKind(str, enum.Enum):
     STORE = "store"
     LOAD = "load"
+    PROMOTE = "promote"     # the daemon's own: blocks fetched from the second tier (kvtierd.tiering)
 
 
 class JobState(str, enum.Enum):
@@ -118,6 +121,9 @@ class AbortCause(str, enum.Enum):
     RANK_TAKEN_OVER = "rank_taken_over"       # the same process attached as the same rank again
     RANK_DEAD_AT_HELLO = "rank_dead_at_hello"
     RANK_DAEMON_STOPPED = "rank_daemon_stopped"
+    # A promote job (the second tier's companion is its writer):
+    TIER_FAILED = "tier_failed"               # the tier's get failed, or the companion died
+    TIER_TIMEOUT = "tier_timeout"             # the get was not answered within tier_data_timeout
 
 
 # --- field specs ----------------------------------------------------------------------------
@@ -462,6 +468,8 @@ class PingReply(Reply):
 @_shape
 class LookupReply(Reply):
     hits: int                         # how many leading keys are READY
+    pending: int                      # how many keys after them are being promoted from the second tier:
+                                      # ask again later instead of computing them (0 without a tier)
 
 
 @_shape
@@ -553,6 +561,8 @@ class StatsReply(Reply):
     region_problem: str | None        # removed | replaced by another file | truncated
     sessions_heartbeat: int
     checksums: bool
+    tier: dict                        # the second tier: {"backend": "off"} or its state and counters
+                                      # (kvtierd.tiering.Tiering.stats; docs/operations.md)
 
 
 @_shape
@@ -568,6 +578,9 @@ class ClientsReply(Reply):
 @_shape
 class EvictReply(Reply):
     evicted: int
+    tier: str                         # whether it reached the second tier: off | local (evict never does) |
+                                      # excluded | removed | failed
+    tier_removed: int | None          # blocks the second tier removed (clear, tier "removed"), else None
 
 
 REPLIES: dict[str, type[Reply]] = {
