@@ -22,7 +22,10 @@ and says ``ready`` (or ``failed`` with a typed error, then exits 1). Requests ar
 ``stop``                            → replies, then the process exits
 
 ``ns`` is the namespace's identity (bytes, ``keys.Keyspace``); ``pages`` the blocks' pages as
-little-endian uint32, ``len(keys) × pages_per_block``; ``length`` a block's bytes. Two lanes,
+little-endian uint32, ``len(keys) × pages_per_block``; ``length`` a block's bytes, or with
+``shards`` (optional, default 1) the bytes of each of a block's ``shards`` equal runs of pages
+(a sharded namespace's entry: every rank's shard starts on a page of its own; the tier's value
+is the shards' bytes back to back, no padding). Two lanes,
 each a thread with its own guard: ``meta`` (exists, remove, clear, health) and ``data`` (put,
 get), so a lookup's existence check never queues behind a batch of block transfers. A reply to
 a ``put``/``get`` means the backend call returned: the pages are no longer touched.
@@ -100,12 +103,16 @@ class Service:
 
     def _extents(self, request: dict, n: int) -> list:
         pages = np.frombuffer(request["pages"], "<u4")
-        if n == 0 or len(pages) % n:
-            raise ValueError(f"{len(pages)} pages for {n} keys")
-        pages = pages.reshape(n, -1)
+        shards = int(request.get("shards", 1))
+        if n == 0 or shards < 1 or len(pages) % (n * shards):
+            raise ValueError(f"{len(pages)} pages for {n} keys of {shards} shards")
+        pages = pages.reshape(n * shards, -1)
         if pages.size and int(pages.max()) * self.page_size >= self.data_bytes:
             raise ValueError("a page lies outside the region's data area")
-        return page_extents(pages, self.page_size, int(request["length"]))
+        runs = page_extents(pages, self.page_size, int(request["length"]))
+        if shards == 1:
+            return runs
+        return [sum(runs[i:i + shards], []) for i in range(0, len(runs), shards)]
 
     def _run(self, guard: Guard, request: dict) -> dict:
         op = request["op"]
@@ -127,7 +134,7 @@ class Service:
         extents = self._extents(request, len(keys))
         done = guard.call(op, keys, extents)
         self.counters[f"{op}_blocks"] += sum(done)
-        self.counters[f"{op}_bytes"] += sum(done) * int(request["length"])
+        self.counters[f"{op}_bytes"] += sum(done) * int(request["length"]) * int(request.get("shards", 1))
         self.counters[f"{op}_failed_blocks"] += len(done) - sum(done)
         return {"done": bytes(done)}
 
