@@ -25,6 +25,10 @@ received without copying, and its ``Peer-Address`` property holds the peer's cre
 ``peer_of``). The region file is checked every ``region_check_interval`` (``Region.check_file``);
 a truncated one stops the daemon.
 
+With a second tier (``Store.tiering``), the companion's socket is in the poller too, and the
+loop hands the tier its replies and its turn (``Tiering.pump``) at every wake-up and at least
+every 100 ms; an admin ``clear`` is answered once the tier said how it went (``Later``).
+
 Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
 requests of jobs already open are still served, and the loop ends when no job is open any more
 (store copies in flight and loads) or ``drain_timeout`` passed, whichever comes first. Pages a
@@ -65,6 +69,25 @@ MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
 PRESSURE_LOG_SECONDS = 10.0    # how often eviction pressure is reported in the log
 
 
+class Later:
+    """An admin reply sent when it is known: a handler returns it, the tier resolves it later."""
+
+    def __init__(self, rid: int):
+        self.rid = rid
+        self.reply: dict | None = None
+        self._send: Callable[[dict], None] | None = None
+
+    def resolve(self, reply: P.Reply) -> None:
+        self.reply = P.ok_reply(self.rid, reply)
+        if self._send is not None:
+            self._send(self.reply)
+
+    def deliver_with(self, send: Callable[[dict], None]) -> None:
+        self._send = send
+        if self.reply is not None:
+            send(self.reply)
+
+
 class Server:
     def __init__(self, store: Store, region: Region, gid: int | None = None, notifier: Notifier | None = None,
                  drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0, region_check_interval: float = 5.0):
@@ -83,6 +106,9 @@ class Server:
         self.admin: zmq.Socket | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.tiering = store.tiering
+        if self.tiering is not None:
+            self.poller.register(self.tiering.link.socket, zmq.POLLIN)
         watch = lambda fd: self.poller.register(fd, zmq.POLLIN)  # noqa: E731
         self.sessions = SessionRegistry(store.detach, heartbeat_timeout, watch=watch, unwatch=self.poller.unregister,
                                         clock=store.clock, fence=store.fence)
@@ -99,7 +125,7 @@ class Server:
             "store": self._store, "commit": self._commit, "load": self._load, "release": self._release,
             "abort": self._abort, "jobs": self._jobs, "stats": self._stats,
         }
-        self.admin_handlers: dict[str, Callable[[dict], P.Reply]] = {
+        self.admin_handlers: dict[str, Callable[[dict], P.Reply | Later]] = {
             "stats": lambda msg: self.stats(), "ping": lambda msg: P.AdminPingReply(self.region.generation),
             "clients": self._clients, "evict": self._evict, "clear": self._clear,
         }
@@ -173,8 +199,10 @@ class Server:
         next_region_check = time.monotonic() + self.region_check_interval
         next_sweep = time.monotonic() + 0.5
         drain_deadline = None
+        tiering = self.tiering
         while True:
             now = time.monotonic()
+            next_tier = now + tiering.pump(now) if tiering is not None else None
             if self.stopping:
                 if drain_deadline is None:
                     drain_deadline = now + self.drain_timeout
@@ -206,7 +234,7 @@ class Server:
                 next_region_check = now + self.region_check_interval
             deadline = store.expire()
             wake_at = min(filter(None, [deadline, next_watchdog if watchdog else None, next_pressure,
-                                        drain_deadline, next_sweep, next_region_check]))
+                                        drain_deadline, next_sweep, next_region_check, next_tier]))
             timeout = max(0, min(1000, int((wake_at - store.clock()) * 1000) + 1))
             events = dict(self.poller.poll(timeout))
             if self._wake_r in events:
@@ -246,6 +274,13 @@ class Server:
                 reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {parts}")
             else:
                 reply = handle(identity, frame.bytes, lambda: peer_of(frame))
+                if isinstance(reply, Later):
+                    reply.deliver_with(lambda r, to=identity, on=sock: self._send_later(on, to, r))
+                    continue
+            sock.send_multipart([identity, P.encode(reply)], copy=False)
+
+    def _send_later(self, sock: zmq.Socket, identity: bytes, reply: dict) -> None:
+        if sock in (self.sock, self.admin):       # not closed meanwhile (the daemon stopped)
             sock.send_multipart([identity, P.encode(reply)], copy=False)
 
     # ------------------------------------------------------------------ dispatch
@@ -280,11 +315,15 @@ class Server:
             self.latency[op].observe(time.perf_counter() - started)
 
     def handle_admin(self, identity: bytes, frame: bytes, peer: Callable[[], tuple[int, int] | None] | None = None
-                     ) -> dict[str, Any]:
-        """One admin request → one reply. Never raises."""
+                     ) -> dict[str, Any] | Later:
+        """One admin request → one reply, or a ``Later`` one (a clear waiting for the second tier).
+        Never raises."""
         try:
             msg = P.decode_request(frame, P.ADMIN_REQUESTS)
-            return P.ok_reply(msg.get("rid", 0), self.admin_handlers[msg["op"]](msg))
+            reply = self.admin_handlers[msg["op"]](msg)
+            if isinstance(reply, Later):
+                return reply.reply if reply.reply is not None else reply
+            return P.ok_reply(msg.get("rid", 0), reply)
         except RequestError as exc:
             self._count_error(exc.code)
             return P.error_reply(P.request_id(frame), exc.code, exc.message)
@@ -366,7 +405,8 @@ class Server:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new jobs")
 
     def _lookup(self, identity: bytes, session: Session, msg: dict) -> P.LookupReply:
-        return P.LookupReply(self.store.lookup(session, msg["keys"]))
+        hits = self.store.lookup(session, msg["keys"])
+        return P.LookupReply(hits, self.store.pending(session, msg["keys"], hits))
 
     def _store(self, identity: bytes, session: Session, msg: dict) -> P.StoreReply:
         self._refuse_if_stopping(session, msg["job"])
@@ -436,10 +476,17 @@ class Server:
             for s in self.store.sessions.values()])
 
     def _evict(self, msg: dict) -> P.EvictReply:
-        return P.EvictReply(self.store.evict(msg.get("namespace"), msg["count"]))
+        # Local only: the second tier keeps its copies (a later lookup promotes them again).
+        return P.EvictReply(self.store.evict(msg.get("namespace"), msg["count"]),
+                            "off" if self.tiering is None else "local", None)
 
-    def _clear(self, msg: dict) -> P.EvictReply:
-        return P.EvictReply(self.store.evict(msg.get("namespace"), None))
+    def _clear(self, msg: dict) -> Later:
+        """Every evictable entry of the namespace(s) goes; then the second tier is cleared of them."""
+        evicted = self.store.evict(msg.get("namespace"), None)
+        later = Later(msg.get("rid", 0))
+        self.store.clear_tier(msg.get("namespace"),
+                              lambda tier, removed: later.resolve(P.EvictReply(evicted, tier, removed)))
+        return later
 
     # ------------------------------------------------------------------ stop
     def close(self) -> None:
@@ -455,6 +502,8 @@ class Server:
             except FileNotFoundError:
                 pass
         self.sock = self.admin = None
+        if self.tiering is not None:
+            self.poller.unregister(self.tiering.link.socket)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         while self._calls:   # nobody will run these any more
