@@ -144,11 +144,28 @@ def fetch_stats(args: argparse.Namespace) -> dict:
     return _stats(_paths(args)[0], args.timeout).to_wire()
 
 
+# What `kvtierctl status` shows of the second tier (protocol.StatsReply.tier; all of it: stats).
+TIER_STATUS_FIELDS = ("backend", "address", "state", "pid", "last_error", "breaker", "inflight", "restarts",
+                      "demoted_blocks", "demoting_blocks", "demote_dropped_blocks", "promoted_blocks",
+                      "promoting_blocks", "promote_failed_blocks", "lookup_keys")
+
+
+def tier_status(tier: dict) -> dict:
+    """The second tier's line of ``kvtierctl status``: its state, errors summed, the main counters."""
+    if tier.get("backend", "off") == "off":
+        return {"backend": "off"}
+    out = {name: tier[name] for name in TIER_STATUS_FIELDS if name in tier}
+    out["errors"] = sum(e["calls"] for e in tier.get("errors", []))
+    return {k: " ".join(f"{a}:{b}" for a, b in sorted(v.items())) if isinstance(v, dict) else v
+            for k, v in out.items()}
+
+
 def fetch_status(args: argparse.Namespace) -> dict:
     socket, _, region, lock = _paths(args)
     if daemon_running(lock):
         s = _stats(socket, args.timeout)
-        return {"daemon": "running", **{name: getattr(s, name) for name in STATUS_FIELDS}}
+        return {"daemon": "running", **{name: getattr(s, name) for name in STATUS_FIELDS},
+                "tier": tier_status(s.tier)}
     from . import offline
     with offline.open_region(region) as view:
         return {"daemon": "not running", **offline.status(view, region)}
@@ -205,7 +222,12 @@ def format_stats(data: dict, args: argparse.Namespace) -> str:
         if key in ("lookup_miss_keys", "load_miss_keys"):
             op = key.split("_")[0]
             rows[f"{op}_hit_rate"] = _hit_rate(data[f"{op}_hit_keys"], value)
-    text = _pairs(rows, skip=("namespace_list", "latency", "vote_wait"))
+    text = _pairs(rows, skip=("namespace_list", "latency", "vote_wait", "tier"))
+    if data.get("tier", {}).get("backend", "off") != "off":
+        tier = {k: v for k, v in data["tier"].items() if k not in ("call_seconds", "errors", "engine")}
+        errors = {f"{e['op']}/{e['code']}": e["calls"] for e in data["tier"].get("errors", [])}
+        text += "\n\nsecond tier:\n" + _pairs({**tier, "errors": errors, **{f"engine_{k}": v for k, v in
+                                                                          data["tier"].get("engine", {}).items()}})
     if data.get("namespace_list"):
         text += "\n\n" + _table(data["namespace_list"], ["slot", "entries", "entry_pages", "name"])
     return text
