@@ -206,7 +206,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tier_promote", "bool", "true", "Answer lookup misses from the second tier: the blocks it holds are "
             "fetched into the region and reported pending until they are READY."),
     Setting("tier_low_watermark", "float", "0.05", "Share of the region's pages kept free by demoting the eviction "
-            "policy's first victims ahead of need (1: demote every block as soon as it is stored).", lo=0, hi=1),
+            "policy's first victims ahead of need (0: demote only what a store's room takes, which it cannot "
+            "wait for: those blocks are dropped).", lo=0, hi=0.5),
     Setting("tier_exclude", "str", "", "Models (comma-separated, as a namespace's model field) whose blocks never "
             "go to nor come from the second tier."),
 )

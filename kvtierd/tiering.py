@@ -7,7 +7,8 @@ does with them, on the loop thread, between requests (``pump``): no call here wa
 
 Demote. The index keeps a free-page reserve (``low_watermark`` of the pages): when free pages
 (plus those being demoted) fall below it, the policy's first victims are taken — a victim the
-tier already holds is freed at once; any other, unless its namespace is excluded, gets a
+tier already holds is freed at once (unless it was promoted and no engine has used it yet: the
+engine that asked for it is about to); any other, unless its namespace is excluded, gets a
 *demote pin* (``Index.pin(access=False)``: READY and loadable, out of the policy, so no store
 takes its pages) and goes into a ``put`` with its page chain. On the put's final outcome the pin
 drops; a block the tier took is marked *in tier* (never sent again) and, if nobody used it since
@@ -179,6 +180,7 @@ class Tiering:
         self._identities: dict[NamespaceId, bytes] = {}
         self._checking: dict[NamespaceId, dict[bytes, _Check]] = {}
         self._absent: dict[NamespaceId, dict[bytes, float]] = {}
+        self._fresh: dict[int, int] = {}        # slot → tick: promoted, not used since (not freed ahead of need)
         self.demoting_pages = 0
         self.demoting_blocks = 0
         self.demotes_off_until = 0.0
@@ -300,9 +302,13 @@ class Tiering:
         if batches <= 0:
             return
         free_now, chosen = [], {}
-        by_slot, room = self.index.by_slot, batches * DEMOTE_BATCH
+        by_slot, room, fresh = self.index.by_slot, batches * DEMOTE_BATCH, self._fresh
         for looked, slot in enumerate(self.index.policy.victims()):
             entry = by_slot[slot]
+            if slot in fresh:
+                if self.index.ticks_of([entry])[0] == fresh[slot]:
+                    continue                    # promoted for an engine that has not come back yet
+                del fresh[slot]
             if entry.in_tier:
                 free_now.append(entry)
             elif self.serves(entry.ns):
@@ -360,6 +366,9 @@ class Tiering:
     def _evicting(self, entries: list[Entry], counter: str) -> None:
         """The index frees entries (``Index.evicting``): count those a store's room took that the
         tier does not hold, by why the tier did not get them."""
+        if self._fresh:
+            for entry in entries:
+                self._fresh.pop(entry.slot, None)
         if counter != "evictions" or not self.config.demote:
             return
         lost = sum(1 for e in entries if not e.in_tier and self.serves(e.ns))
@@ -516,6 +525,7 @@ class Tiering:
             for entry in landed:
                 entry.in_tier = True
             self.index.make_ready(landed)
+            self._fresh.update(zip(map(attrgetter("slot"), landed), self.index.ticks_of(landed).tolist()))
             self.counters["promoted_blocks"] += len(landed)
             self.counters["promoted_bytes"] += len(landed) * job.ns.id.entry_bytes
         if o.ok:

@@ -333,3 +333,22 @@ def test_close_releases_what_the_companion_was_handed(tenv):
     tenv.store.shutdown()
     assert tenv.stats()["pages_fenced"] == 0 and not tenv.store.fence.writers
     assert tenv.store.index.pages.free_count == tenv.store.index.pages.total
+
+
+def test_a_promoted_block_is_not_freed_ahead_of_need_before_an_engine_used_it(tenv):
+    (s,) = tenv.engine("e")
+    tenv.put([s], 1, keys("k", 22))
+    tenv.lookup(s, keys("k", 22))                 # used: out of the first victims' segment
+    tenv.lookup(s, keys("t", 2))
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01\x01")
+    tenv.pump()
+    rid, _ = tenv.link.last("get")
+    tenv.link.answer(rid, done=b"\x01\x01")
+    tenv.pump()
+    tenv.put([s], 2, keys("n", 6))                # 2 pages free: short of the reserve
+    tenv.pump()
+    # t0, t1 are the policy's first victims and in the tier, but nobody loaded them yet: they stay.
+    assert tenv.ready(s, b"t0") and tenv.ready(s, b"t1")
+    _, put = tenv.link.last("put")
+    assert not {b"t0", b"t1"} & set(put["keys"])
