@@ -123,10 +123,10 @@ def load_exact(procs: list[RankProcess], job: int, keys: list[bytes], block_ids:
 
 
 def fill(procs: list[RankProcess], daemon, prefix: str, blocks: int, spec: CacheSpec, first_job: int,
-         sharded: bool = False) -> int:
-    """Store ``blocks`` new blocks in jobs of the KV cache's size, each after the demotes of the one
-    before finished (a region filling no faster than the tier takes its victims). Returns the next job id."""
-    per = spec.num_blocks
+         sharded: bool = False, per: int = 16) -> int:
+    """Store ``blocks`` new blocks in jobs of ``per``, each after the demotes of the one before
+    finished (a region filling no faster than the tier takes its victims, and no job larger than
+    the free-page reserve). Returns the next job id."""
     job = first_job
     for start in range(0, blocks, per):
         keys = keys_for(f"{prefix}-{start}", min(per, blocks - start))
@@ -186,12 +186,13 @@ def test_blocks_evicted_on_one_node_are_promoted_byte_exact_on_another(nodes, ra
 
 
 def test_a_sharded_entry_travels_whole(nodes, ranks):
-    a, b = nodes(low_watermark=1.0), nodes()                   # A demotes every block once stored
+    a, b = nodes(low_watermark=0.5, size="8MiB"), nodes()       # half of a small region kept free
     procs = ranks(2)
     connect(procs, a, "engine-a", SMALL, "tier-sharded", "sharded")
     x = keys_for("sx", 6)
     store(procs, 1, x, list(range(6)), sharded=True)
-    wait_for(lambda: tier_stats(a)["demoted_blocks"] == 6, 30, "6 sharded blocks demoted")
+    fill(procs, a, "filler", a.stats()["pages_total"] // 2, SMALL, 2, sharded=True)
+    assert tier_stats(a)["demoted_blocks"] >= 6 and dropped(tier_stats(a)) == 0
     all_call(procs, "close")
     connect(procs, b, "engine-b", SMALL, "tier-sharded", "sharded")
     promote(procs[0], x)
@@ -265,13 +266,14 @@ def test_a_restarted_node_finds_its_blocks_in_the_tier(nodes, ranks):
 
 
 def test_another_namespace_never_gets_the_blocks_and_clear_reaches_the_tier(nodes, ranks):
-    a, b = nodes(low_watermark=1.0), nodes()
+    a, b = nodes(low_watermark=0.5, size="8MiB"), nodes()
     ra, rb = ranks(1), ranks(1)
     connect(ra, a, "engine-a", SMALL, "model-one")
     x, y = keys_for("ns-x", 8), keys_for("ns-y", 8)
     store(ra, 1, x, list(range(8)))
     store(ra, 2, y, list(range(8, 16)))
-    wait_for(lambda: tier_stats(a)["demoted_blocks"] == 16, 30, "16 blocks demoted")
+    fill(ra, a, "filler", a.stats()["pages_total"], SMALL, 3)   # x and y are the first victims
+    assert tier_stats(a)["demoted_blocks"] >= 16 and dropped(tier_stats(a)) == 0
     # Another model with the very same keys and geometry: never a hit, never pending for long.
     connect(rb, b, "engine-b", SMALL, "model-two")
     answers = [rb[0].call("lookup_detail", keys=x) for _ in range(5)]
@@ -304,16 +306,18 @@ def test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready(nodes, ran
     that it writes into them after all (freeze_resume); SIGSTOPped until the daemon kills it
     (freeze_killed). Every block loaded afterwards holds its own key's bytes; nothing stays fenced."""
     kill_after = "60" if fault == "freeze_resume" else "1"
-    seeder = nodes(size="64MiB", low_watermark=1.0)
+    seeder = nodes(size="64MiB", low_watermark=0.5)
     b = nodes("--tier-data-timeout", "1", "--tier-kill-after", kill_after, "--no-tier-demote", size="40MiB")
     rs, rb = ranks(1), ranks(1)
     connect(rs, seeder, "seeder", BIG, "tier-big")
     connect(rb, b, "engine-b", BIG, "tier-big")
     caught = None
+    job = 1
     for attempt in range(5):
         x = keys_for(f"fault-{fault}-{attempt}", 16)
-        store(rs, 1 + attempt, x, list(range(16)))
-        wait_for(lambda: tier_stats(seeder)["demoted_blocks"] >= 16 * (attempt + 1), 60, "x demoted")
+        store(rs, job, x, list(range(16)))
+        job = fill(rs, seeder, f"push-{attempt}", seeder.stats()["pages_total"] // 16, BIG, job + 1)  # x demoted
+        assert dropped(tier_stats(seeder)) == 0
         pid = tier_stats(b)["pid"]
         rb[0].call("lookup_detail", keys=x)
         if wait_promoting(b):
