@@ -8,7 +8,9 @@ the region's pages (the page fence).
 
 It maps the daemon's region file (the data area: ``--offset``/``--length``), attaches it to the
 backend (Mooncake registers it: zero-copy), connects a DEALER socket to the daemon's endpoint
-and says ``ready`` (or ``failed`` with a typed error, then exits 1). Requests are msgpack maps
+and says ``ready`` (or ``failed`` with a typed error, then exits 1). Like a client, it populates
+its mapping in the background (``Mapping.populate_in_background``): a get into pages this
+process never touched would take a page fault per 4 KiB page on the transfer's path. Requests are msgpack maps
 ``{"op", "id", ...}`` and each gets exactly one reply ``{"id", "ok": True, ...}`` or
 ``{"id", "ok": False, "error": code, "message"}``:
 
@@ -36,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import mmap
 import os
 import queue
 import sys
@@ -48,6 +49,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from ..contract.mapping import Mapping
 from .backend import Backend, TierError, open_backend, page_extents
 from .guard import Guard
 from .keys import Keyspace
@@ -211,12 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         sock.send(msgpack.packb({"id": None, "pid": os.getpid(), **message}, use_bin_type=True))
 
     try:
-        fd = os.open(args.region, os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, args.offset + args.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        data = memoryview(mapping)[args.offset:args.offset + args.length]
+        mapping = Mapping.of_file(args.region)
+        if mapping.size < args.offset + args.length:
+            raise ValueError(f"{args.region} holds {mapping.size} bytes, not the data area's end "
+                             f"{args.offset + args.length}")
+        data = memoryview(mapping.buffer)[args.offset:args.offset + args.length]
         settings = json.loads(args.settings)
         backend = open_backend(args.backend, **settings)
         backend.attach(data)
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     service = Service(data, args.page_size, backend, meta, args.timeout, args.data_timeout, args.failures,
                       args.cooldown)
+    mapping.populate_in_background(threads=1)
     say({"op": "ready", "info": backend.info()})
     log.info("serving %s for %s", args.backend, args.region)
     service.serve(sock)
