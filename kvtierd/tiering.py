@@ -22,7 +22,8 @@ Promote. ``lookup`` (after the index's own) looks at the keys after the local hi
 promoted or being checked count as *pending*, so are the READY keys among them; at the first key
 the tier is known not to hold (a recent check: ``ABSENT_SECONDS``), or that an engine is storing,
 the run ends. Keys nobody asked about yet go into one ``exists`` (meta lane) and count as pending
-now: the reply never waits for the tier. When ``exists`` answers, the leading run of keys the
+now: the reply never waits for the tier, and the check is sent after it (at the loop's next
+turn), so that the companion does not compete with the reply for the CPU. When ``exists`` answers, the leading run of keys the
 tier holds becomes a *promote job*: pages allocated like a store's (``Index.place``, making room
 through the policy), WRITING entries owned by the job, the pages fenced for the companion's
 writer row (``Fence.hand``) before the ``get`` names them. On the get's final outcome the pages
@@ -179,6 +180,7 @@ class Tiering:
         self._job_ids = itertools.count(1)
         self._identities: dict[NamespaceId, bytes] = {}
         self._checking: dict[NamespaceId, dict[bytes, _Check]] = {}
+        self._to_check: list[_Check] = []       # checks promised by lookups, sent at the next pump
         self._absent: dict[NamespaceId, dict[bytes, float]] = {}
         self._fresh: dict[int, int] = {}        # slot → tick: promoted, not used since (not freed ahead of need)
         self.demoting_pages = 0
@@ -240,6 +242,7 @@ class Tiering:
         now = self.clock() if now is None else now
         for outcome in self.link.collect(now):
             self._outcome(outcome, now)
+        self._send_checks(now)
         self._companion(now)
         if self.link.state == "ready":
             self._demote_ahead(now)
@@ -393,7 +396,7 @@ class Tiering:
         if hits >= len(keys) or not self.config.promote or self.link.state != "ready" or not self.serves(ns):
             return 0
         now = self.clock()
-        if now < self.checks_off_until:
+        if now < self.checks_off_until or len(self.link.inflight) + len(self._to_check) >= self.link.max_inflight:
             return 0
         rest = keys[hits:]
         found = list(map(ns.index.get, rest))
@@ -401,7 +404,8 @@ class Tiering:
         absent = self._absent.setdefault(ns.id, {})
         if (found.count(None) == len(found) and not any(map(checking.__contains__, rest))
                 and not any(map(absent.__contains__, rest))):
-            return len(rest) if self._check(ns, rest, now) else 0      # the common case: a fresh miss
+            self._check(ns, rest, now)          # the common case: a fresh miss
+            return len(rest)
         pending, first_new, new = 0, None, []
         for key, entry in zip(rest, found):
             if entry is not None:
@@ -424,25 +428,36 @@ class Tiering:
                 first_new = pending
             new.append(key)
             pending += 1
-        if new and not self._check(ns, new, now):
-            return first_new
+        if new:
+            self._check(ns, new, now)
         return pending
 
-    def _check(self, ns: Namespace, keys: list[bytes], now: float) -> bool:
+    def _check(self, ns: Namespace, keys: list[bytes], now: float) -> None:
+        """Promise a check of ``keys``: they count as being checked from now on; it is sent at the
+        next ``pump``, after the lookup's reply."""
         ctx = _Check(ns, keys, now)
-        try:
-            self.link.submit("exists", ctx, ns=self._identity(ns), keys=keys)
-        except (LinkBusy, LinkDown):
-            return False
+        self._to_check.append(ctx)
         self._checking.setdefault(ns.id, {}).update(dict.fromkeys(keys, ctx))
-        return True
 
-    def _checked(self, ctx: _Check, o: Outcome, now: float) -> None:
-        ns = ctx.ns
-        checking = self._checking.get(ns.id, {})
+    def _send_checks(self, now: float) -> None:
+        checks, self._to_check = self._to_check, []
+        for ctx in checks:
+            try:
+                self.link.submit("exists", ctx, ns=self._identity(ctx.ns), keys=ctx.keys)
+            except (LinkBusy, LinkDown) as exc:   # not checked: misses for now
+                self.errors[("exists", exc.code)] += 1
+                self._forget_check(ctx)
+                self._remember_absent(ctx.ns, ctx.keys, now + ABSENT_SECONDS)
+
+    def _forget_check(self, ctx: _Check) -> None:
+        checking = self._checking.get(ctx.ns.id, {})
         for key in ctx.keys:
             if checking.get(key) is ctx:
                 del checking[key]
+
+    def _checked(self, ctx: _Check, o: Outcome, now: float) -> None:
+        ns = ctx.ns
+        self._forget_check(ctx)
         if not o.ok:
             self.checks_off_until = now + self.config.cooldown
             return

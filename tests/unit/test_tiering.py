@@ -90,8 +90,12 @@ class TierEnv(Env):
         self.store.verify()
 
     def lookup(self, session, ks: list[bytes]) -> tuple[int, int]:
+        """A lookup as the server serves it: the reply, then the loop's next turn (which sends the
+        existence checks the lookup promised)."""
         hits = self.store.lookup(session, ks)
-        return hits, self.store.pending(session, ks, hits)
+        reply = hits, self.store.pending(session, ks, hits)
+        self.pump()
+        return reply
 
     def ready(self, session, key: bytes) -> bool:
         e = session.engine.ns.index.get(key)
@@ -352,3 +356,12 @@ def test_a_promoted_block_is_not_freed_ahead_of_need_before_an_engine_used_it(te
     assert tenv.ready(s, b"t0") and tenv.ready(s, b"t1")
     _, put = tenv.link.last("put")
     assert not {b"t0", b"t1"} & set(put["keys"])
+
+
+def test_the_check_goes_out_after_the_reply(tenv):
+    (s,) = tenv.engine("e")
+    ks = keys("a", 3)
+    assert tenv.store.pending(s, ks, tenv.store.lookup(s, ks)) == 3
+    assert "exists" not in [op for _, op, _ in tenv.link.sent]        # the reply first
+    tenv.pump()                                                       # the loop's next turn
+    assert tenv.link.last("exists")[1]["keys"] == ks
