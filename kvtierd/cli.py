@@ -254,8 +254,21 @@ def format_check(data: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+TIER_SAID = {"off": "", "local": "; the second tier keeps its copies (evict is local; clear removes them)",
+             "excluded": "; the namespace does not use the second tier (tier_exclude)",
+             "failed": "; the second tier could not be cleared (kvtierctl status shows its state): run clear again"}
+
+
+def _tier_said(reply: dict) -> str:
+    """What an evict or clear did to the second tier, in words."""
+    if reply.get("tier") == "removed":
+        return f"; {reply['tier_removed']} blocks removed from the second tier"
+    return TIER_SAID.get(reply.get("tier", "off"), "")
+
+
 COMMANDS: dict[str, tuple] = {
-    "status": ("the daemon's state (live), or the region file's (daemon down)", None, fetch_status,
+    "status": ("the daemon's state (live, with its second tier), or the region file's (daemon down)", None,
+               fetch_status,
                lambda d, a: _pairs(d), None),
     "stats": ("all counters and occupancy of a running daemon", None, fetch_stats, format_stats, None),
     "namespaces": ("namespaces recorded in the region, with their entry counts", None, fetch_namespaces,
@@ -278,14 +291,17 @@ COMMANDS: dict[str, tuple] = {
     "clients": ("attached sessions (admin socket)", None, fetch_clients,
                 lambda d, a: _table(d["clients"], ["session", "engine", "role", "pid", "world_size", "watched",
                                                    "namespace"]), None),
-    "evict": ("evict entries, the eviction policy's first victims first (admin socket)",
+    "evict": ("evict entries, the eviction policy's first victims first (admin socket; the second tier keeps "
+              "its copies)",
               lambda p: (p.add_argument("--count", type=int, required=True, help="how many entries"),
                          p.add_argument("--namespace", help="only from this namespace")),
-              fetch_evict, lambda d, a: f"evicted {d['evicted']} entries", None),
-    "clear": ("evict every evictable entry of a namespace, or of all (admin socket)",
+              fetch_evict, lambda d, a: f"evicted {d['evicted']} entries{_tier_said(d)}", None),
+    "clear": ("evict every evictable entry of a namespace, or of all, and remove its blocks from the second tier "
+              "(admin socket)",
               lambda p: (p.add_argument("--namespace", help="the namespace to clear"),
                          p.add_argument("--all", action="store_true", help="clear every namespace")),
-              fetch_clear, lambda d, a: f"evicted {d['evicted']} entries (pinned and in-flight ones stay)", None),
+              fetch_clear, lambda d, a: f"evicted {d['evicted']} entries (pinned and in-flight ones stay)"
+                                        f"{_tier_said(d)}", None),
     "bench": ("benchmark kvtierd against this machine's floors and Redis, each figure a ratio measured in the "
               "same run (starts its own daemons; docs/benchmarks.md)",
               lambda p: _bench().add_arguments(p), lambda a: _bench().fetch(a),

@@ -27,7 +27,7 @@ import pytest
 from kvtierd.contract.namespace import NamespaceId
 from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
 from tests.integration.ranks import CacheSpec, RankProcess, all_call
-from tests.integration.test_kvtierctl import ctl_json
+from tests.integration.test_kvtierctl import ctl, ctl_json
 from tests.integration.test_tp_roundtrip import keys_for
 
 from .conftest import BACKENDS, start_engine
@@ -285,12 +285,15 @@ def test_another_namespace_never_gets_the_blocks_and_clear_reaches_the_tier(node
     connect(rb, b, "engine-b1", SMALL, "model-one")
     promote(rb[0], x)
     load_exact(rb, 3, x, list(range(8)))
-    # A namespace clear (admin) empties the namespace in the tier too, and says so.
+    # A namespace clear (kvtierctl, admin socket) empties the namespace in the tier too, and says so.
     name = NamespaceId(**layout(SMALL, "model-one")).name()
-    reply = a.call("clear", admin=True, namespace=name)
-    assert reply["tier"] == "removed" and reply["tier_removed"] >= 8, reply
+    said = ctl(a, "clear", "--namespace", name)
+    removed = int(said.split("; ")[1].split()[0])
+    assert removed >= 8 and "removed from the second tier" in said, said
     evict = a.call("evict", admin=True, namespace=name, count=1)
     assert evict["tier"] == "local" and evict["tier_removed"] is None
+    status = ctl_json(a, "status")["tier"]
+    assert status["state"] == "ready" and status["demoted_blocks"] >= 16 and status["errors"] == 0, status
     time.sleep(1.2)                                          # past what B remembers as checked
     wait_for(lambda: rb[0].call("lookup_detail", keys=y) == {"hits": 0, "pending": 0}, 10, "y gone from the tier")
     assert tier_stats(b)["promoted_blocks"] == 8
