@@ -20,7 +20,7 @@ from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome
 from kvtierd.contract.region_format import EntryState
 from kvtierd.tier.backend import TierTimeout, TierUnavailable
 from kvtierd.tier.link import LinkBusy, LinkDown, Outcome, Request
-from kvtierd.tiering import ABSENT_SECONDS, PATIENCE, TierConfig, Tiering, identity
+from kvtierd.tiering import ABSENT_SECONDS, CHECK_DELAY, PATIENCE, TierConfig, Tiering, identity
 
 from .store_env import Env, keys, lay
 
@@ -90,10 +90,11 @@ class TierEnv(Env):
         self.store.verify()
 
     def lookup(self, session, ks: list[bytes]) -> tuple[int, int]:
-        """A lookup as the server serves it: the reply, then the loop's next turn (which sends the
-        existence checks the lookup promised)."""
+        """A lookup as the server serves it: the reply, then the loop's turn after CHECK_DELAY
+        (which sends the existence checks the lookup promised)."""
         hits = self.store.lookup(session, ks)
         reply = hits, self.store.pending(session, ks, hits)
+        self.clock.advance(CHECK_DELAY)
         self.pump()
         return reply
 
@@ -363,5 +364,9 @@ def test_the_check_goes_out_after_the_reply(tenv):
     ks = keys("a", 3)
     assert tenv.store.pending(s, ks, tenv.store.lookup(s, ks)) == 3
     assert "exists" not in [op for _, op, _ in tenv.link.sent]        # the reply first
-    tenv.pump()                                                       # the loop's next turn
-    assert tenv.link.last("exists")[1]["keys"] == ks
+    assert tenv.tier.pump(tenv.clock()) == pytest.approx(CHECK_DELAY)   # the loop's next turn: not yet
+    assert "exists" not in [op for _, op, _ in tenv.link.sent]
+    assert tenv.store.pending(s, keys("b", 2), 0) == 2                # promised meanwhile: goes with it
+    tenv.clock.advance(CHECK_DELAY)
+    tenv.pump()
+    assert [f["keys"] for _, op, f in tenv.link.sent if op == "exists"] == [ks, keys("b", 2)]
