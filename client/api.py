@@ -10,6 +10,7 @@ Rank usage::
     client = Client(socket, engine_id="e1", rank=r, world_size=n, namespace=namespace_id)
     client.register_kv_caches(per_layer_tensors)
     hits = client.lookup(keys)                      # leading keys that are cached
+    client.lookup_detail(keys).pending              # keys after them being promoted from a second tier
     client.store(job, keys, block_ids)              # returns the per-key decision at once
     client.load(job2, keys[:hits], block_ids2)      # returns how many blocks will arrive
     for result in client.wait([job, job2]): ...     # or poll() from the engine's loop
@@ -361,7 +362,13 @@ class Client:
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are cached and ready (they count as recently used)."""
-        return LookupReply.from_wire(self._call("lookup", keys=list(keys))).hits
+        return self.lookup_detail(keys).hits
+
+    def lookup_detail(self, keys: Sequence[bytes]) -> LookupReply:
+        """The whole lookup answer: ``hits`` leading keys are ready; the ``pending`` keys after
+        them are being promoted from the daemon's second tier (ask again shortly rather than
+        compute them; 0 without a tier)."""
+        return LookupReply.from_wire(self._call("lookup", keys=list(keys)))
 
     def stats(self) -> StatsReply:
         return StatsReply.from_wire(self._call("stats"))

@@ -48,7 +48,9 @@ from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 #    oldest fence's age, the grace and the writer rows (the page fence, issue 10). The region is two
 #    files: hello's "region" is the data file, whose header the client checks
 #    (region_format.DataHeader); "file_bytes" is that file's size. hello takes a "secret" (issue 11).
-PROTOCOL_VERSION = 3
+# 4: lookup replies say how many keys after the hits are being promoted from the second tier
+#    (pending); evict/clear replies say whether they reached it; stats carry the tier (issue 16).
+PROTOCOL_VERSION = 4
 
 # --- limits (enforced before any allocation) ------------------------------------------------
 MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
@@ -102,6 +104,7 @@ class StoreOutcome(enum.IntEnum):
 class JobKind(str, enum.Enum):
     STORE = "store"
     LOAD = "load"
+    PROMOTE = "promote"     # the daemon's own: blocks fetched from the second tier (kvtierd.tiering)
 
 
 class JobState(str, enum.Enum):
@@ -129,6 +132,9 @@ class AbortCause(str, enum.Enum):
     RANK_DISCONNECTED = "rank_disconnected"   # its connection ended without bye
     RANK_REGION_REPLACED = "rank_region_replaced"   # the region file was truncated and replaced
     RANK_DAEMON_STOPPED = "rank_daemon_stopped"
+    # A promote job (the second tier's companion is its writer):
+    TIER_FAILED = "tier_failed"               # the tier's get failed, or the companion died
+    TIER_TIMEOUT = "tier_timeout"             # the get was not answered within tier_data_timeout
 
 
 # --- field specs ----------------------------------------------------------------------------
@@ -496,6 +502,8 @@ class PingReply(Reply):
 @_shape
 class LookupReply(Reply):
     hits: int                         # how many leading keys are READY
+    pending: int                      # how many keys after them are being promoted from the second tier:
+                                      # ask again later instead of computing them (0 without a tier)
 
 
 @_shape
@@ -591,6 +599,8 @@ class StatsReply(Reply):
     checksums: bool
     connections: int                  # open connections to the client socket
     connections_refused: dict         # why connections were closed at once (total | per_peer) → count
+    tier: dict                        # the second tier: {"backend": "off"} or its state and counters
+                                      # (kvtierd.tiering.Tiering.stats; docs/operations.md)
 
 
 @_shape
@@ -606,6 +616,9 @@ class ClientsReply(Reply):
 @_shape
 class EvictReply(Reply):
     evicted: int
+    tier: str                         # whether it reached the second tier: off | local (evict never does) |
+                                      # excluded | removed | failed
+    tier_removed: int | None          # blocks the second tier removed (clear, tier "removed"), else None
 
 
 REPLIES: dict[str, type[Reply]] = {

@@ -93,7 +93,8 @@ class _Request:
     """What the manager knows about one vLLM request (kept in its ReqContext)."""
 
     req_id: str
-    verdict: dict | None = None       # key -> ready, from the last batch (None: ask kvtierd)
+    verdict: dict | None = None       # key -> HIT/HIT_PENDING/MISS, from the last batch (None: ask kvtierd)
+    recheck_step: int = -1            # the verdict holds keys kvtierd is promoting: good for this step only
     start: int = 0                    # end-token position of the batch's first key
     npos: int = -1                    # how many key positions vLLM had recorded for the batch
     expires: float = 0.0
@@ -126,7 +127,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     - ``lookup(key)``: HIT_PENDING while a store of the key that this manager prepared has not
       completed; else the verdict of the request's batched lookup (HIT for the ready prefix of its
-      keys, MISS after it). The first lookup of a request sends one batched ``lookup`` of all its
+      keys, HIT_PENDING for the keys after it that kvtierd is promoting from its second tier —
+      vLLM defers the request and the manager asks kvtierd again next step —, MISS after them). The first lookup of a request sends one batched ``lookup`` of all its
       keys (from that key on, per KV-cache group) and waits for it at most
       ``kvtier_lookup_wait_ms``; later lookups, including every step while the request waits
       for GPU blocks, are dict lookups. An answer that comes later is used next step (this
@@ -226,9 +228,9 @@ class KvtierOffloadingManager(OffloadingManager):
             return _PENDING
         state = req_context.get_state(_Request)
         if state is not None and state.valid_step == self._step:       # the hot path: a dict lookup
-            hit = state.verdict.get(key)
-            if hit is not None:
-                return _HIT if hit else _MISS
+            result = state.verdict.get(key)
+            if result is not None:
+                return result
         return self._lookup(key, req_context, state or self._track(req_context))
 
     def _lookup(self, key: OffloadKey, req_context: ReqContext, state: _Request) -> LookupResult:
@@ -256,12 +258,14 @@ class KvtierOffloadingManager(OffloadingManager):
         verdict = state.verdict
         if verdict is None or self._clock() >= state.expires:
             return None
+        if state.recheck_step not in (-1, self._step):
+            return None                       # kvtierd was promoting some of them: ask again
         if positions is not None and len(positions) != state.npos:
             return None                       # the request grew (e.g. preempted, then resumed)
         state.valid_step = self._step
-        hit = verdict.get(key)
-        if hit is not None:
-            return _HIT if hit else _MISS
+        result = verdict.get(key)
+        if result is not None:
+            return result
         if positions is None:
             return None                       # public path: a key not asked yet
         position = positions.get(key)
@@ -321,19 +325,21 @@ class KvtierOffloadingManager(OffloadingManager):
         self.stats.batches += 1
         state.pending, state.pending_batch = self._link.submit(functools.partial(self._ready_prefixes, batch[3])), batch
 
-    def _ready_prefixes(self, groups: list[list], client: Client) -> list[int]:
-        """(link thread) The ready prefix length of each group's keys."""
+    def _ready_prefixes(self, groups: list[list], client: Client) -> list[tuple[int, int]]:
+        """(link thread) Per group: the length of its keys' ready prefix, and how many keys after
+        it kvtierd is promoting from its second tier (pending)."""
         out = []
         for keys in groups:
-            tkeys, hits = kvtier_keys(keys), 0
+            tkeys, hits, pending = kvtier_keys(keys), 0, 0
             for begin in range(0, len(tkeys), PART_KEYS):
                 chunk = tkeys[begin:begin + PART_KEYS]
                 self._link.requests += 1
-                found = client.lookup(chunk)
-                hits += found
-                if found < len(chunk):
+                found = client.lookup_detail(chunk)
+                hits += found.hits
+                if found.hits < len(chunk):
+                    pending = found.pending
                     break
-            out.append(hits)
+            out.append((hits, pending))
         return out
 
     def _absorb(self, state: _Request) -> None:
@@ -348,17 +354,21 @@ class KvtierOffloadingManager(OffloadingManager):
             return
         except Exception as exc:              # kvtierd refused: these keys are misses (for a while)
             logger.debug("kvtier: lookup of request %s failed: %s", state.req_id, exc)
-            prefixes = [0] * len(groups)
+            prefixes = [(0, 0)] * len(groups)
         now = self._clock()
         verdict = state.verdict if merge and state.verdict is not None and now < state.expires else None
-        for keys, hits in zip(groups, prefixes):
+        for keys, (hits, pending) in zip(groups, prefixes):
             if verdict is None:
-                verdict = dict.fromkeys(keys[:hits], True)
+                verdict = dict.fromkeys(keys[:hits], _HIT)
             else:
-                verdict.update(dict.fromkeys(keys[:hits], True))
-            verdict.update(dict.fromkeys(keys[hits:], False))
+                verdict.update(dict.fromkeys(keys[:hits], _HIT))
+            # Being promoted from kvtierd's second tier: HIT_PENDING (vLLM defers the request and
+            # asks again next step) rather than computing them or waiting here.
+            verdict.update(dict.fromkeys(keys[hits:hits + pending], _PENDING))
+            verdict.update(dict.fromkeys(keys[hits + pending:], _MISS))
         verdict = {} if verdict is None else verdict
         state.verdict, state.start, state.npos, state.expires = verdict, start, npos, now + LOOKUP_RESULTS_TTL_S
+        state.recheck_step = self._step if any(pending for _, pending in prefixes) else -1
         state.valid_step = -1
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
