@@ -139,7 +139,10 @@ def run(ctx: Context) -> dict:
     rows, notes = [], []
     with ExitStack() as stack:
         for label, directory, setting in backings(ctx, region, stack, notes):
-            daemon = bench_daemon(directory, region, DATA_PAGE, "--hugepages", setting)
+            # With huge pages the daemon takes --size in whole huge pages, rounded down
+            # (hugepages.size_for): rounded up here, the region holds the reps' jobs (and < 2 MiB more).
+            size = region if setting == "off" else -(-region // (2 * MiB)) * (2 * MiB)
+            daemon = bench_daemon(directory, size, DATA_PAGE, "--hugepages", setting)
             try:
                 start_s = daemon.start()
                 stats = daemon.stats()
