@@ -73,7 +73,8 @@ tier-install: $(BIN)/.tier-installed
 test-tier: tier-install
 	$(BIN)/pytest -q tests/tier tests/unit/test_tier.py
 
-# Each engine's raw put/get against kvtierd's tier path (kvtierbench/tier.py; QUICK=1 for toy sizes).
+# Demote and promote through two daemons against each engine's raw put/get, and the lookup-miss check
+# (kvtierbench/tier.py, also `kvtierctl bench --only tier`; QUICK=1 for toy sizes).
 bench-tier: tier-install
 	$(BIN)/python -m kvtierbench.tier $(if $(QUICK),--quick)
 

@@ -180,6 +180,8 @@ def section_text(name: str, section: dict) -> str:
         parts += policy_tables(section)
     else:
         parts.append(md_table(rows, COLUMNS[name]))
+        for title, more in section.get("more", {}).items():
+            parts.append(f"**{title}**\n\n" + md_table(more, COLUMNS[f"{name} {title}"]))
     parts += [f"- {n}" for n in section["notes"]]
     return "\n\n".join(parts)
 
@@ -254,7 +256,8 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
     titles = {"control": "Control plane", "data": "CPU data plane", "capacity": "Capacity and traffic",
               "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis",
               "attach": "Client attach and first touch (4 KiB vs 2 MiB pages)",
-              "policy": "Eviction policy: hit rate against Belady, cost against LRU"}
+              "policy": "Eviction policy: hit rate against Belady, cost against LRU",
+              "tier": "Second tier: demote and promote against the engine's raw put/get, the lookup-miss check"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
                  "data": ["bench-gbps-vs-block.png"], "policy": ["bench-policy-hit-rate.png"]}
     for name in kvtierbench.SECTIONS:
@@ -385,6 +388,18 @@ and without it (`populate_threads=0`, what every client paid before: one page fa
 the copy's path). 4 KiB pages: a region created with `hugepages=off`; 2 MiB pages:
 `hugepages=on`, on a tmpfs the bench mounts itself (`huge=always`) when its directory gives none
 and it runs as root.""",
+    "tier": """Two daemons ("nodes") share one real engine on loopback, each through its tier companion
+(docs/tier.md): node A's region holds exactly 2N blocks with `tier_low_watermark` 0.5, so once a
+store takes its last free pages it demotes its N oldest blocks in one put (timed by the daemon:
+the put's round trip); node B is then asked for them and promotes them (timed from the first
+lookup, which reports them pending, to the lookup that finds them all READY: existence check,
+allocation, get into the region), and loads them, every block checked. Against the engine's own
+client moving the same N blocks of S from one registered buffer in the bench process (Mooncake
+`batch_put_from`/`batch_get_into`; Redis Cluster through redis-py's pipeline), the two taking turns
+at going first. The lookup table: a lookup of K keys the tier does not hold on a third node (the
+daemon replies at once, pending K, and sends the existence check after the reply) against a
+lookup of the same keys once they are stored there; "tier answered" is when a lookup no longer
+reports them pending.""",
     "policy": """`kvtierctl bench policy --trace FILE`: each Mooncake-format trace replayed, per policy and
 capacity, through a fresh daemon (`--policy NAME`, `PYTHONHASHSEED` fixed) whose region holds
 exactly that many one-page blocks: per request a lookup, a load of the hit prefix, a store of the

@@ -10,6 +10,7 @@ Rank usage::
     client = Client(socket, engine_id="e1", rank=r, world_size=n, namespace=namespace_id)
     client.register_kv_caches(per_layer_tensors)
     hits = client.lookup(keys)                      # leading keys that are cached
+    client.lookup_detail(keys).pending              # keys after them being promoted from a second tier
     client.store(job, keys, block_ids)              # returns the per-key decision at once
     client.load(job2, keys[:hits], block_ids2)      # returns how many blocks will arrive
     for result in client.wait([job, job2]): ...     # or poll() from the engine's loop
@@ -462,11 +463,17 @@ class Client:
         again renews it (replaces it at once). ``lease_held(lease)`` says how many hits it holds
         (fewer past kvtierd's caps) and until when. A lease belongs to this session: it ends with
         it, and after a daemon restart this client leases again what is left of it."""
+        return self.lookup_detail(keys, lease, ttl).hits
+
+    def lookup_detail(self, keys: Sequence[bytes], lease: int | None = None, ttl: float | None = None) -> LookupReply:
+        """``lookup``'s whole answer: ``hits`` leading keys are ready (``lease``, ``leased``,
+        ``ttl_ms``: what a lease holds of them); the ``pending`` keys after them are being promoted
+        from the daemon's second tier (ask again shortly rather than compute them; 0 without a tier)."""
         if lease is None:
-            return LookupReply.from_wire(self._call("lookup", keys=list(keys))).hits
+            return LookupReply.from_wire(self._call("lookup", keys=list(keys)))
         return self._lookup_leased(tuple(keys), lease, ttl, self._call)
 
-    def _lookup_leased(self, keys: tuple, lease: int, ttl: float | None, call) -> int:
+    def _lookup_leased(self, keys: tuple, lease: int, ttl: float | None, call) -> LookupReply:
         fields: dict = {"keys": list(keys), "lease": lease}
         if ttl is not None:
             fields["ttl_ms"] = max(0, round(ttl * 1000))
@@ -479,7 +486,7 @@ class Client:
             if len(self._leases) > self._prune_at:    # leases another session consumed linger until they lapse
                 self._drop_lapsed()
                 self._prune_at = max(1024, 2 * len(self._leases))
-        return reply.hits
+        return reply
 
     def _drop_lapsed(self) -> None:
         now = time.monotonic()

@@ -42,6 +42,11 @@ each; ``harness`` holds what they share, ``report`` the tables:
               capacity (``--capacity``), the prefix hit rate against Belady's offline optimum from
               the same file and against LRU's; and the daemon's CPU per key with each policy
               against LRU's, in the same run (``kvtierbench.policy``).
+``tier``      the second tier: two daemons sharing a real engine on loopback (Mooncake Store,
+              Redis Cluster; each started and stopped here, skipped when not installed): node A
+              demotes N blocks, node B promotes them, blocks/s against the engine's own raw
+              put/get of the same blocks; and a lookup-miss (the tier check) against a local
+              lookup of the same keys (``kvtierbench.tier``).
 
 The region lives in a fresh directory under /dev/shm (its production home: a disk-backed /tmp
 would measure page-cache writeback) and the whole directory is removed at the end. Daemons run
@@ -68,7 +73,7 @@ from .harness import FULL, QUICK, Context, machine, say, workdir_base
 
 # In the order they run (eviction fills the region that recovery then restarts); each module is
 # imported when it runs (so ``python -m kvtierbench.traces`` runs a module not imported before).
-SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "redis", "attach", "policy")
+SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "redis", "attach", "policy", "tier")
 
 
 def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: str | None = None,

@@ -50,6 +50,11 @@ class Plan:
     cost_entries: int                     # policy: one-page entries of each cost daemon's region
     cost_batches: tuple[int, ...]         # policy: keys per job of the cost measurement
     cost_slices: int                      # policy: turns each policy takes per (op, B)
+    tier_blocks: int                      # tier: blocks demoted and promoted per repetition
+    tier_block_sizes: tuple[int, ...]     # tier: bytes per block
+    tier_reps: int                        # tier: measured repetitions (after one warm-up)
+    tier_lookup_batches: int              # tier: lookups timed per key count
+    tier_lookup_keys: tuple[int, ...]     # tier: keys per lookup
 
 
 FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4, 16), duration=0.5,
@@ -57,11 +62,13 @@ FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4,
             capacity_block=256 << 10, entries=1_000_000, eviction_batches=(1, 1024), redis_blocks=64,
             attach_block=2 * MiB, attach_blocks=16, attach_reps=24,
             capacities=(0.02, 0.05, 0.1, 0.2), generated_requests=3000, cost_entries=65536,
-            cost_batches=(1, 16, 256), cost_slices=9)
+            cost_batches=(1, 16, 256), cost_slices=9, tier_blocks=256, tier_block_sizes=(64 << 10, MiB), tier_reps=5,
+            tier_lookup_batches=200, tier_lookup_keys=(1, 256))
 QUICK = Plan(control_region=64 * MiB, batches=(1, 256, 1024), clients=(1, 4), duration=0.1, block_sizes=(MiB,),
              blocks_per_job=(64,), reps=2, tp=(1, 2, 4, 8), budget=16 * MiB, capacity_block=256 << 10,
              entries=20_000, eviction_batches=(1024,), redis_blocks=16, attach_block=MiB, attach_blocks=4,
-             attach_reps=4, capacities=(0.05, 0.2), generated_requests=300, cost_entries=4096, cost_batches=(16,), cost_slices=2)
+             attach_reps=4, capacities=(0.05, 0.2), generated_requests=300, cost_entries=4096, cost_batches=(16,), cost_slices=2,
+             tier_blocks=32, tier_block_sizes=(256 << 10,), tier_reps=2, tier_lookup_batches=10, tier_lookup_keys=(256,))
 
 CONTROL_PAGE = 4096                # control/eviction/recovery: 4 KiB pages, one-page blocks
 DATA_PAGE = 64 << 10               # data/capacity/redis: the default page size

@@ -44,7 +44,15 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row 
                ("policy", "policy", "{}"), ("hit rate", "hit_rate", "{:.3f}"), ("Belady", "belady", "{:.3f}"),
                ("x Belady", "x_belady", "{:.2f}"), ("x LRU", "x_lru", "{:.2f}"), ("refused", "refused", "{:,}"),
                ("CPU ns/ref", "cpu_ns_per_ref", "{:,.0f}"), ("CPU x LRU", "cpu_x_lru", "{:.2f}")],
+    "tier": [("engine", "engine", "{}"), ("blocks", "blocks", "{}"), ("block KiB", "block_bytes", "KiB"),
+             ("raw put GB/s", "raw_put_gbps", "{:.2f}"), ("demote GB/s", "demote_gbps", "{:.2f}"),
+             ("x raw put", "demote_vs_raw_put", "{:.2f}"), ("raw get GB/s", "raw_get_gbps", "{:.2f}"),
+             ("promote GB/s", "promote_gbps", "{:.2f}"), ("x raw get", "promote_vs_raw_get", "{:.2f}")],
     # A section's further tables (its "more" map): "<section> <table>".
+    "tier lookup": [("engine", "engine", "{}"), ("keys", "keys", "{}"), ("miss p50 us", "miss_p50_us", "{:.0f}"),
+                    ("local p50 us", "local_p50_us", "{:.0f}"), ("miss x local", "miss_vs_local", "{:.2f}"),
+                    ("miss p99 us", "miss_p99_us", "{:.0f}"), ("local p99 us", "local_p99_us", "{:.0f}"),
+                    ("tier answered p50 us", "answered_p50_us", "{:.0f}")],
     "policy cost": [("op", "op", "{}"), ("B", "keys", "{}"), ("policy", "policy", "{}"),
                     ("CPU ns/key", "cpu_ns_per_key", "{:,.0f}"), ("x LRU", "x_lru", "{:.2f}")],
 }
@@ -55,6 +63,8 @@ def cell(value: Any, fmt: str) -> str:
         return "-"
     if fmt == "MiB":
         return f"{value / MiB:g}"
+    if fmt == "KiB":
+        return f"{value / 1024:g}"
     return fmt.format(value)
 
 

@@ -1,23 +1,35 @@
-"""Benchmark section ``tier``: each second-tier engine's own raw put/get against kvtierd's tier path.
+"""``tier``: demote and promote through two daemons sharing a second tier, against the same
+engine's own raw put/get of the same blocks in the same run; and the lookup-miss latency the
+tier check adds, against a local lookup of the same keys.
 
-The floor for issue 16's goal ("promote and demote throughput >= 0.8x the engine's own raw
-put/get of the same blocks in the same run"). Per engine (a real one on loopback, started and
-stopped here) and block size S, N blocks of S bytes, fresh keys every repetition, median of
-``reps`` after a warm-up:
+Per engine (a real one on loopback, started and stopped here: ``kvtierd.tier.engines``) and block
+size S, N blocks per repetition, median of ``reps`` after a warm-up, fresh keys every time, the
+raw floor and the daemons taking turns at going first:
 
-``raw``      the engine's own client at its best, from one contiguous buffer:
+``raw``      the engine's own client at its best, from one contiguous buffer in this process:
              Mooncake ``batch_put_from``/``batch_get_into`` (its zero-copy API, registered memory);
              Redis Cluster through redis-py's ``RedisCluster`` pipeline (SET of each block, GET of
              each block copied into its place, as a KV library must)
-``backend``  ``kvtierd.tier`` backend + guard in this process, blocks in fixed pages of a region
-``link``     the whole phase-1 path the daemon will use: TierLink → companion process → backend,
-             reading and writing a region file the companion maps (phase 2's demote and promote add
-             the daemon's index work on top of this)
+``demote``   node A (a kvtierd whose region holds exactly 2N blocks, ``tier_low_watermark`` 0.5)
+             holds N blocks X; a store of N more takes the last free pages, so the daemon demotes
+             its N oldest victims — X — at once, in one put. Timed by the daemon itself: its put's
+             round trip through the companion (``kvtierd_tier_call_seconds{op="put"}``), read once
+             A counts all N demoted (asking for stats every few milliseconds would compete for
+             the CPU with what it measures)
+``promote``  node B (another kvtierd on the same engine) is asked for X: timed from the first
+             lookup (pending N) to the lookup that finds all N READY (asked every 0.5 ms): the
+             existence check, the pages, the get into them, READY. B then loads X and every block
+             is checked (its index is in its first bytes)
 
-Ratios are blocks/s of backend and link against raw, per direction. Run it alone with
-``python -m kvtierbench.tier [--quick] [--json]``; ``section(quick)`` returns the same
-``{"rows", "ratios", "targets", "notes"}`` shape as the ``kvtierctl bench`` sections, so it can
-join them once kvtierbench/ is a package (issue 12).
+Lookup latency, on a third node with 4 KiB one-page blocks: a lookup of K fresh keys the tier
+does not hold (the daemon answers at once, pending K, and sends the existence check after the
+reply) against a lookup of the same K keys once they are stored locally; p50 of
+``lookup_batches`` of each, interleaved, each after the same short pause. "answered" is how long
+until a lookup no longer reports them pending (the check's round trip through the companion and
+the engine; every tenth batch), for information.
+
+Both nodes run the daemon as shipped (a tier companion process each). Run it alone with
+``kvtierctl bench --only tier`` or ``python -m kvtierbench.tier [--quick] [--engine E]``.
 """
 
 from __future__ import annotations
@@ -31,53 +43,39 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvtierd.tier.backend import open_backend, page_extents
+from kvtierd.tier.backend import open_backend
 from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
-from kvtierd.tier.guard import Guard
 from kvtierd.tier.keys import Keyspace
-from kvtierd.tier.link import TierLink
 
-MiB = 1 << 20
-PAGE = 64 << 10                  # the daemon's default page size
+from .harness import (DATA_PAGE, FULL, QUICK, BlockBench, Context, MiB, bench_daemon, bench_namespace, make_keys, pct,
+                      region_size, say, target)
 
-
-@dataclass(frozen=True)
-class Plan:
-    blocks: int
-    block_sizes: tuple[int, ...]
-    reps: int
-
-
-FULL = Plan(blocks=256, block_sizes=(64 << 10, MiB), reps=5)
-QUICK = Plan(blocks=32, block_sizes=(256 << 10,), reps=2)
+ENGINES = ("mooncake", "redis")
+LOOKUP_PAGE = 4096
+# A pause before each timed lookup, as between an engine's scheduler steps. Timed right after
+# a burst of lookups polling for the tier's answer, a 1-key miss took 574 us against 194 us after
+# a pause (Mooncake; the companion's engine threads still busy on this 2-CPU machine).
+IDLE = 0.003
 
 
-def say(message: str) -> None:
-    print(f"[bench tier] {message}", file=sys.stderr, flush=True)
+class Buffer:
+    """The raw floor's memory: 2N blocks of S in /dev/shm, mapped here (registered with Mooncake)."""
 
-
-class Region:
-    """A region file in /dev/shm: the blocks' pages, mapped here and by the companion."""
-
-    def __init__(self, pages: int):
+    def __init__(self, size: int):
         self.dir = tempfile.mkdtemp(prefix="kvtbench-tier-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
                                     else None)
-        self.path = os.path.join(self.dir, "bench.region")
-        self.size = pages * PAGE
-        with open(self.path, "wb") as f:
-            f.truncate(self.size)
-        fd = os.open(self.path, os.O_RDWR)
-        self.map = mmap.mmap(fd, self.size)
+        path = os.path.join(self.dir, "raw")
+        with open(path, "wb") as f:
+            f.truncate(size)
+        fd = os.open(path, os.O_RDWR)
+        self.map = mmap.mmap(fd, size)
         os.close(fd)
-        self.array = np.frombuffer(self.map, np.uint8)
-        self.array[:] = np.random.default_rng(1).integers(0, 256, self.size, dtype=np.uint8)
+        np.frombuffer(self.map, np.uint8)[:] = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
 
     def close(self) -> None:
-        del self.array
         try:
             self.map.close()
         except BufferError:
@@ -97,200 +95,316 @@ def _check(ok, what: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ raw
-def raw_mooncake(backend, region: Region, n: int, size: int, keys: list[str]) -> tuple[float, float]:
+class RawMooncake:
     """Mooncake's own zero-copy batch API from/into one contiguous registered buffer."""
-    store = backend.store
-    base = backend.base
-    ptrs = [base + i * size for i in range(n)]
-    sizes = [size] * n
-    put = timed(lambda: _check([c == 0 for c in store.batch_put_from(keys, ptrs, sizes, backend.config)], "raw put"))
-    dst = [base + (n + i) * size for i in range(n)]
-    get = timed(lambda: _check([c == size for c in store.batch_get_into(keys, dst, sizes)], "raw get"))
-    return put, get
+
+    def __init__(self, engine, buffer: Buffer):
+        self.backend = open_backend("mooncake", master=engine.address, timeout=30.0)
+        self.backend.attach(memoryview(buffer.map))
+
+    def put_get(self, n: int, size: int, keys: list[str]) -> tuple[float, float]:
+        store, base, config = self.backend.store, self.backend.base, self.backend.config
+        sizes = [size] * n
+        src = [base + i * size for i in range(n)]
+        put = timed(lambda: _check([c == 0 for c in store.batch_put_from(keys, src, sizes, config)], "raw put"))
+        dst = [base + (n + i) * size for i in range(n)]
+        get = timed(lambda: _check([c == size for c in store.batch_get_into(keys, dst, sizes)], "raw get"))
+        return put, get
+
+    def clear(self, prefix: str) -> None:
+        self.backend.clear(prefix)
+
+    def close(self) -> None:
+        self.backend.close()
 
 
-def raw_redis(client, region: Region, n: int, size: int, keys: list[str]) -> tuple[float, float]:
+class RawRedis:
     """redis-py's cluster pipeline: one SET per block, then one GET per block copied into place."""
-    view = memoryview(region.map)
 
-    def put():
-        pipe = client.pipeline(transaction=False)
-        for i, k in enumerate(keys):
-            pipe.set(k, view[i * size:(i + 1) * size])
-        _check([r is True for r in pipe.execute()], "raw put")
+    def __init__(self, engine, buffer: Buffer):
+        from redis.cluster import ClusterNode, RedisCluster as PyCluster
+        self.buffer = buffer
+        self.client = PyCluster(startup_nodes=[ClusterNode(h, int(p)) for h, p in
+                                               (a.split(":") for a in engine.address.split(","))], socket_timeout=120)
+        self.cleaner = open_backend("redis", nodes=engine.address, timeout=30.0)   # SCAN + UNLINK per primary
 
-    def get():
-        pipe = client.pipeline(transaction=False)
-        for k in keys:
-            pipe.get(k)
-        values = pipe.execute()
-        _check([v is not None and len(v) == size for v in values], "raw get")
-        base = ctypes.addressof(ctypes.c_char.from_buffer(region.map))
-        for i, v in enumerate(values):
-            ctypes.memmove(base + (n + i) * size, v, size)
+    def put_get(self, n: int, size: int, keys: list[str]) -> tuple[float, float]:
+        view = memoryview(self.buffer.map)
 
-    return timed(put), timed(get)
+        def put():
+            pipe = self.client.pipeline(transaction=False)
+            for i, k in enumerate(keys):
+                pipe.set(k, view[i * size:(i + 1) * size])
+            _check([r is True for r in pipe.execute()], "raw put")
 
+        def get():
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            values = pipe.execute()
+            _check([v is not None and len(v) == size for v in values], "raw get")
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer.map))
+            for i, v in enumerate(values):
+                ctypes.memmove(base + (n + i) * size, v, size)
 
-# ------------------------------------------------------------------------------------------ ours
-def block_pages(n: int, size: int, first_block: int) -> np.ndarray:
-    per = -(-size // PAGE)
-    return np.arange(first_block * per, (first_block + n) * per).reshape(n, per)
+        return timed(put), timed(get)
 
+    def clear(self, prefix: str) -> None:
+        self.cleaner.clear(prefix)
 
-def via_backend(guard: Guard, n: int, size: int, keys: list[str]) -> tuple[float, float]:
-    src = page_extents(block_pages(n, size, 0), PAGE, size)
-    dst = page_extents(block_pages(n, size, n), PAGE, size)
-    put = timed(lambda: _check(guard.call("put", keys, src, timeout=120), "backend put"))
-    get = timed(lambda: _check(guard.call("get", keys, dst, timeout=120), "backend get"))
-    return put, get
-
-
-def link_call(link: TierLink, op: str, **fields) -> dict:
-    ctx = object()
-    link.submit(op, ctx, **fields)
-    deadline = time.monotonic() + 300
-    while True:
-        for o in link.collect():
-            if o.context is ctx and o.final:
-                if not o.ok:
-                    raise RuntimeError(f"link {op}: {o.error}")
-                return o.result
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"link {op}: no answer")
-        time.sleep(0.0005)
+    def close(self) -> None:
+        self.client.close()
+        self.cleaner.close()
 
 
-def via_link(link: TierLink, n: int, size: int, keys: list[bytes], ns: bytes) -> tuple[float, float]:
-    src = block_pages(n, size, 0).astype("<u4").tobytes()
-    dst = block_pages(n, size, n).astype("<u4").tobytes()
-    out = {}
-    put = timed(lambda: out.update(put=link_call(link, "put", ns=ns, keys=keys, pages=src, length=size)))
-    get = timed(lambda: out.update(get=link_call(link, "get", ns=ns, keys=keys, pages=dst, length=size)))
-    _check(list(out["put"]["done"]), "link put")
-    _check(list(out["get"]["done"]), "link get")
-    return put, get
-
-
-# ------------------------------------------------------------------------------------------ run
-def engine_rows(kind: str, plan: Plan) -> tuple[list[dict], str]:
-    n = plan.blocks
-    biggest = max(plan.block_sizes)
+def engine_version(kind: str, engine) -> str:
     if kind == "mooncake":
-        engine = MooncakeCluster(segment_bytes=max(512 * MiB, 4 * n * biggest))
-    else:
-        engine = RedisCluster(maxmemory=f"{max(512, 4 * n * biggest // MiB)}mb")
+        from importlib.metadata import version
+        return f"mooncake-transfer-engine-non-cuda {version('mooncake-transfer-engine-non-cuda')}"
+    import redis
+    return f"redis-server {engine.version()} (raw floor: redis-py {redis.__version__}, hiredis " \
+           f"{'yes' if redis.utils.HIREDIS_AVAILABLE else 'no'})"
+
+
+# ------------------------------------------------------------------------------------------ nodes
+def tier_flags(kind: str, engine, *more: str) -> tuple[str, ...]:
+    return ("--tier-backend", kind, "--tier-address", engine.address, "--tier-data-timeout", "120",
+            "--tier-kill-after", "60", "--tier-timeout", "5", *more)
+
+
+def start_node(ctx: Context, name: str, kind: str, engine, pages: int, page_size: int, *more: str):
+    daemon = bench_daemon(ctx.path(name), region_size(pages, page_size), page_size, *tier_flags(kind, engine, *more))
+    daemon.start()
+    deadline = time.monotonic() + 120
+    while daemon.stats()["tier"]["state"] != "ready":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the tier companion of {name} did not start: {daemon.stats()['tier']}")
+        time.sleep(0.05)
+    return daemon
+
+
+def wait_counter(daemon, name: str, value: int, timeout: float = 300.0) -> dict:
+    """Poll the daemon's tier counter until it reaches ``value``; returns the tier's stats then."""
+    deadline = time.monotonic() + timeout
+    while (tier := daemon.stats()["tier"])[name] < value:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} stayed below {value}: {tier}")
+        time.sleep(0.005)
+    return tier
+
+
+def call_seconds(tier: dict, op: str) -> float:
+    hist = tier["call_seconds"].get(op)
+    return hist["sum"] if hist else 0.0
+
+
+def demote_promote(a, b, bench_a: BlockBench, bench_b: BlockBench, n: int, seed: int, ns_name: str
+                   ) -> tuple[float, float]:
+    """One repetition: X demoted from A (timed), then promoted into B (timed) and checked."""
+    for node in (a, b):                         # both regions and the namespace in the tier empty
+        node.call("clear", admin=True, namespace=ns_name)
+    ids = np.arange(n)
+    x, trigger = make_keys(seed, n), make_keys(seed + 1, n)
+    job = next(bench_a.jobs)
+    bench_a.client.store(job, x, ids)
+    (done,) = bench_a.client.wait([job])
+    if not done.ok:
+        raise RuntimeError(f"store of X on node A failed: {done}")
+    before = a.stats()["tier"]
+    job = next(bench_a.jobs)                    # takes the last free pages: no copy, only the allocation
+    bench_a.client.channel.call("store", job=job, keys=trigger)
+    bench_a.client.channel.call("commit", job=job, ok=True)
+    after = wait_counter(a, "demoted_blocks", before["demoted_blocks"] + n)
+    demote = call_seconds(after, "put") - call_seconds(before, "put")
+    dropped = sum(after["demote_dropped_blocks"].values())
+    if dropped:
+        raise RuntimeError(f"node A dropped {dropped} blocks instead of demoting them")
+    rows = bench_b.kv.numpy()
+    rows[:, :8] = 0xFF
+    t0 = time.perf_counter()
+    first = bench_b.client.lookup_detail(x)
+    if (first.hits, first.pending) != (0, n):
+        raise RuntimeError(f"node B's first lookup: {first}, expected 0 hits and {n} pending")
+    while bench_b.client.lookup_detail(x).hits < n:
+        time.sleep(0.0005)
+        if time.perf_counter() - t0 > 300:
+            raise RuntimeError(f"node B did not promote X: {b.stats()['tier']}")
+    promote = time.perf_counter() - t0
+    job = next(bench_b.jobs)
+    hits = bench_b.client.load(job, x, ids)
+    (loaded,) = bench_b.client.wait([job])
+    if not loaded.ok or hits != n or not np.array_equal(rows[:, :8].view("<u8").ravel(), ids.astype("<u8")):
+        raise RuntimeError("node B loaded other bytes than node A stored")
+    return demote, promote
+
+
+def lookup_latency(ctx: Context, kind: str, engine, batches: int, sizes: tuple[int, ...]) -> list[dict]:
+    from kvtier import Client
+    pages = (batches + 2) * sum(sizes) + 64
+    node = start_node(ctx, f"{kind}-lookup", kind, engine, pages, LOOKUP_PAGE, "--no-tier-demote")
+    client = Client(node.socket, engine_id="bench-lookup", rank=0, world_size=1,
+                    namespace=bench_namespace("tier-lookup", LOOKUP_PAGE), copier="cpu", pin="off", timeout=60)
     rows = []
-    region = Region(2 * n * -(-biggest // PAGE))
-    link = None
+    try:
+        jobs = iter(range(1, 1 << 62))
+        for k in sizes:
+            miss, local, answered = [], [], []
+            for i in range(batches + 2):                    # two warm-ups
+                keys = make_keys(9_000_000 + 1000 * k + i, k)
+                time.sleep(IDLE)
+                t0 = time.perf_counter()
+                reply = client.lookup_detail(keys)
+                t1 = time.perf_counter()
+                if (reply.hits, reply.pending) != (0, k):
+                    raise RuntimeError(f"a lookup of {k} fresh keys answered {reply}")
+                if i % 10 == 0:                            # now and then: when the tier's answer is known
+                    while client.lookup_detail(keys).pending:
+                        time.sleep(0.0001)
+                    answered.append(time.perf_counter() - t0)
+                job = next(jobs)
+                client.channel.call("store", job=job, keys=keys)
+                client.channel.call("commit", job=job, ok=True)
+                time.sleep(IDLE)
+                t3 = time.perf_counter()
+                if client.lookup_detail(keys).hits != k:
+                    raise RuntimeError("the stored keys are not hits")
+                t4 = time.perf_counter()
+                if i >= 2:
+                    miss.append(t1 - t0)
+                    local.append(t4 - t3)
+            miss_us, local_us = np.array(miss) * 1e6, np.array(local) * 1e6
+            row = {"engine": kind, "keys": k, "miss_p50_us": pct(miss_us, 50), "miss_p99_us": pct(miss_us, 99),
+                   "local_p50_us": pct(local_us, 50), "local_p99_us": pct(local_us, 99),
+                   "answered_p50_us": pct(np.array(answered) * 1e6, 50)}
+            row["miss_vs_local"] = row["miss_p50_us"] / row["local_p50_us"]
+            rows.append(row)
+            say(f"tier {kind} lookup of {k} keys: miss p50 {row['miss_p50_us']:.0f} us, local "
+                f"{row['local_p50_us']:.0f} us (x{row['miss_vs_local']:.2f}); tier answered in "
+                f"{row['answered_p50_us']:.0f} us")
+    finally:
+        client.close()
+        node.stop()
+        shutil.rmtree(node.dir, ignore_errors=True)
+    return rows
+
+
+def engine_rows(ctx: Context, kind: str) -> tuple[list[dict], list[dict], str]:
+    plan = ctx.plan
+    n, biggest = plan.tier_blocks, max(plan.tier_block_sizes)
+    segment = max(512 * MiB, 4 * n * biggest)
+    engine = (MooncakeCluster(segment_bytes=segment) if kind == "mooncake"
+              else RedisCluster(maxmemory=f"{segment // MiB}mb"))
+    buffer = Buffer(2 * n * biggest)
+    raw = None
+    rows = []
     try:
         engine.start()
-        settings = {"master": engine.address} if kind == "mooncake" else {"nodes": engine.address}
-        backend = open_backend(kind, **settings, timeout=30.0)
-        backend.attach(memoryview(region.map))
-        guard = Guard(backend, timeout=120)
-        if kind == "mooncake":
-            raw_client = backend
-            version = backend.info()["version"]
-        else:
-            import redis
-            from redis.cluster import ClusterNode, RedisCluster as PyCluster
-            raw_client = PyCluster(startup_nodes=[ClusterNode(h, int(p)) for h, p in
-                                                  (a.split(":") for a in engine.address.split(","))],
-                                   socket_timeout=120)
-            version = f"{engine.version()} (redis-py {redis.__version__}, hiredis " \
-                      f"{'yes' if redis.utils.HIREDIS_AVAILABLE else 'no'})"
-        link = TierLink(f"ipc://{region.dir}/tier.sock", region.path, 0, region.size, PAGE, kind,
-                        {**settings, "timeout": 30.0}, timeout=30.0, data_timeout=120.0,
-                        log_path=os.path.join(region.dir, "tier.log"))
-        link.start()
-        deadline = time.monotonic() + 60
-        while link.state != "ready":
-            link.collect()
-            if link.state in ("failed", "down") or time.monotonic() > deadline:
-                raise RuntimeError(f"the tier companion did not start: {link.status()}")
-            time.sleep(0.01)
-        raw = raw_mooncake if kind == "mooncake" else raw_redis
-        for size in plan.block_sizes:
-            times = {"raw": [], "backend": [], "link": []}
-            for rep in range(plan.reps + 1):
-                ks = Keyspace(b"bench|%d|%d" % (size, rep))
-                keys = [b"block-%06d" % i for i in range(n)]
-                names = ks.names(keys)
-                times["raw"].append(raw(raw_client, region, n, size, [k + "/raw" for k in names]))
-                times["backend"].append(via_backend(guard, n, size, [k + "/be" for k in names]))
-                times["link"].append(via_link(link, n, size, keys, ks.identity))
-                guard.call("clear", ks.prefix, timeout=60)
-            row = {"engine": kind, "blocks": n, "block_bytes": size}
-            for name, runs in times.items():
-                put, get = np.median(np.array(runs[1:]), axis=0)
-                row[f"{name}_put_blocks_per_s"] = n / put
-                row[f"{name}_get_blocks_per_s"] = n / get
-                row[f"{name}_put_gb_per_s"] = n * size / put / 1e9
-                row[f"{name}_get_gb_per_s"] = n * size / get / 1e9
-            for name in ("backend", "link"):
-                for d in ("put", "get"):
-                    row[f"{name}_{d}_vs_raw"] = row[f"{name}_{d}_blocks_per_s"] / row[f"raw_{d}_blocks_per_s"]
-            rows.append(row)
-            say(f"{kind} {n} x {size >> 10} KiB: raw put {row['raw_put_gb_per_s']:.2f} get "
-                f"{row['raw_get_gb_per_s']:.2f} GB/s; link put x{row['link_put_vs_raw']:.2f} get "
-                f"x{row['link_get_vs_raw']:.2f} of raw")
-        guard.close()
-        if kind == "redis":
-            raw_client.close()
-        return rows, version
+        raw = (RawMooncake if kind == "mooncake" else RawRedis)(engine, buffer)
+        for size in plan.tier_block_sizes:
+            per = -(-size // DATA_PAGE)
+            name = f"tier-{kind}-{size}"
+            a = start_node(ctx, f"{name}-a", kind, engine, 2 * n * per, DATA_PAGE, "--tier-low-watermark", "0.5")
+            b = start_node(ctx, f"{name}-b", kind, engine, 4 * n * per, DATA_PAGE)
+            bench_a, bench_b = BlockBench(a, size, n, name), BlockBench(b, size, n, name)
+            ns_name = bench_namespace(name, size).name()
+            try:
+                times = {"raw": [], "tier": []}
+                for rep in range(plan.tier_reps + 1):
+                    seed = 1_000_000 * (rep + 1) + size
+                    ks = Keyspace(b"bench-raw|%d|%d" % (size, rep))
+
+                    def floor():
+                        times["raw"].append(raw.put_get(n, size, ks.names(make_keys(seed + 7, n))))
+                        raw.clear(ks.prefix)
+
+                    def ours():
+                        times["tier"].append(demote_promote(a, b, bench_a, bench_b, n, seed, ns_name))
+                    # Taking turns at going first: on a shared machine, the first of the two after
+                    # a pause measured slower, whichever it was.
+                    for step in ((floor, ours) if rep % 2 else (ours, floor)):
+                        step()
+                (put, get), (demote, promote) = (np.median(np.array(times[k][1:]), axis=0) for k in ("raw", "tier"))
+                row = {"engine": kind, "blocks": n, "block_bytes": size,
+                       "raw_put_blocks_per_s": n / put, "raw_get_blocks_per_s": n / get,
+                       "demote_blocks_per_s": n / demote, "promote_blocks_per_s": n / promote,
+                       "raw_put_gbps": n * size / put / 1e9, "raw_get_gbps": n * size / get / 1e9,
+                       "demote_gbps": n * size / demote / 1e9, "promote_gbps": n * size / promote / 1e9,
+                       "demote_vs_raw_put": put / demote, "promote_vs_raw_get": get / promote}
+                rows.append(row)
+                say(f"tier {kind} {n} x {size >> 10} KiB: raw put {row['raw_put_gbps']:.2f} get "
+                    f"{row['raw_get_gbps']:.2f} GB/s; demote x{row['demote_vs_raw_put']:.2f}, promote "
+                    f"x{row['promote_vs_raw_get']:.2f} of raw")
+            finally:
+                bench_a.close()
+                bench_b.close()
+                for node in (a, b):
+                    node.stop()
+                    shutil.rmtree(node.dir, ignore_errors=True)
+        lookups = lookup_latency(ctx, kind, engine, plan.tier_lookup_batches, plan.tier_lookup_keys)
+        return rows, lookups, engine_version(kind, engine)
     finally:
-        if link is not None:
-            link.stop()
+        if raw is not None:
+            raw.close()
         engine.stop()
-        region.close()
+        buffer.close()
 
 
-def section(quick: bool = False, engines: tuple[str, ...] = ("mooncake", "redis")) -> dict:
-    plan = QUICK if quick else FULL
-    rows, notes, skipped = [], [], {}
+def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
+    rows, lookups, notes, skipped = [], [], [], []
     for kind in engines:
         try:
-            got, version = engine_rows(kind, plan)
+            got, lat, version = engine_rows(ctx, kind)
         except (EngineUnavailable, ImportError) as exc:
-            skipped[kind] = str(exc)
-            say(f"{kind} skipped: {exc}")
+            skipped.append(f"{kind}: {exc}")
+            say(f"tier: {kind} skipped: {exc}")
             continue
         rows += got
-        notes.append(f"{kind} {version} on 127.0.0.1")
-    ratios = {f"{r['engine']}_{r['blocks']}x{r['block_bytes'] >> 10}KiB_{name}_{d}_vs_raw": r[f"{name}_{d}_vs_raw"]
-              for r in rows for name in ("backend", "link") for d in ("put", "get")}
-    targets = [{"what": f"{kind} tier path vs the engine's raw {d} (worst block size; phase 2 measures demote/promote)",
-                "value": min(r[f"link_{d}_vs_raw"] for r in rows if r["engine"] == kind), "goal": 0.8,
-                "better": "higher"}
-               for kind in {r["engine"] for r in rows} for d in ("put", "get")]
-    notes.append("raw: Mooncake batch_put_from/batch_get_into on one registered buffer; Redis: redis-py cluster "
-                 "pipeline, GET values copied into place. backend: kvtierd.tier in-process; link: through the "
-                 "companion process. Fresh keys every repetition; median of the repetitions after a warm-up.")
-    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "skipped": skipped}
+        lookups += lat
+        notes.append(f"{kind}: {version}, on 127.0.0.1")
+    if not rows:
+        return {"skipped": "; ".join(skipped)}
+    ratios = {f"{r['engine']}_{r['blocks']}x{r['block_bytes'] >> 10}KiB_{what}": r[what]
+              for r in rows for what in ("demote_vs_raw_put", "promote_vs_raw_get")}
+    ratios.update({f"{r['engine']}_lookup_{r['keys']}_miss_vs_local": r["miss_vs_local"] for r in lookups})
+    targets = []
+    for kind in dict.fromkeys(r["engine"] for r in rows):
+        mine = [r for r in rows if r["engine"] == kind]
+        targets += [target(f"tier {kind}: demote vs the engine's raw put, blocks/s (worst block size)",
+                           min(r["demote_vs_raw_put"] for r in mine), 0.8, "higher"),
+                    target(f"tier {kind}: promote vs the engine's raw get, blocks/s (worst block size)",
+                           min(r["promote_vs_raw_get"] for r in mine), 0.8, "higher")]
+        targets.append(target(f"tier {kind}: lookup-miss p50 vs a local lookup of the same keys (worst key count)",
+                              max(r["miss_vs_local"] for r in lookups if r["engine"] == kind), 2, "lower"))
+    notes += [f"skipped {s}" for s in skipped]
+    notes.append("raw: the engine's own client in this process (Mooncake batch_put_from/batch_get_into on one "
+                 "registered buffer; Redis: redis-py cluster pipeline, GET values copied into place). demote: node A's "
+                 "daemon writes its N oldest victims to the tier in one put once a store takes its last free pages "
+                 "(the put's round trip, timed by the daemon); promote: node B, first lookup to all N READY (existence check, allocation, "
+                 "get into the region, READY), then loaded and checked. Both through each daemon's tier companion. "
+                 "Fresh keys every repetition; median of the repetitions after a warm-up")
+    return {"rows": rows, "more": {"lookup": lookups}, "ratios": ratios, "targets": targets, "notes": notes}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtierbench.tier", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke test)")
-    parser.add_argument("--engine", action="append", choices=("mooncake", "redis"), help="only these engines")
+    parser.add_argument("--engine", action="append", choices=ENGINES, help="only these engines")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
-    result = section(args.quick, tuple(args.engine or ("mooncake", "redis")))
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return 0
-    print(f"{'engine':9} {'blocks':>6} {'KiB':>6}  {'path':8} {'put GB/s':>9} {'get GB/s':>9} {'put/raw':>8} "
-          f"{'get/raw':>8}")
-    for r in result["rows"]:
-        for name in ("raw", "backend", "link"):
-            ratio = ("" if name == "raw" else f"{r[f'{name}_put_vs_raw']:8.2f} {r[f'{name}_get_vs_raw']:8.2f}")
-            print(f"{r['engine']:9} {r['blocks']:6} {r['block_bytes'] >> 10:6}  {name:8} "
-                  f"{r[f'{name}_put_gb_per_s']:9.2f} {r[f'{name}_get_gb_per_s']:9.2f} {ratio}")
-    for note in result["notes"]:
-        print(f"note: {note}")
-    for kind, why in result["skipped"].items():
-        print(f"skipped {kind}: {why}")
+    from .harness import workdir_base
+    from .report import format_results
+    workdir = tempfile.mkdtemp(prefix="kvtbench-", dir=workdir_base())
+    ctx = Context(QUICK if args.quick else FULL, workdir)
+    started = time.perf_counter()
+    try:
+        section = run(ctx, tuple(args.engine or ENGINES))
+    finally:
+        ctx.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    from .harness import machine
+    result = {"machine": {**machine(), "loadavg_end": list(os.getloadavg())}, "quick": args.quick,
+              "seconds": time.perf_counter() - started, "sections": {"tier": section}}
+    print(json.dumps(result, indent=1) if args.json else format_results(result))
     return 0
 
 

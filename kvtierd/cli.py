@@ -144,11 +144,28 @@ def fetch_stats(args: argparse.Namespace) -> dict:
     return _stats(_paths(args)[0], args.timeout).to_wire()
 
 
+# What `kvtierctl status` shows of the second tier (protocol.StatsReply.tier; all of it: stats).
+TIER_STATUS_FIELDS = ("backend", "address", "state", "pid", "last_error", "breaker", "inflight", "restarts",
+                      "demoted_blocks", "demoting_blocks", "demote_dropped_blocks", "promoted_blocks",
+                      "promoting_blocks", "promote_failed_blocks", "lookup_keys")
+
+
+def tier_status(tier: dict) -> dict:
+    """The second tier's line of ``kvtierctl status``: its state, errors summed, the main counters."""
+    if tier.get("backend", "off") == "off":
+        return {"backend": "off"}
+    out = {name: tier[name] for name in TIER_STATUS_FIELDS if name in tier}
+    out["errors"] = sum(e["calls"] for e in tier.get("errors", []))
+    return {k: " ".join(f"{a}:{b}" for a, b in sorted(v.items())) if isinstance(v, dict) else v
+            for k, v in out.items()}
+
+
 def fetch_status(args: argparse.Namespace) -> dict:
     socket, _, region, lock = _paths(args)
     if daemon_running(lock):
         s = _stats(socket, args.timeout)
-        return {"daemon": "running", **{name: getattr(s, name) for name in STATUS_FIELDS}}
+        return {"daemon": "running", **{name: getattr(s, name) for name in STATUS_FIELDS},
+                "tier": tier_status(s.tier)}
     from . import offline
     with offline.open_region(region) as view:
         return {"daemon": "not running", **offline.status(view, region)}
@@ -199,7 +216,7 @@ def format_eviction(data: dict, args: argparse.Namespace) -> str:
     if data["skipped_leased"]:
         text += (f"; skipped {data['skipped_leased']} leased entries (engines looked them up and will load them; "
                  "they stay until loaded, released or expired: clear --force revokes the leases)")
-    return text + ("; pinned and in-flight ones stay" if args.command == "clear" else "")
+    return text + ("; pinned and in-flight ones stay" if args.command == "clear" else "") + _tier_said(data)
 
 
 # --- formatters ---------------------------------------------------------------------------------
@@ -215,7 +232,12 @@ def format_stats(data: dict, args: argparse.Namespace) -> str:
         if key in ("lookup_miss_keys", "load_miss_keys"):
             op = key.split("_")[0]
             rows[f"{op}_hit_rate"] = _hit_rate(data[f"{op}_hit_keys"], value)
-    text = _pairs(rows, skip=("namespace_list", "latency", "vote_wait"))
+    text = _pairs(rows, skip=("namespace_list", "latency", "vote_wait", "tier"))
+    if data.get("tier", {}).get("backend", "off") != "off":
+        tier = {k: v for k, v in data["tier"].items() if k not in ("call_seconds", "errors", "engine")}
+        errors = {f"{e['op']}/{e['code']}": e["calls"] for e in data["tier"].get("errors", [])}
+        text += "\n\nsecond tier:\n" + _pairs({**tier, "errors": errors, **{f"engine_{k}": v for k, v in
+                                                                          data["tier"].get("engine", {}).items()}})
     if data.get("namespace_list"):
         text += "\n\n" + _table(data["namespace_list"], ["slot", "entries", "entry_pages", "name"])
     return text
@@ -243,8 +265,21 @@ def format_check(data: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+TIER_SAID = {"off": "", "local": "; the second tier keeps its copies (evict is local; clear removes them)",
+             "excluded": "; the namespace does not use the second tier (tier_exclude)",
+             "failed": "; the second tier could not be cleared (kvtierctl status shows its state): run clear again"}
+
+
+def _tier_said(reply: dict) -> str:
+    """What an evict or clear did to the second tier, in words."""
+    if reply.get("tier") == "removed":
+        return f"; {reply['tier_removed']} blocks removed from the second tier"
+    return TIER_SAID.get(reply.get("tier", "off"), "")
+
+
 COMMANDS: dict[str, tuple] = {
-    "status": ("the daemon's state (live), or the region's files' (daemon down)", None, fetch_status,
+    "status": ("the daemon's state (live, with its second tier), or the region's files' (daemon down)", None,
+               fetch_status,
                lambda d, a: _pairs(d), None),
     "stats": ("all counters and occupancy of a running daemon", None, fetch_stats, format_stats, None),
     "namespaces": ("namespaces recorded in the region, with their entry counts", None, fetch_namespaces,
@@ -268,12 +303,12 @@ COMMANDS: dict[str, tuple] = {
                 lambda d, a: _table(d["clients"], ["session", "engine", "role", "pid", "world_size", "watched",
                                                    "leases", "leased_keys", "namespace"]), None),
     "evict": ("evict entries, the eviction policy's first victims first; leased, pinned and in-flight ones stay "
-              "(admin socket)",
+              "(admin socket; the second tier keeps its copies)",
               lambda p: (p.add_argument("--count", type=int, required=True, help="how many entries"),
                          p.add_argument("--namespace", help="only from this namespace")),
               fetch_evict, format_eviction, None),
-    "clear": ("evict every evictable entry of a namespace, or of all; leased, pinned and in-flight ones stay "
-              "(admin socket)",
+    "clear": ("evict every evictable entry of a namespace, or of all, and remove its blocks from the second tier; "
+              "leased, pinned and in-flight ones stay (admin socket)",
               lambda p: (p.add_argument("--namespace", help="the namespace to clear"),
                          p.add_argument("--all", action="store_true", help="clear every namespace"),
                          p.add_argument("--force", action="store_true",

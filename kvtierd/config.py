@@ -12,6 +12,7 @@ are seconds (floats).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -116,6 +117,14 @@ def _parse_float(raw: Any) -> float:
     return value
 
 
+def _parse_json(raw: Any) -> dict:
+    """A JSON object (a TOML inline table arrives as a dict already)."""
+    value = json.loads(raw) if isinstance(raw, str) else raw
+    if not isinstance(value, dict):
+        raise ValueError(f"{raw!r} is not a JSON object (example: '{{\"protocol\": \"tcp\"}}')")
+    return value
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "size": parse_size,
     "int": _parse_int,
@@ -123,6 +132,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "str": str,
     "choice": str,
     "bool": parse_bool,
+    "json": _parse_json,
 }
 
 SETTINGS: tuple[Setting, ...] = (
@@ -196,6 +206,40 @@ SETTINGS: tuple[Setting, ...] = (
             "(its cached blocks are lost)."),
     Setting("prefault_threads", "int", "4", "Threads that prefault the region at start.", lo=1, hi=256),
     Setting("log_level", "choice", "info", "Log level.", choices=("debug", "info", "warning", "error")),
+    # The second tier (docs/tier.md, docs/operations.md): off unless a backend is named.
+    Setting("tier_backend", "choice", "off", "Second tier behind the region: off, mooncake (Mooncake Store) or redis "
+            "(Valkey/Redis Cluster). Evicted blocks are demoted to it and lookup misses promoted from it, through a "
+            "companion process the daemon owns.", choices=("off", "mooncake", "redis")),
+    Setting("tier_address", "str", "", "Where the second tier is: the Mooncake master's HOST:PORT, or Valkey/Redis "
+            "Cluster nodes as HOST:PORT,HOST:PORT (seeds)."),
+    Setting("tier_settings", "json", "{}", "The backend's further settings as a JSON object (a TOML inline table in "
+            "the config file), e.g. {\"protocol\": \"tcp\", \"device\": \"\"} for Mooncake or {\"ttl_s\": 3600} for "
+            "Redis; docs/operations.md lists them."),
+    Setting("tier_timeout", "float", "0.5", "Seconds an existence check, remove or clear may take in the second tier "
+            "before it counts as failed.", lo=0.01, hi=600),
+    Setting("tier_data_timeout", "float", "10", "Seconds a batch of block transfers (demote or promote) may take "
+            "before the daemon stops waiting for it (its pages stay fenced until the companion answers or is "
+            "killed).", lo=0.05, hi=3600),
+    Setting("tier_kill_after", "float", "10", "Seconds past tier_data_timeout after which a companion that still has "
+            "not answered a transfer is killed (the proof that frees the transfer's pages) and restarted.",
+            lo=0.05, hi=3600),
+    Setting("tier_restart_backoff", "float", "5", "Seconds before a companion that died, was killed or could not "
+            "reach its backend is started again.", lo=0, hi=3600),
+    Setting("tier_max_inflight", "int", "64", "Requests to the second tier in flight at once; past it demotes wait "
+            "(blocks evicted meanwhile are dropped and counted) and lookups check nothing.", lo=1, hi=4096),
+    Setting("tier_failures", "int", "3", "Consecutive failures of the second tier that open its circuit breaker "
+            "(calls then fail at once for tier_cooldown).", lo=1, hi=1000),
+    Setting("tier_cooldown", "float", "5", "Seconds the second tier's breaker stays open, and the lookups after a "
+            "failed existence check check nothing.", lo=0, hi=3600),
+    Setting("tier_demote", "bool", "true", "Write blocks chosen for eviction to the second tier before their pages "
+            "are reused."),
+    Setting("tier_promote", "bool", "true", "Answer lookup misses from the second tier: the blocks it holds are "
+            "fetched into the region and reported pending until they are READY."),
+    Setting("tier_low_watermark", "float", "0.05", "Share of the region's pages kept free by demoting the eviction "
+            "policy's first victims ahead of need (0: demote only what a store's room takes, which it cannot "
+            "wait for: those blocks are dropped).", lo=0, hi=0.5),
+    Setting("tier_exclude", "str", "", "Models (comma-separated, as a namespace's model field) whose blocks never "
+            "go to nor come from the second tier."),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

@@ -1,4 +1,5 @@
-"""Wires the daemon together: config → region → store → server → metrics; logs; signals; stop.
+"""Wires the daemon together: config → region → store (and its second tier) → server → metrics;
+logs; signals; stop.
 
 Start-up order matters: the region is locked before anything else touches it, the store rebuilds
 its index from the region's tables, and only then are the sockets bound (``Server.listen``), so a
@@ -14,6 +15,7 @@ import resource
 import sys
 import time
 
+from . import tiering
 from .config import Config, format_size
 from .region import Region, RegionError
 from .server import Server
@@ -118,6 +120,15 @@ class Daemon:
                     log.info("region rebuilt: new generation %x (clients remap on re-attach)",
                              self.region.new_generation())
             log.info("eviction policy: %s", c.policy)
+            geo = self.region.geometry
+            self.store.tiering = tiering.build(c, self.region.paths.region, geo.data_offset, geo.capacity_bytes,
+                                               geo.page_size, self.region.paths.directory, c.name, self.store.index,
+                                               self.store.fence)
+            if self.store.tiering is not None:
+                self.store.tiering.start()
+                log.info("second tier: %s at %s (demote %s, promote %s, low watermark %.2f); companion log %s",
+                         c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote, c.tier_low_watermark,
+                         self.store.tiering.link.log_path)
             self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
                                  drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
                                  region_check_interval=c.region_check_interval, max_connections=max_connections,
@@ -129,6 +140,8 @@ class Daemon:
                 self.server.close()
                 raise
         except BaseException:
+            if getattr(self, "store", None) is not None and self.store.tiering is not None:
+                self.store.tiering.close()
             self.region.close(clean=False)
             raise
         self.metrics_server = None
@@ -139,6 +152,8 @@ class Daemon:
                     c.metrics_address, lambda: self.server.call_in_loop(self.server.stats), c.metrics_cache_seconds)
             except ValueError:
                 self.server.close()
+                if self.store.tiering is not None:
+                    self.store.tiering.close()
                 self.region.close(clean=False)
                 raise
             self.server.metrics_address = bound

@@ -30,7 +30,7 @@ import logging
 from collections import Counter, deque
 from itertools import repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -69,7 +69,7 @@ COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "store_written_keys", "store_
 
 
 class Entry:
-    __slots__ = ("slot", "ns", "key", "state", "pages", "job")
+    __slots__ = ("slot", "ns", "key", "state", "pages", "job", "in_tier")
 
     def __init__(self, slot: int, ns: "Namespace", key: bytes, state: EntryState, pages: bytes, job=None):
         self.slot = slot
@@ -77,7 +77,8 @@ class Entry:
         self.key = key
         self.state = state
         self.pages = pages      # the whole chain, PAGES_DTYPE bytes (sent to clients as slices)
-        self.job = job          # the store job writing it (WRITING only)
+        self.job = job          # the store (or promote) job writing it (WRITING only)
+        self.in_tier = False    # the second tier holds it (demoted or promoted; not kept across restarts)
 
 
 class Namespace:
@@ -137,6 +138,9 @@ class Index:
         self.checksums = verify_checksums         # entries carry data checksums (their namespaces' flag)
         self.tick = 0                             # the access clock (recovery orders by it)
         self.counters: Counter = Counter()
+        # Told of every eviction, before the entries are freed: (entries, counter name). The second
+        # tier counts the blocks a store's room took that it could not demote (kvtierd.tiering).
+        self.evicting: Callable[[list[Entry], str], None] | None = None
         self._states = view.entries["state"]      # columns of the entry table, for vectorised writes
         self._ticks = view.entries["tick"]
         self._sums = view.entries["record_sum"]
@@ -281,12 +285,13 @@ class Index:
         self.tick += 1
         self._ticks[slots if isinstance(slots, np.ndarray) else np.fromiter(slots, np.intp, len(slots))] = self.tick
 
-    def pin(self, entries: list[Entry]) -> None:
-        """A load holds the (distinct) entries: those held by nothing else leave the policy; all
-        get a new tick."""
+    def pin(self, entries: list[Entry], access: bool = True) -> None:
+        """A load (or a demote to the second tier) holds the (distinct) entries: those held by
+        nothing else leave the policy; all get a new tick, unless the pin is no access (a demote
+        reads them for the daemon itself)."""
         slots = _slots(entries)
         self.pinned_entries += self._hold(self._pins, self._leases, slots)
-        if len(slots):         # pinned: out of the policy until released; only the tick moves
+        if len(slots) and access:   # pinned: out of the policy until released; only the tick moves
             self.stamp(slots)
 
     def unpin(self, entries: list[Entry]) -> None:
@@ -328,9 +333,18 @@ class Index:
 
     # ------------------------------------------------------------------ store decisions
     def decide_store(self, ns: Namespace, keys: list[bytes], job: Any) -> tuple[list[StoreOutcome], list[Entry]]:
+        """A store job's decision (``place``), counted. Returns (outcomes, new entries)."""
+        outcomes, entries, present = self.place(ns, keys, job)
+        self.counters["store_written_keys"] += len(entries)
+        self.counters["store_present_keys"] += present
+        self.counters["store_no_space_keys"] += len(keys) - len(entries) - present
+        return outcomes, entries
+
+    def place(self, ns: Namespace, keys: list[bytes], job: Any) -> tuple[list[StoreOutcome], list[Entry], int]:
         """Per key: PRESENT (READY, or WRITING by another job: accessed and never evicted for this
         job), WRITE (a new WRITING entry with pages, written by ``job``), or NO_SPACE — after the
-        first key that does not fit, every later new key. Returns (outcomes, new entries)."""
+        first key that does not fit, every later new key. Returns (outcomes, new entries, how many
+        were present). A store job's decision, and a promote's from the second tier."""
         found = list(map(ns.index.get, keys))    # keys of a job are distinct (protocol)
         present = [e for e in found if e is not None]
         self.access([e for e in present if e.state is EntryState.READY])
@@ -339,10 +353,7 @@ class Index:
         entries = self._new_entries(ns, new_keys[:fit], job)
         decided = iter([StoreOutcome.WRITE] * fit + [StoreOutcome.NO_SPACE] * (len(new_keys) - fit))
         outcomes = [StoreOutcome.PRESENT if e is not None else next(decided) for e in found]
-        self.counters["store_written_keys"] += fit
-        self.counters["store_present_keys"] += len(present)
-        self.counters["store_no_space_keys"] += len(new_keys) - fit
-        return outcomes, entries
+        return outcomes, entries, len(present)
 
     def _make_room(self, count: int, entry_pages: int, exclude: set[int]) -> int:
         """Evict the policy's victims (never those in ``exclude``: the job's present keys) until
@@ -432,7 +443,18 @@ class Index:
             log.info("operator evicted %d entries (namespace %s)", len(victims), namespace or "any")
         return len(victims)
 
+    def evict_entries(self, entries: list[Entry]) -> None:
+        """Free READY, unpinned entries taken from the policy's victims ahead of need (the second
+        tier holds them): counted as evictions for room."""
+        self._evict(entries)
+
+    def ticks_of(self, entries: list[Entry]) -> np.ndarray:
+        """The entries' last-access ticks (a later access gives an entry a new one)."""
+        return self._ticks[list(map(_SLOT, entries))].copy()
+
     def _evict(self, entries: list[Entry], counter: str = "evictions") -> None:
+        if self.evicting is not None and entries:
+            self.evicting(entries, counter)
         pages = self._pages_of(entries)
         self._free_entries(entries)
         self.pages.free(pages)

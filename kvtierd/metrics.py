@@ -107,9 +107,16 @@ class DaemonCollector:
                        {label: getattr(s, field) for label, field in STORE_KEY_OUTCOMES.items()})
         yield labelled(CounterMetricFamily, "load_keys", "Keys of load jobs by result.", "result",
                        {"hit": s.load_hit_keys, "miss": s.load_miss_keys})
-        yield labelled(CounterMetricFamily, "jobs_completed", "Jobs every rank finished, by kind.", "kind",
-                       {JobKind.STORE.value: s.store_jobs_done, JobKind.LOAD.value: s.load_jobs_done})
-        yield labelled(CounterMetricFamily, "aborted_jobs", "Aborted jobs by cause.", "cause", s.aborted_jobs)
+        tier = s.tier if s.tier.get("backend", "off") != "off" else None
+        completed = {JobKind.STORE.value: s.store_jobs_done, JobKind.LOAD.value: s.load_jobs_done}
+        aborted = dict(s.aborted_jobs)
+        if tier is not None:           # promote jobs: the daemon's own, from the second tier
+            completed[JobKind.PROMOTE.value] = tier["promote_jobs_done"]
+            for cause, n in tier["promote_aborted"].items():
+                aborted[cause] = aborted.get(cause, 0) + n
+        yield labelled(CounterMetricFamily, "jobs_completed", "Jobs every rank finished (promote: the second "
+                       "tier's blocks made READY), by kind.", "kind", completed)
+        yield labelled(CounterMetricFamily, "aborted_jobs", "Aborted jobs by cause.", "cause", aborted)
         yield labelled(CounterMetricFamily, "evictions", "Entries evicted, by reason: room (a store needed the "
                        "space), operator (kvtierctl evict/clear).", "reason",
                        {"room": s.evictions, "operator": s.operator_evictions})
@@ -136,6 +143,48 @@ class DaemonCollector:
                          s.latency)
         yield _histogram("kvtierd_vote_wait_seconds", "Time from a store job's first request to its last vote.",
                          None, {"": s.vote_wait})
+        if tier is not None:
+            yield from tier_families(tier, gauge, counter, labelled)
+
+
+def tier_families(t: dict, gauge, counter, labelled) -> Iterator[Metric]:
+    """The second tier's families (``Tiering.stats``), when one is configured."""
+    yield InfoMetricFamily("kvtierd_tier", "The second tier (settings tier_backend, tier_address).",
+                           value={"backend": t["backend"], "address": t["address"]})
+    yield gauge("tier_up", "1 while the tier companion is ready (0: starting, restarting, or its backend "
+                "unreachable).", 1 if t["state"] == "ready" else 0)
+    yield counter("tier_companion_restarts", "Times the tier companion was started again (it died, was killed "
+                  "or could not open its backend).", t["restarts"])
+    yield gauge("tier_inflight", "Requests to the tier companion in flight.", t["inflight"])
+    yield labelled(GaugeMetricFamily, "tier_breaker_open", "1 while the companion's circuit breaker of a lane "
+                   "is open (meta: existence checks, clears; data: demotes, promotes).", "lane",
+                   {lane: 1 if state == "open" else 0 for lane, state in t["breaker"].items()})
+    yield counter("tier_demoted_blocks", "Blocks written to the second tier before their pages were reused.",
+                  t["demoted_blocks"])
+    yield counter("tier_demoted_bytes", "Bytes of the demoted blocks.", t["demoted_bytes"])
+    yield gauge("tier_demoting_blocks", "Blocks being demoted now (pinned until the tier answered).",
+                t["demoting_blocks"])
+    yield labelled(CounterMetricFamily, "tier_demote_dropped_blocks", "Blocks evicted that the tier does not "
+                   "hold, by why: down (companion not ready), failed (its put failed), busy (tier_max_inflight "
+                   "reached), pressure (a store needed the pages before the demote got to them).", "reason",
+                   t["demote_dropped_blocks"])
+    yield counter("tier_promoted_blocks", "Blocks fetched from the second tier and made READY.", t["promoted_blocks"])
+    yield counter("tier_promoted_bytes", "Bytes of the promoted blocks.", t["promoted_bytes"])
+    yield gauge("tier_promoting_blocks", "Blocks being promoted now (WRITING, reported pending).",
+                t["promoting_blocks"])
+    yield counter("tier_promote_failed_blocks", "Blocks a promote could not make READY (not whole, failed, "
+                  "past tier_data_timeout, companion gone).", t["promote_failed_blocks"])
+    yield labelled(CounterMetricFamily, "tier_lookup_keys", "Keys after a lookup's local hits checked in the "
+                   "second tier, by whether it held them.", "result", t["lookup_keys"])
+    yield counter("tier_cleared_blocks", "Blocks namespace clears removed from the second tier.",
+                  t["cleared_blocks"])
+    errors = CounterMetricFamily("kvtierd_tier_errors", "Tier calls that failed, by op and TierError code.",
+                                 labels=["op", "code"])
+    for e in t["errors"]:
+        errors.add_metric([e["op"], e["code"]], e["calls"])
+    yield errors
+    yield _histogram("kvtierd_tier_call_seconds", "Time from a tier request to its answer, by op.", "op",
+                     t["call_seconds"])
 
 
 class CachedPage:

@@ -31,8 +31,13 @@ records, and whether a pid claimed in the daemon's own PID namespace is true (``
 The region's files are checked every ``region_check_interval`` (``Region.check_files``): a
 truncated metadata file stops the daemon; a truncated data file (any member of the client group
 can do that) is replaced while the daemon serves on (``_replace_data``): every session ends,
-every entry goes (its bytes went with the file), the fence is reset (the pages it named went
-too), and clients re-attach to the new file under a new generation.
+every entry goes (its bytes went with the file), the tier companion is killed and started again
+on the new file, the fence is reset (the pages it named went too), and clients re-attach to the
+new file under a new generation.
+
+With a second tier (``Store.tiering``), the companion's socket is in the poller too, and the
+loop hands the tier its replies and its turn (``Tiering.pump``) at every wake-up and at least
+every 100 ms; an admin ``clear`` is answered once the tier said how it went (``Later``).
 
 Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
 requests of jobs already open are still served, and the loop ends when no job is open any more
@@ -86,6 +91,25 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:P.MAX_ERROR_CHARS]}"
 
 
+class Later:
+    """An admin reply sent when it is known: a handler returns it, the tier resolves it later."""
+
+    def __init__(self, rid: int):
+        self.rid = rid
+        self.reply: dict | None = None
+        self._send: Callable[[dict], None] | None = None
+
+    def resolve(self, reply: P.Reply) -> None:
+        self.reply = P.ok_reply(self.rid, reply)
+        if self._send is not None:
+            self._send(self.reply)
+
+    def deliver_with(self, send: Callable[[dict], None]) -> None:
+        self._send = send
+        if self.reply is not None:
+            send(self.reply)
+
+
 class Server:
     def __init__(self, store: Store, region: Region, gid: int | None = None, notifier: Notifier | None = None,
                  drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0, region_check_interval: float = 5.0,
@@ -106,6 +130,9 @@ class Server:
         self.admin: zmq.Socket | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.tiering = store.tiering
+        if self.tiering is not None:
+            self.poller.register(self.tiering.link.socket, zmq.POLLIN)
         watch = lambda fd: self.poller.register(fd, zmq.POLLIN)  # noqa: E731
         self.sessions = SessionRegistry(store.detach, heartbeat_timeout, watch=watch, unwatch=self.poller.unregister,
                                         clock=store.clock, fence=store.fence, max_sessions=max_sessions,
@@ -124,7 +151,7 @@ class Server:
             "store": self._store, "commit": self._commit, "load": self._load, "unlease": self._unlease,
             "release": self._release, "abort": self._abort, "jobs": self._jobs, "stats": self._stats,
         }
-        self.admin_handlers: dict[str, Callable[[dict], P.Reply]] = {
+        self.admin_handlers: dict[str, Callable[[dict], P.Reply | Later]] = {
             "stats": lambda msg: self.stats(), "ping": lambda msg: P.AdminPingReply(self.region.generation),
             "clients": self._clients, "evict": self._evict, "clear": self._clear,
         }
@@ -201,8 +228,10 @@ class Server:
         next_region_check = time.monotonic() + self.region_check_interval
         next_sweep = time.monotonic() + 0.5
         drain_deadline = None
+        tiering = self.tiering
         while True:
             now = time.monotonic()
+            next_tier = now + tiering.pump(now) if tiering is not None else None
             if self.stopping:
                 if drain_deadline is None:
                     drain_deadline = now + self.drain_timeout
@@ -237,7 +266,7 @@ class Server:
                 next_region_check = now + self.region_check_interval
             deadline = store.expire()
             wake_at = min(filter(None, [deadline, next_watchdog if watchdog else None, next_pressure,
-                                        drain_deadline, next_sweep, next_region_check]))
+                                        drain_deadline, next_sweep, next_region_check, next_tier]))
             timeout = max(0, min(1000, int((wake_at - store.clock()) * 1000) + 1))
             events = dict(self.poller.poll(timeout))
             if self._wake_r in events:
@@ -281,6 +310,13 @@ class Server:
                 reply = handle(identity, frame.buffer, functools.partial(self.connections.of, frame))
             else:
                 reply = handle(identity, frame.buffer)
+                if isinstance(reply, Later):
+                    reply.deliver_with(lambda r, to=identity, on=sock: self._send_later(on, to, r))
+                    continue
+            sock.send_multipart([identity, P.encode(reply)], copy=False)
+
+    def _send_later(self, sock: zmq.Socket, identity: bytes, reply: dict) -> None:
+        if sock in (self.sock, self.admin):       # not closed meanwhile (the daemon stopped)
             sock.send_multipart([identity, P.encode(reply)], copy=False)
 
     # ------------------------------------------------------------------ dispatch
@@ -315,14 +351,18 @@ class Server:
         finally:
             self.latency[op].observe(time.perf_counter() - started)
 
-    def handle_admin(self, identity: bytes, frame: bytes) -> dict[str, Any]:
-        """One admin request → one reply. Never raises."""
+    def handle_admin(self, identity: bytes, frame: bytes) -> dict[str, Any] | Later:
+        """One admin request → one reply, or a ``Later`` one (a clear waiting for the second tier).
+        Never raises."""
         try:
             msg = P.decode_request(frame, P.ADMIN_REQUESTS)
         except Exception as exc:
             return self._refusal(frame, exc)
         try:
-            return P.ok_reply(msg.get("rid", 0), self.admin_handlers[msg["op"]](msg))
+            reply = self.admin_handlers[msg["op"]](msg)
+            if isinstance(reply, Later):
+                return reply.reply if reply.reply is not None else reply
+            return P.ok_reply(msg.get("rid", 0), reply)
         except RequestError as exc:
             self._count_error(exc.code)
             return P.error_reply(msg.get("rid", 0), exc.code, exc.message)
@@ -422,11 +462,14 @@ class Server:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new jobs")
 
     def _lookup(self, identity: bytes, session: Session, msg: dict) -> P.LookupReply:
+        keys = msg["keys"]
         if "lease" not in msg:
-            return P.LookupReply(self.store.lookup(session, msg["keys"]), None, 0, 0)
+            hits = self.store.lookup(session, keys)
+            return P.LookupReply(hits, None, 0, 0, self.store.pending(session, keys, hits))
         ttl = msg["ttl_ms"] / 1000 if "ttl_ms" in msg else None
-        found = self.store.lease(session, msg["lease"], msg["keys"], ttl)
-        return P.LookupReply(found.hits, found.lease, found.leased, round(found.ttl * 1000))
+        found = self.store.lease(session, msg["lease"], keys, ttl)
+        return P.LookupReply(found.hits, found.lease, found.leased, round(found.ttl * 1000),
+                             self.store.pending(session, keys, found.hits))
 
     def _unlease(self, identity: bytes, session: Session, msg: dict) -> P.UnleaseReply:
         return P.UnleaseReply(self.store.unlease(session, msg["leases"]))
@@ -504,22 +547,33 @@ class Server:
         return P.ClientsReply(clients)
 
     def _evict(self, msg: dict) -> P.EvictReply:
+        # Local only: the second tier keeps its copies (a later lookup promotes them again).
         done = self.store.evict(msg.get("namespace"), msg["count"])
-        return P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases)
+        return P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases,
+                            "off" if self.tiering is None else "local", None)
 
-    def _clear(self, msg: dict) -> P.EvictReply:
+    def _clear(self, msg: dict) -> Later:
+        """Every evictable entry of the namespace(s) goes (leased ones too with ``force``); then the
+        second tier is cleared of them."""
         done = self.store.evict(msg.get("namespace"), None, msg.get("force", False))
-        return P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases)
+        later = Later(msg.get("rid", 0))
+        self.store.clear_tier(msg.get("namespace"), lambda tier, removed: later.resolve(
+            P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases, tier, removed)))
+        return later
 
     def _replace_data(self) -> None:
         """The data file was truncated under the daemon: its blocks are gone. End every session
-        (their jobs abort, their pins drop), drop every entry, reset the fence (the pages it named
-        are gone; a writer still copying copies into its mapping of the old file), and serve a
+        (their jobs abort, their pins drop), kill and restart the tier companion (it maps the old
+        file too; its promote jobs abort and its writer row goes: ``Tiering.data_replaced``), drop
+        every entry, reset the fence (the pages it named are gone; a writer still copying copies
+        into its mapping of the old file), and serve a
         fresh data file under a new generation; clients re-attach and remap. The daemon never
         touched the truncated file."""
         log.critical("region file %s was truncated (a member of the client group can do that): its cached "
                      "blocks are gone; ending every session and replacing it", self.region.paths.region)
         self.sessions.close(SessionEnd.REGION_REPLACED)
+        if self.tiering is not None:      # the companion maps the old file too: it is restarted on the new one
+            self.tiering.data_replaced()
         dropped = self.store.drop_all()
         generation = self.region.replace_data()
         log.warning("region file replaced: %d entries dropped, new generation %x", dropped, generation)
@@ -541,6 +595,8 @@ class Server:
             except FileNotFoundError:
                 pass
         self.sock = self.admin = None
+        if self.tiering is not None:
+            self.poller.unregister(self.tiering.link.socket)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         while self._calls:   # nobody will run these any more

@@ -1,7 +1,9 @@
 """The daemon's state, as the server sees it: engines and sessions attach and detach, and the
 operations run on the entry index (``kvtierd.index``), the job machine (``kvtierd.jobs``), the
 leases (``kvtierd.leases``) and the writer fence (``kvtierd.fence``): whatever pages the fence
-releases go back to the index here.
+releases go back to the index here. With a second tier (``tiering``, set by the daemon's wiring:
+``kvtierd.tiering``), lookups also report the keys being promoted from it, and namespace clears
+reach it.
 
 No sockets and no threads: the server's single loop calls these methods one request at a time,
 so nothing here locks. Every method either returns a result or raises ``RequestError`` with a
@@ -16,6 +18,7 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from .contract.namespace import NamespaceId
 from .contract.protocol import ErrorCode, RequestError
@@ -30,6 +33,9 @@ from .policy import DEFAULT as DEFAULT_POLICY
 from .policy import create as create_policy
 from .processes import Process
 from .sessions import Session, SessionEnd
+
+if TYPE_CHECKING:
+    from .tiering import Tiering
 
 # How a session's end bears on its writer's fenced pages: these ends prove the writer cannot
 # write any more (the client waits for its copies before bye and before re-attaching; a dead
@@ -74,6 +80,7 @@ class Store:
         self.jobs = Jobs(self.index, self.fence, self.leases, job_timeout, clock, checksums, **job_limits)
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)
+        self.tiering: Tiering | None = None     # the second tier, when one is configured
 
     @property
     def recovered(self) -> dict[str, int]:
@@ -205,6 +212,13 @@ class Store:
         """End the engine's live leases of these ids; returns how many there were."""
         return self.leases.release(session, lease_ids)
 
+    def pending(self, session: Session, keys: list[bytes], hits: int) -> int:
+        """How many keys after the ``hits`` READY ones are being promoted from the second tier
+        (0 without one); starts the promotion of those not asked about yet. Never waits."""
+        if self.tiering is None:
+            return 0
+        return self.tiering.pending(session.engine.ns, keys, hits)
+
     def store(self, session: Session, job_id: int, keys: list[bytes], chain: bool = True,
               cold_tail: int = 0) -> tuple[list[int], list[bytes]]:
         return self.jobs.store(session, job_id, keys, chain, cold_tail)
@@ -252,6 +266,16 @@ class Store:
         ran_out = count is None or evicted < count
         return Eviction(evicted, self.leases.leased_entries(namespace) if ran_out else 0, revoked)
 
+    def clear_tier(self, namespace: str | None, reply: Callable[[str, int | None], None]) -> None:
+        """Remove the blocks of the namespace named ``namespace`` (None: of every namespace the
+        region knows) from the second tier; ``reply(tier, removed)`` once it answered (at once
+        when there is none: "off")."""
+        if self.tiering is None:
+            reply("off", None)
+            return
+        self.tiering.clear([ns for ns in self.index.namespaces.values()
+                            if namespace is None or ns.id.name() == namespace], reply)
+
     # ------------------------------------------------------------------ what is going on
     def open_jobs(self) -> int:
         """Store and load jobs still open (the drain waits for them: copies in flight)."""
@@ -266,8 +290,9 @@ class Store:
         index, jobs = self.index, self.jobs
         counters = {name: index.counters[name] for name in INDEX_COUNTERS}
         counters.update({name: jobs.counters[name] for name in JOB_COUNTERS})
+        tier = self.tiering.stats() if self.tiering is not None else {"backend": "off"}
         return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.fence.stats(),
-                "sessions": len(self.sessions), **counters}
+                "sessions": len(self.sessions), **counters, "tier": tier}
 
     def namespace_stats(self) -> list[dict]:
         return self.index.namespace_stats()
@@ -276,7 +301,11 @@ class Store:
         """Check the in-memory state against itself and the region's tables (tests)."""
         self.index.verify()
         self.leases.verify()
-        self.fence.verify(self.jobs.handed())
+        handed = self.jobs.handed()
+        if self.tiering is not None:
+            for row, pages in self.tiering.handed().items():
+                handed.setdefault(row, []).extend(pages)
+        self.fence.verify(handed)
         engines = self.jobs.engines.values()
         for engine in engines:
             assert all(self.sessions.get(s.id) is s and s.engine is engine
@@ -290,6 +319,8 @@ class Store:
         stay fenced in the region's tables, for the next daemon to recover."""
         for session in list(self.sessions.values()):
             self.detach(session, SessionEnd.DAEMON_STOPPED)
+        if self.tiering is not None:
+            self.tiering.close()
         self.fence.close()
         self.index.persist_tick()
 

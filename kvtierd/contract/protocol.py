@@ -51,7 +51,9 @@ from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 # 4: leases (issue 13): lookup may ask for one (lease, ttl_ms) and its reply says what it holds
 #    (lease, leased, ttl_ms); load may name one; unlease; admin clear's force, and evict/clear's
 #    skipped_leased and revoked_leases; the lease counters in stats, leases per session in clients.
-PROTOCOL_VERSION = 4
+# 5: lookup replies say how many keys after the hits are being promoted from the second tier
+#    (pending); evict/clear replies say whether they reached it; stats carry the tier (issue 16).
+PROTOCOL_VERSION = 5
 
 # --- limits (enforced before any allocation) ------------------------------------------------
 MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
@@ -107,6 +109,7 @@ class StoreOutcome(enum.IntEnum):
 class JobKind(str, enum.Enum):
     STORE = "store"
     LOAD = "load"
+    PROMOTE = "promote"     # the daemon's own: blocks fetched from the second tier (kvtierd.tiering)
 
 
 class JobState(str, enum.Enum):
@@ -134,6 +137,9 @@ class AbortCause(str, enum.Enum):
     RANK_DISCONNECTED = "rank_disconnected"   # its connection ended without bye
     RANK_REGION_REPLACED = "rank_region_replaced"   # the region file was truncated and replaced
     RANK_DAEMON_STOPPED = "rank_daemon_stopped"
+    # A promote job (the second tier's companion is its writer):
+    TIER_FAILED = "tier_failed"               # the tier's get failed, or the companion died
+    TIER_TIMEOUT = "tier_timeout"             # the get was not answered within tier_data_timeout
 
 
 # --- field specs ----------------------------------------------------------------------------
@@ -518,6 +524,8 @@ class LookupReply(Reply):
 @_shape
 class UnleaseReply(Reply):
     released: int                     # how many of the ids named a live lease
+    pending: int                      # how many keys after them are being promoted from the second tier:
+                                      # ask again later instead of computing them (0 without a tier)
 
 
 @_shape
@@ -621,6 +629,8 @@ class StatsReply(Reply):
     checksums: bool
     connections: int                  # open connections to the client socket
     connections_refused: dict         # why connections were closed at once (total | per_peer) → count
+    tier: dict                        # the second tier: {"backend": "off"} or its state and counters
+                                      # (kvtierd.tiering.Tiering.stats; docs/operations.md)
 
 
 @_shape
@@ -639,6 +649,9 @@ class EvictReply(Reply):
     evicted: int
     skipped_leased: int               # leased entries in scope that were left (when evictable ones ran out)
     revoked_leases: int               # leases ended first (clear --force)
+    tier: str                         # whether it reached the second tier: off | local (evict never does) |
+                                      # excluded | removed | failed
+    tier_removed: int | None          # blocks the second tier removed (clear, tier "removed"), else None
 
 
 REPLIES: dict[str, type[Reply]] = {

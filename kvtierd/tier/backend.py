@@ -139,14 +139,18 @@ def page_extents(pages: np.ndarray, page_size: int, length: int, base: int = 0) 
     starts = np.ones((n, per), dtype=bool)
     starts[:, 1:] = pages[:, 1:] != pages[:, :-1] + 1
     offsets = base + pages * page_size
-    sizes = np.full((n, per), page_size, dtype=np.int64)
-    sizes[:, -1] = length - (per - 1) * page_size
-    # Run lengths: the bytes from each run start up to the next run start (or the block's end).
-    ends = np.cumsum(sizes, axis=1)
-    out = []
-    for row_starts, row_offsets, row_ends in zip(starts, offsets, ends):
-        idx = np.flatnonzero(row_starts)
-        stop = np.append(row_ends[idx[1:] - 1], row_ends[-1])
-        begin = np.append(0, row_ends[idx[1:] - 1])
-        out.append(list(zip(row_offsets[idx].tolist(), (stop - begin).tolist())))
+    # Blocks of one run each (the common case): built for all at once (a loop per block cost
+    # ~10 us each, 2.5-4.6 ms for a batch of 256).
+    out = [[(offset, length)] for offset in offsets[:, 0].tolist()]
+    split = np.flatnonzero(starts[:, 1:].any(axis=1))
+    if len(split):
+        sizes = np.full((len(split), per), page_size, dtype=np.int64)
+        sizes[:, -1] = length - (per - 1) * page_size
+        # Run lengths: the bytes from each run start up to the next run start (or the block's end).
+        ends = np.cumsum(sizes, axis=1)
+        for i, row_ends in zip(split.tolist(), ends):
+            idx = np.flatnonzero(starts[i])
+            stop = np.append(row_ends[idx[1:] - 1], row_ends[-1])
+            begin = np.append(0, row_ends[idx[1:] - 1])
+            out[i] = list(zip(offsets[i, idx].tolist(), (stop - begin).tolist()))
     return out

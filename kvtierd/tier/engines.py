@@ -190,6 +190,13 @@ class MooncakeCluster(_Engine):
             self.master.kill()
             self.master.wait(10)
 
+    def kill(self) -> None:
+        """SIGKILL every process of the engine (the master and the storage client): a tier gone."""
+        for proc in (self.storage, self.master):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
     def stop(self) -> None:
         stop_process(self.storage)
         stop_process(self.master)
@@ -269,6 +276,11 @@ class RedisCluster(_Engine):
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+    def kill(self) -> None:
+        """SIGKILL every node: a tier gone."""
+        for i in range(len(self.procs)):
+            self.kill_node(i)
 
     def stop(self) -> None:
         for proc in self.procs:

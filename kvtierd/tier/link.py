@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -81,7 +82,7 @@ class TierLink:
                  backend: str, settings: dict, timeout: float = 1.0, data_timeout: float = 10.0,
                  failures: int = 3, cooldown: float = 5.0, max_inflight: int = 64, kill_after: float = 10.0,
                  restart_backoff: float = 5.0, log_path: str | None = None, python: str = sys.executable,
-                 ctx: zmq.Context | None = None, clock=time.monotonic):
+                 ctx: zmq.Context | None = None, clock=time.monotonic, socket_mode: int | None = None):
         self.argv = [python, "-m", "kvtierd.tier.service", "--endpoint", endpoint, "--region", region,
                      "--offset", str(data_offset), "--length", str(data_bytes), "--page-size", str(page_size),
                      "--backend", backend, "--settings", json.dumps(settings), "--timeout", str(timeout),
@@ -96,7 +97,7 @@ class TierLink:
         self.ctx = ctx or zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(endpoint)
+        self._bind(endpoint, socket_mode)
         self.proc: subprocess.Popen | None = None
         self.state = "stopped"        # stopped | starting | ready | failed | down
         self.info: dict = {}
@@ -105,6 +106,19 @@ class TierLink:
         self.inflight: dict[int, Request] = {}
         self._ids = itertools.count(1)
         self.counters = {"started": 0, "killed": 0, "died": 0, "busy": 0, "timeouts": 0}
+
+    def _bind(self, endpoint: str, mode: int | None) -> None:
+        """Bind the endpoint; an ``ipc://`` file with ``mode`` (the daemon's: 0o600, so that no
+        client can connect in the companion's place and be sent its requests)."""
+        path = endpoint.removeprefix("ipc://") if endpoint.startswith("ipc://") else None
+        if path is not None and os.path.exists(path):
+            os.unlink(path)            # a dead daemon's: its owner holds the region's lock now
+        old = os.umask(0o777 & ~mode) if mode is not None else None
+        try:
+            self.socket.bind(endpoint)
+        finally:
+            if old is not None:
+                os.umask(old)
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:

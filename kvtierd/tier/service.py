@@ -6,9 +6,12 @@ cannot be interrupted; a process boundary keeps its crashes, its threads and its
 the daemon, and killing it is the one way to *prove* that an abandoned call no longer touches
 the region's pages (the page fence).
 
-It maps the daemon's region file (the data area: ``--offset``/``--length``), attaches it to the
+It maps the daemon's region data file (``<name>.region``; the data area: ``--offset``/``--length``;
+the daemon starts a new companion when it replaces that file), attaches it to the
 backend (Mooncake registers it: zero-copy), connects a DEALER socket to the daemon's endpoint
-and says ``ready`` (or ``failed`` with a typed error, then exits 1). Requests are msgpack maps
+and says ``ready`` (or ``failed`` with a typed error, then exits 1). Like a client, it populates
+its mapping in the background (``Mapping.populate_in_background``): a get into pages this
+process never touched would take a page fault per 4 KiB page on the transfer's path. Requests are msgpack maps
 ``{"op", "id", ...}`` and each gets exactly one reply ``{"id", "ok": True, ...}`` or
 ``{"id", "ok": False, "error": code, "message"}``:
 
@@ -22,7 +25,10 @@ and says ``ready`` (or ``failed`` with a typed error, then exits 1). Requests ar
 ``stop``                            → replies, then the process exits
 
 ``ns`` is the namespace's identity (bytes, ``keys.Keyspace``); ``pages`` the blocks' pages as
-little-endian uint32, ``len(keys) × pages_per_block``; ``length`` a block's bytes. Two lanes,
+little-endian uint32, ``len(keys) × pages_per_block``; ``length`` a block's bytes, or with
+``shards`` (optional, default 1) the bytes of each of a block's ``shards`` equal runs of pages
+(a sharded namespace's entry: every rank's shard starts on a page of its own; the tier's value
+is the shards' bytes back to back, no padding). Two lanes,
 each a thread with its own guard: ``meta`` (exists, remove, clear, health) and ``data`` (put,
 get), so a lookup's existence check never queues behind a batch of block transfers. A reply to
 a ``put``/``get`` means the backend call returned: the pages are no longer touched.
@@ -33,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import mmap
 import os
 import queue
 import sys
@@ -45,6 +50,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from ..contract.mapping import Mapping
 from .backend import Backend, TierError, open_backend, page_extents
 from .guard import Guard
 from .keys import Keyspace
@@ -100,12 +106,16 @@ class Service:
 
     def _extents(self, request: dict, n: int) -> list:
         pages = np.frombuffer(request["pages"], "<u4")
-        if n == 0 or len(pages) % n:
-            raise ValueError(f"{len(pages)} pages for {n} keys")
-        pages = pages.reshape(n, -1)
+        shards = int(request.get("shards", 1))
+        if n == 0 or shards < 1 or len(pages) % (n * shards):
+            raise ValueError(f"{len(pages)} pages for {n} keys of {shards} shards")
+        pages = pages.reshape(n * shards, -1)
         if pages.size and int(pages.max()) * self.page_size >= self.data_bytes:
             raise ValueError("a page lies outside the region's data area")
-        return page_extents(pages, self.page_size, int(request["length"]))
+        runs = page_extents(pages, self.page_size, int(request["length"]))
+        if shards == 1:
+            return runs
+        return [sum(runs[i:i + shards], []) for i in range(0, len(runs), shards)]
 
     def _run(self, guard: Guard, request: dict) -> dict:
         op = request["op"]
@@ -127,7 +137,7 @@ class Service:
         extents = self._extents(request, len(keys))
         done = guard.call(op, keys, extents)
         self.counters[f"{op}_blocks"] += sum(done)
-        self.counters[f"{op}_bytes"] += sum(done) * int(request["length"])
+        self.counters[f"{op}_bytes"] += sum(done) * int(request["length"]) * int(request.get("shards", 1))
         self.counters[f"{op}_failed_blocks"] += len(done) - sum(done)
         return {"done": bytes(done)}
 
@@ -204,12 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         sock.send(msgpack.packb({"id": None, "pid": os.getpid(), **message}, use_bin_type=True))
 
     try:
-        fd = os.open(args.region, os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, args.offset + args.length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        data = memoryview(mapping)[args.offset:args.offset + args.length]
+        mapping = Mapping.of_file(args.region)
+        if mapping.size < args.offset + args.length:
+            raise ValueError(f"{args.region} holds {mapping.size} bytes, not the data area's end "
+                             f"{args.offset + args.length}")
+        data = memoryview(mapping.buffer)[args.offset:args.offset + args.length]
         settings = json.loads(args.settings)
         backend = open_backend(args.backend, **settings)
         backend.attach(data)
@@ -222,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     service = Service(data, args.page_size, backend, meta, args.timeout, args.data_timeout, args.failures,
                       args.cooldown)
+    mapping.populate_in_background(threads=1)
     say({"op": "ready", "info": backend.info()})
     log.info("serving %s for %s", args.backend, args.region)
     service.serve(sock)

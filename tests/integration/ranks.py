@@ -7,7 +7,8 @@ and its own pid, as in a real engine; the daemon watches each through a pidfd.
 
 Commands (``rank.call(name, **kwargs)``):
 
-- ``connect``, ``close``, ``fill``, ``hashes``, ``lookup``, ``stats``: set-up and queries.
+- ``connect``, ``close``, ``fill``, ``hashes``, ``lookup``, ``lookup_detail``, ``stats``: set-up and
+  queries.
 - ``store`` / ``load``: a whole job on this rank (request, copy, vote/release), its result; a
   load may name a lease of the engine (``lease``).
 - ``store_hold`` / ``load_hold``: send the request and start the copy, but do not vote or
@@ -222,6 +223,7 @@ def _worker(conn) -> None:  # runs in the child
         "fill": lambda block_ids, seed: fill(block_ids, seed),
         "hashes": block_hashes,
         "lookup": lambda keys: state["client"].lookup(keys),
+        "lookup_detail": lambda keys: state["client"].lookup_detail(keys).to_wire(),
         "stats": lambda: state["client"].stats().to_wire(),
         "store_hold": store_hold, "load_hold": load_hold, "finish": finish,
         "store_partial_then_hang": store_partial_then_hang,

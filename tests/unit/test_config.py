@@ -73,7 +73,7 @@ def test_every_setting_is_documented_and_has_env_and_flag():
         assert s.doc and len(s.doc) > 5 and s.doc.endswith("."), s.name
         assert s.env == "KVTIERD_" + s.name.upper()
         assert s.flag == "--" + s.name.replace("_", "-")
-        assert s.type in ("size", "int", "float", "str", "bool", "choice")
+        assert s.type in ("size", "int", "float", "str", "bool", "choice", "json")
         if s.type == "choice":
             assert s.choices
         s.default_value()            # every default parses and passes its own bounds

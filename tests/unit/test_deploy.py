@@ -71,6 +71,28 @@ def policy_segments() -> set[str]:
     return {segment for name in POLICIES for segment in create(name).segments}
 
 
+def tier_snapshot() -> dict:
+    """``Tiering.stats`` with every label value the second tier can emit."""
+    from kvtierd.tier.backend import ERRORS
+    from kvtierd.tier.link import LinkBusy
+    from kvtierd.tier.service import LANES
+    from kvtierd.tiering import OPS
+    hist = Histogram()
+    hist.observe(1e-3)
+    codes = [*ERRORS, LinkBusy.code]
+    return {"backend": "mooncake", "address": "127.0.0.1:50051", "state": "ready", "pid": 7, "last_error": None,
+            "engine": {}, "restarts": 1, "killed": 0, "inflight": 2, "max_inflight": 64, "demote": True,
+            "promote": True, "exclude": [], "low_watermark": 0.05, "demoted_blocks": 3, "demoted_bytes": 30,
+            "demoting_blocks": 1, "demote_dropped_blocks": {r: 1 for r in ("busy", "down", "failed", "pressure")},
+            "promoted_blocks": 4, "promoted_bytes": 40, "promoting_blocks": 1, "promote_failed_blocks": 1,
+            "promote_jobs": 2, "promote_jobs_done": 1,
+            "promote_aborted": {c: 1 for c in ("tier_failed", "tier_timeout")},
+            "lookup_keys": {"hit": 5, "miss": 6}, "cleared_blocks": 2,
+            "errors": [{"op": op, "code": code, "calls": 1} for op in OPS for code in codes],
+            "call_seconds": {op: hist.snapshot() for op in OPS},
+            "breaker": {lane: "open" for lane in set(LANES.values())}}
+
+
 def snapshot(pinned: str) -> P.StatsReply:
     """A whole stats reply, label-bearing dicts filled with every value the code can emit."""
     hist = Histogram()
@@ -100,6 +122,7 @@ def snapshot(pinned: str) -> P.StatsReply:
         policy="slru", policy_admitted_keys=14, policy_refused_keys=15,
         policy_segments={segment: 1 for segment in policy_segments()},
         policy_evictions={segment: 1 for segment in policy_segments()}, policy_extra={},
+        tier=tier_snapshot(),
     )
 
 

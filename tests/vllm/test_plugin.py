@@ -596,6 +596,51 @@ def test_an_answer_from_before_a_restart_is_asked_again_and_leased_anew(tier):
     assert [block_bytes(pages, b) for b in (8, 9, 10)] == [block_bytes(pages, b) for b in range(3)]
 
 
+def test_blocks_kvtierd_promotes_from_its_second_tier_are_hit_pending_then_hits(start_daemon):
+    """kvtierd with a second tier (a real Redis Cluster) demotes the blocks as its region fills and
+    evicts them; a new request's lookups are HIT_PENDING while kvtierd promotes them (vLLM defers
+    the request and asks again next step), then HIT, and the load is exact."""
+    from kvtierd.tier.engines import EngineUnavailable, RedisCluster
+    try:
+        engine = RedisCluster()
+    except EngineUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        engine.start()
+        daemon = start_daemon("--tier-backend", "redis", "--tier-address", engine.address,
+                              "--tier-low-watermark", "0.5", size="8MiB")
+        until(lambda: daemon.stats()["tier"]["state"] == "ready")
+        settings = KvtierSettings(socket=daemon.socket, timeout_s=5, lookup_wait_ms=60_000)
+        layout = NamespaceId("unit", "bfloat16", 16, BLOCK, "sharded")
+        manager = KvtierOffloadingManager(settings, "tier-engine", 1, layout)
+        caches, pages = kv_caches(7)
+        worker = KvtierOffloadingWorker(settings, "tier-engine", 0, 1, layout, caches)
+        try:
+            ks = keys("tier", 4)
+            store(manager, worker, ks, 1, range(4))
+            for job in range(2, 2 + daemon.stats()["pages_total"] // NUM_BLOCKS + 1):   # more than the region
+                store(manager, worker, keys(f"fill{job}", NUM_BLOCKS), job, range(NUM_BLOCKS))
+                until(lambda: daemon.stats()["tier"]["demoting_blocks"] == 0)
+            tier = daemon.stats()["tier"]
+            assert tier["demoted_blocks"] >= 4 and sum(tier["demote_dropped_blocks"].values()) == 0
+            ctx = request(manager, ks, "promoted")
+            steps = [prefix_lookup(manager, ks, ctx)]
+            assert steps[0] == [LookupResult.HIT_PENDING] * 4          # deferred, not computed
+            until(lambda: steps.append(prefix_lookup(manager, ks, ctx)) or steps[-1] == [LookupResult.HIT] * 4)
+            assert all(step in ([LookupResult.HIT_PENDING] * 4, [LookupResult.HIT] * 4) for step in steps)
+            expected = [block_bytes(pages, b) for b in range(4)]
+            spec = manager.prepare_load(ks, ctx)
+            worker.submit_load(2, spec, gpu([8, 9, 10, 11]))
+            assert drain(worker, {2})[2].success
+            assert [block_bytes(pages, b) for b in (8, 9, 10, 11)] == expected
+            assert daemon.stats()["tier"]["promoted_blocks"] == 4
+        finally:
+            worker.shutdown()
+            manager.shutdown()
+    finally:
+        engine.stop()
+
+
 def test_the_documented_serve_line_loads_this_plugin():
     import json
     import re

@@ -8,6 +8,8 @@ the methods below from its storage threads. Contract per method (SGLang 0.5.23):
   ``lookup`` request (more only past kvtierd's 8192 keys per request), on a coordinator session
   of its own so that it never waits behind a copy. The lookup leases the hits
   (``kvtier_lease_ttl_s``) for the ``batch_get`` of the same pages that follows (see Leases).
+  Keys kvtierd is promoting from its second tier (the lookup's ``pending``) are misses for now:
+  SGLang's prefetch has no "ask again", and the next request with that prefix finds them ready.
 - ``batch_set_v1(keys, host_indices)`` / ``batch_get_v1(keys, host_indices)`` (backup / io-aux
   thread, with ``interface_v1``): zero copy. The pages are copied between SGLang's host pool and
   the region by the kvtier client's CPU copier, with descriptors built from the host pool's
@@ -276,6 +278,7 @@ class KvtierStorage(HiCacheStorage):
         try:
             for start in range(0, len(tkeys), P.MAX_KEYS_PER_REQUEST):
                 chunk = tkeys[start:start + P.MAX_KEYS_PER_REQUEST]
+                # pending (being promoted) keys: misses for now
                 found = clients[1].lookup(chunk, lease=lease, ttl=self.settings.lease_ttl_s)
                 hits += found
                 if found < len(chunk):

@@ -103,7 +103,8 @@ class _Request:
     """What the manager knows about one vLLM request (kept in its ReqContext)."""
 
     req_id: str
-    verdict: dict | None = None       # key -> ready, from the last batch (None: ask kvtierd)
+    verdict: dict | None = None       # key -> HIT/HIT_PENDING/MISS, from the last batch (None: ask kvtierd)
+    recheck_step: int = -1            # the verdict holds keys kvtierd is promoting: good for this step only
     start: int = 0                    # end-token position of the batch's first key
     npos: int = -1                    # how many key positions vLLM had recorded for the batch
     expires: float = 0.0
@@ -144,8 +145,10 @@ class KvtierOffloadingManager(OffloadingManager):
 
     - ``lookup(key)``: HIT_PENDING while a store of the key that this manager prepared has not
       completed; else the verdict of the request's batched lookup (HIT for the ready prefix of its
-      keys, MISS after it). The first lookup of a request sends one batched ``lookup`` of all its
-      keys (from that key on, per KV-cache group, leasing the hits) and waits for it at most
+      keys, HIT_PENDING for the keys after it that kvtierd is promoting from its second tier —
+      vLLM defers the request and the manager asks kvtierd again next step —, MISS after them).
+      The first lookup of a request sends one batched ``lookup`` of all its keys (from that key
+      on, per KV-cache group, leasing the hits) and waits for it at most
       ``kvtier_lookup_wait_ms``; later lookups, including every step while the request waits
       for GPU blocks, are dict lookups (the leases renewed in the background). An answer that
       comes later is used next step (this step: RETRY once per KV-cache group, then MISS, so
@@ -258,9 +261,9 @@ class KvtierOffloadingManager(OffloadingManager):
             return _PENDING
         state = req_context.get_state(_Request)
         if state is not None and state.valid_step == self._step:       # the hot path: a dict lookup
-            hit = state.verdict.get(key)
-            if hit is not None:
-                return _HIT if hit else _MISS
+            result = state.verdict.get(key)
+            if result is not None:
+                return result
         return self._lookup(key, req_context, state or self._track(req_context))
 
     def _lookup(self, key: OffloadKey, req_context: ReqContext, state: _Request) -> LookupResult:
@@ -291,14 +294,16 @@ class KvtierOffloadingManager(OffloadingManager):
         now = self._clock()
         if now >= state.expires or state.epoch != self._link.epoch:
             return None                       # lapsed, or from a session before a restart (its leases are gone)
+        if state.recheck_step not in (-1, self._step):
+            return None                       # kvtierd was promoting some of them: ask again
         if positions is not None and len(positions) != state.npos:
             return None                       # the request grew (e.g. preempted, then resumed)
         if now >= state.renew_at and state.pending is None:
             self._renew(state)
         state.valid_step = self._step
-        hit = verdict.get(key)
-        if hit is not None:
-            return _HIT if hit else _MISS
+        result = verdict.get(key)
+        if result is not None:
+            return result
         if positions is None:
             return None                       # public path: a key not asked yet
         position = positions.get(key)
@@ -372,27 +377,29 @@ class KvtierOffloadingManager(OffloadingManager):
         self._send_batch(state, state.start, state.npos, state.groups)
 
     def _ready_prefixes(self, groups: list[list], leases: list[list] | None, client: Client) -> tuple:
-        """(link thread) Per group: the ready prefix length of its keys, and (lease id, first key,
-        keys held) of each lease that holds some; the shortest ttl granted; the session's epoch."""
+        """(link thread) Per group: the ready prefix length of its keys and how many keys after it
+        kvtierd is promoting from its second tier (pending), and (lease id, first key, keys held)
+        of each lease that holds some; the shortest ttl granted; the session's epoch."""
         prefixes, held, ttl = [], [], None
         for index, keys in enumerate(groups):
-            tkeys, hits, spans = kvtier_keys(keys), 0, []
+            tkeys, hits, pending, spans = kvtier_keys(keys), 0, 0, []
             for chunk, begin in enumerate(range(0, len(tkeys), PART_KEYS)):
                 part = tkeys[begin:begin + PART_KEYS]
                 self._link.requests += 1
                 if leases is None:
-                    found = client.lookup(part)
+                    found = client.lookup_detail(part)
                 else:
                     lease = leases[index][chunk]
-                    found = client.lookup(part, lease=lease, ttl=self._lease_ttl)
+                    found = client.lookup_detail(part, lease=lease, ttl=self._lease_ttl)
                     granted = client.lease_held(lease)
                     if granted is not None:
                         spans.append((lease, begin, granted.leased))
                         ttl = granted.ttl if ttl is None else min(ttl, granted.ttl)
-                hits += found
-                if found < len(part):
+                hits += found.hits
+                if found.hits < len(part):
+                    pending = found.pending
                     break
-            prefixes.append(hits)
+            prefixes.append((hits, pending))
             held.append(spans)
         return prefixes, held, ttl, client.attachments
 
@@ -408,12 +415,15 @@ class KvtierOffloadingManager(OffloadingManager):
             return
         except Exception as exc:              # kvtierd refused: these keys are misses (for a while)
             logger.debug("kvtier: lookup of request %s failed: %s", state.req_id, exc)
-            prefixes, held, ttl, epoch = [0] * len(groups), [[] for _ in groups], None, self._link.epoch
+            prefixes, held, ttl, epoch = [(0, 0)] * len(groups), [[] for _ in groups], None, self._link.epoch
         verdict: dict = {}
         lease_of: dict = {}
-        for keys, hits, spans in zip(groups, prefixes, held):
-            verdict.update(dict.fromkeys(keys[:hits], True))
-            verdict.update(dict.fromkeys(keys[hits:], False))
+        for keys, (hits, pending), spans in zip(groups, prefixes, held):
+            verdict.update(dict.fromkeys(keys[:hits], _HIT))
+            # Being promoted from kvtierd's second tier: HIT_PENDING (vLLM defers the request and
+            # asks again next step) rather than computing them or waiting here.
+            verdict.update(dict.fromkeys(keys[hits:hits + pending], _PENDING))
+            verdict.update(dict.fromkeys(keys[hits + pending:], _MISS))
             for lease, begin, leased in spans:
                 lease_of.update(dict.fromkeys(keys[begin:begin + leased], lease))
         now_held = {lease for spans in held for lease, _, _ in spans}
@@ -424,6 +434,7 @@ class KvtierOffloadingManager(OffloadingManager):
             state.expires, state.renew_at = self._clock() + LOOKUP_RESULTS_TTL_S, float("inf")
         else:
             state.expires, state.renew_at = sent + ttl * LEASE_USE, sent + ttl * LEASE_RENEW
+        state.recheck_step = self._step if any(pending for _, pending in prefixes) else -1
         state.valid_step = -1
 
     def _release(self, leases: Collection[int]) -> None:

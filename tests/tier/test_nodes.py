@@ -1,0 +1,443 @@
+"""Two nodes sharing one second tier: real daemons, real rank processes, real engines on loopback.
+
+Each node is a real kvtierd (its own directory and region) started with ``--tier-backend`` naming
+one real engine (a Mooncake master and storage process, or a 3-node Redis Cluster) that both
+nodes share; each engine is a real rank process (``tests/integration/ranks.py``: a kvtier.Client
+with a CPU KV cache). Every block's bytes are derived from its key (and rank), so a block that
+holds another key's bytes, or a mix, cannot pass.
+
+| what | test |
+|---|---|
+| A stores, A's region fills, its blocks are demoted; B looks them up, they are promoted, B loads them byte-exact (replicated: TP=2 on A, TP=1 on B: one copy for every TP degree) | test_blocks_evicted_on_one_node_are_promoted_byte_exact_on_another |
+| the same for a sharded namespace (every rank's shard travels in the one tier value) | test_a_sharded_entry_travels_whole |
+| the tier killed mid-run: both nodes keep storing, loading and looking up; errors counted | test_the_tier_killed_mid_run_leaves_both_nodes_serving |
+| node A restarted: its evicted blocks come back from the tier | test_a_restarted_node_finds_its_blocks_in_the_tier |
+| another model's namespace never gets them; a namespace clear reaches the tier | test_another_namespace_never_gets_the_blocks_and_clear_reaches_the_tier |
+| the companion SIGKILLed, frozen then resumed, frozen then killed by the daemon, mid-promote: no torn or foreign block becomes READY, nothing leaks | test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready |
+| the region's data file truncated (it is replaced) with the companion frozen mid-promote: the companion is killed, its job and fenced pages cleaned up, a new one maps the new file and promotes byte-exact into it | test_the_data_file_replaced_restarts_the_companion_on_the_new_file |
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvtierd.contract.namespace import NamespaceId
+from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
+from tests.integration.ranks import CacheSpec, RankProcess, all_call
+from tests.integration.test_kvtierctl import ctl, ctl_json
+from tests.integration.test_tp_roundtrip import keys_for
+
+from .conftest import BACKENDS, start_engine
+
+pytestmark = pytest.mark.timeout(300)
+
+SMALL = CacheSpec(num_blocks=16)                                         # 54 KiB blocks: one 64 KiB page
+BIG = CacheSpec(layers=4, num_blocks=48, row_shape=(16, 8192))           # 1 MiB blocks: 16 pages
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def tier(request):
+    """(kind, a real engine) shared by the module's tests of that backend."""
+    engine = start_engine(request.param)
+    yield request.param, engine
+    engine.stop()
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition", every: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+@pytest.fixture
+def nodes(tier):
+    """Factory: nodes(*extra_args, size=..., engine=...) → a ready daemon whose second tier is
+    ``tier``'s engine (or the one given)."""
+    kind, shared = tier
+    started = []
+
+    def start(*args: str, size: str = "16MiB", low_watermark: float = 0.25, engine=None):
+        engine = engine or shared
+        d = new_daemon("--tier-backend", kind, "--tier-address", engine.address, "--tier-low-watermark",
+                       str(low_watermark), "--tier-timeout", "0.5", "--tier-cooldown", "1",
+                       "--tier-restart-backoff", "0.5", *args, size=size)
+        started.append(d)
+        d.start()
+        wait_ready(d)
+        return d
+
+    yield start
+    for d in started:
+        d.cleanup()
+
+
+def wait_ready(daemon) -> None:
+    wait_for(lambda: tier_stats(daemon)["state"] == "ready", 60, "the tier companion to be ready")
+
+
+def tier_stats(daemon) -> dict:
+    return daemon.stats()["tier"]
+
+
+def layout(spec: CacheSpec, model: str, kind: str = "replicated") -> dict:
+    return {"model": model, "dtype": spec.dtype, "block_tokens": spec.row_shape[0], "block_bytes": spec.block_bytes(),
+            "sharding": kind}
+
+
+def connect(procs: list[RankProcess], daemon, engine: str, spec: CacheSpec, model: str, kind: str = "replicated"):
+    return all_call(procs, "connect", socket=daemon.socket, engine=engine, world_size=len(procs), spec=spec,
+                    layout=layout(spec, model, kind), timeout=20.0,
+                    per_rank=[{"rank": r, "seed": r} for r in range(len(procs))])
+
+
+def content_keys(keys: list[bytes], rank: int, sharded: bool) -> list[bytes]:
+    """The keys a rank's block content derives from: its shard differs per rank when sharded."""
+    return [k + bytes([rank]) for k in keys] if sharded else keys
+
+
+def store(procs: list[RankProcess], job: int, keys: list[bytes], block_ids: list[int], sharded: bool = False):
+    all_call(procs, "fill_keys", per_rank=[{"keys": content_keys(keys, r, sharded), "block_ids": block_ids}
+                                           for r in range(len(procs))])
+    results = all_call(procs, "store", job=job, keys=keys, block_ids=block_ids)
+    assert all(r["ok"] for r in results), results
+
+
+def load_exact(procs: list[RankProcess], job: int, keys: list[bytes], block_ids: list[int],
+               sharded: bool = False) -> None:
+    """Every rank loads ``keys`` (all must hit) and holds exactly their bytes."""
+    for r in range(len(procs)):                  # scrub the destination first
+        procs[r].call("fill", block_ids=block_ids, seed=999)
+    results = all_call(procs, "load", job=job, keys=keys, block_ids=block_ids)
+    assert all(r["ok"] and r["hits"] == len(keys) for r in results), results
+    for r, proc in enumerate(procs):
+        assert proc.call("verify_keys", keys=content_keys(keys, r, sharded), block_ids=block_ids) == \
+            [True] * len(keys), f"rank {r} loaded wrong bytes"
+
+
+def fill(procs: list[RankProcess], daemon, prefix: str, blocks: int, spec: CacheSpec, first_job: int,
+         sharded: bool = False, per: int = 16) -> int:
+    """Store ``blocks`` new blocks in jobs of ``per``, each after the demotes of the one before
+    finished (a region filling no faster than the tier takes its victims, and no job larger than
+    the free-page reserve). Returns the next job id."""
+    job = first_job
+    for start in range(0, blocks, per):
+        keys = keys_for(f"{prefix}-{start}", min(per, blocks - start))
+        store(procs, job, keys, list(range(len(keys))), sharded)
+        job += 1
+        wait_for(lambda: tier_stats(daemon)["demoting_blocks"] == 0, 30, "demotes to finish")
+    return job
+
+
+def promote(proc: RankProcess, keys: list[bytes], timeout: float = 30.0) -> list[dict]:
+    """Look ``keys`` up until they are all hits; returns every answer seen."""
+    seen = []
+
+    def hit():
+        seen.append(proc.call("lookup_detail", keys=keys))
+        return seen[-1]["hits"] == len(keys)
+    wait_for(hit, timeout, f"{len(keys)} keys to be promoted", every=0.005)
+    return seen
+
+
+def region_check(daemon) -> dict:
+    return ctl_json(daemon, "check")
+
+
+def dropped(stats: dict) -> int:
+    return sum(stats["demote_dropped_blocks"].values())
+
+
+# ------------------------------------------------------------------------------------------ the flow
+def test_blocks_evicted_on_one_node_are_promoted_byte_exact_on_another(nodes, ranks):
+    a, b = nodes(), nodes()
+    ra, rb = ranks(2), ranks(1)
+    connect(ra, a, "engine-a", SMALL, "tier-model")            # TP=2, replicated: one copy, rank 0 writes
+    connect(rb, b, "engine-b", SMALL, "tier-model")            # TP=1: the same namespace
+    x = keys_for("x", 8)
+    store(ra, 1, x, list(range(8)))
+    pages = a.stats()["pages_total"]
+    fill(ra, a, "filler", 2 * pages, SMALL, 2)                 # twice the region: x are long evicted
+    sa = tier_stats(a)
+    assert sa["demoted_blocks"] >= 8 + 2 * pages - pages and dropped(sa) == 0, sa   # all but a region's worth
+    first = rb[0].call("lookup_detail", keys=x + keys_for("never", 2))
+    assert first == {"hits": 0, "pending": 10}                 # being checked: ask again
+    answers = promote(rb[0], x)
+    assert all(ans["hits"] + ans["pending"] == 8 for ans in answers[:-1]), answers   # never a miss meanwhile
+    load_exact(rb, 100, x, list(range(8, 16)))
+    sb = tier_stats(b)
+    assert sb["promoted_blocks"] == 8 and sb["promote_failed_blocks"] == 0 and sb["lookup_keys"]["hit"] == 8
+    assert sb["lookup_keys"]["miss"] == 2
+    # The keys the tier does not hold are misses now (remembered: no new check, nothing pending).
+    assert rb[0].call("lookup_detail", keys=x + keys_for("never", 2)) == {"hits": 8, "pending": 0}
+    # Node A's engine, TP=2, gets them back too (promoted on A: every rank loads the one copy).
+    promote(ra[0], x)
+    load_exact(ra, 101, x, list(range(8, 16)))
+    for d in (a, b):
+        assert region_check(d)["ok"]
+        assert d.stats()["pages_fenced"] == 0
+
+
+def test_a_sharded_entry_travels_whole(nodes, ranks):
+    a, b = nodes(low_watermark=0.5, size="8MiB"), nodes()       # half of a small region kept free
+    procs = ranks(2)
+    connect(procs, a, "engine-a", SMALL, "tier-sharded", "sharded")
+    x = keys_for("sx", 6)
+    store(procs, 1, x, list(range(6)), sharded=True)
+    fill(procs, a, "filler", a.stats()["pages_total"] // 2, SMALL, 2, sharded=True)
+    assert tier_stats(a)["demoted_blocks"] >= 6 and dropped(tier_stats(a)) == 0
+    all_call(procs, "close")
+    connect(procs, b, "engine-b", SMALL, "tier-sharded", "sharded")
+    promote(procs[0], x)
+    load_exact(procs, 2, x, list(range(6, 12)), sharded=True)     # each rank its own shard, exact
+    assert tier_stats(b)["promoted_bytes"] == 6 * 2 * SMALL.block_bytes()
+
+
+# ------------------------------------------------------------------------------------------ failures
+def test_the_tier_killed_mid_run_leaves_both_nodes_serving(nodes, ranks, tier):
+    engine = start_engine(tier[0])                             # its own: it is killed
+    try:
+        a = nodes("--tier-data-timeout", "2", "--tier-kill-after", "2", engine=engine)
+        b = nodes(engine=engine)
+        ra, rb = ranks(1), ranks(1)
+        connect(ra, a, "engine-a", SMALL, "tier-down")
+        connect(rb, b, "engine-b", SMALL, "tier-down")
+        x = keys_for("before", 8)
+        store(ra, 1, x, list(range(8)))
+        engine.kill()                                          # the whole tier, mid-run
+        # Both nodes keep serving from their regions: stores, loads, lookups, all answered.
+        job = 2
+        for round_ in range(3):
+            for procs, d in ((ra, a), (rb, b)):
+                keys = keys_for(f"during-{round_}-{d.name}-{d.dir}", 8)
+                store(procs, job, keys, list(range(8)))
+                load_exact(procs, job + 1, keys, list(range(8, 16)))
+                job += 2
+                ans = procs[0].call("lookup_detail", keys=keys + keys_for(f"unknown-{round_}", 4), timeout=20)
+                assert ans["hits"] == 8, ans
+        load_exact(ra, job, x, list(range(8, 16)))
+        # A's region fills: its victims cannot be demoted; they are evicted and counted, never waited for.
+        fill_fast(ra, a, "after", 2 * a.stats()["pages_total"], job + 1)
+        # The errors are counted, the lookups stop checking (nothing stays pending), nothing is fenced.
+        wait_for(lambda: tier_stats(a)["errors"] and tier_stats(b)["errors"], 30, "tier errors counted")
+        wait_for(lambda: rb[0].call("lookup_detail", keys=keys_for("late", 4))["pending"] == 0, 30,
+                 "lookups to stop waiting for a dead tier")
+        sa = tier_stats(a)
+        assert dropped(sa) > 0, sa
+        for d in (a, b):
+            assert d.stats()["pages_fenced"] == 0
+            assert region_check(d)["ok"]
+    finally:
+        engine.stop()
+
+
+def fill_fast(procs, daemon, prefix: str, blocks: int, first_job: int) -> None:
+    """Store ``blocks`` new blocks without waiting for demotes (a dead tier gets none done)."""
+    per = SMALL.num_blocks
+    for i, start in enumerate(range(0, blocks, per)):
+        store(procs, first_job + i, keys_for(f"{prefix}-{start}", per), list(range(per)))
+
+
+def test_a_restarted_node_finds_its_blocks_in_the_tier(nodes, ranks):
+    a = nodes()
+    ra = ranks(1)
+    connect(ra, a, "engine-a", SMALL, "tier-restart")
+    x = keys_for("restart", 8)
+    store(ra, 1, x, list(range(8)))
+    pages = a.stats()["pages_total"]
+    job = fill(ra, a, "filler", 2 * pages, SMALL, 2)
+    kept = keys_for(f"filler-{(2 * pages - 1) // 16 * 16}", 2 * pages - (2 * pages - 1) // 16 * 16)
+    all_call(ra, "close")
+    a.stop()                                   # SIGTERM: a clean restart
+    a.start()
+    wait_ready(a)
+    connect(ra, a, "engine-a", SMALL, "tier-restart")
+    assert ra[0].call("lookup", keys=kept) == len(kept)      # the region's own blocks came through
+    promote(ra[0], x)                                        # the evicted ones come from the tier
+    load_exact(ra, job, x, list(range(8)))
+    assert tier_stats(a)["promoted_blocks"] == 8
+
+
+def test_another_namespace_never_gets_the_blocks_and_clear_reaches_the_tier(nodes, ranks):
+    a, b = nodes(low_watermark=0.5, size="8MiB"), nodes()
+    ra, rb = ranks(1), ranks(1)
+    connect(ra, a, "engine-a", SMALL, "model-one")
+    x, y = keys_for("ns-x", 8), keys_for("ns-y", 8)
+    store(ra, 1, x, list(range(8)))
+    store(ra, 2, y, list(range(8, 16)))
+    fill(ra, a, "filler", a.stats()["pages_total"], SMALL, 3)   # x and y are the first victims
+    assert tier_stats(a)["demoted_blocks"] >= 16 and dropped(tier_stats(a)) == 0
+    # Another model with the very same keys and geometry: never a hit, never pending for long.
+    connect(rb, b, "engine-b", SMALL, "model-two")
+    answers = [rb[0].call("lookup_detail", keys=x) for _ in range(5)]
+    wait_for(lambda: rb[0].call("lookup_detail", keys=x) == {"hits": 0, "pending": 0}, 10, "a plain miss")
+    assert all(ans["hits"] == 0 for ans in answers)
+    assert tier_stats(b)["promoted_blocks"] == 0 and tier_stats(b)["lookup_keys"]["hit"] == 0
+    # The model's own engine on B gets them.
+    all_call(rb, "close")
+    connect(rb, b, "engine-b1", SMALL, "model-one")
+    promote(rb[0], x)
+    load_exact(rb, 3, x, list(range(8)))
+    # A namespace clear (kvtierctl, admin socket) empties the namespace in the tier too, and says so.
+    name = NamespaceId(**layout(SMALL, "model-one")).name()
+    said = ctl(a, "clear", "--namespace", name)
+    removed = int(said.split("; ")[1].split()[0])
+    assert removed >= 8 and "removed from the second tier" in said, said
+    evict = a.call("evict", admin=True, namespace=name, count=1)
+    assert evict["tier"] == "local" and evict["tier_removed"] is None
+    status = ctl_json(a, "status")["tier"]
+    assert status["state"] == "ready" and status["demoted_blocks"] >= 16 and status["errors"] == 0, status
+    time.sleep(1.2)                                          # past what B remembers as checked
+    wait_for(lambda: rb[0].call("lookup_detail", keys=y) == {"hits": 0, "pending": 0}, 10, "y gone from the tier")
+    assert tier_stats(b)["promoted_blocks"] == 8
+
+
+FAULTS = ("kill", "freeze_resume", "freeze_killed")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready(nodes, ranks, fault):
+    """The companion is handed a promote's pages, then: SIGKILLed (kill); SIGSTOPped past the get's
+    deadline, the region refilled by an engine while the job's pages stay fenced, then resumed so
+    that it writes into them after all (freeze_resume); SIGSTOPped until the daemon kills it
+    (freeze_killed). Every block loaded afterwards holds its own key's bytes; nothing stays fenced."""
+    kill_after = "60" if fault == "freeze_resume" else "1"
+    seeder = nodes(size="64MiB", low_watermark=0.5)
+    b = nodes("--tier-data-timeout", "1", "--tier-kill-after", kill_after, "--no-tier-demote", size="40MiB")
+    rs, rb = ranks(1), ranks(1)
+    connect(rs, seeder, "seeder", BIG, "tier-big")
+    connect(rb, b, "engine-b", BIG, "tier-big")
+    caught = None
+    job = 1
+    for attempt in range(5):
+        x = keys_for(f"fault-{fault}-{attempt}", 16)
+        store(rs, job, x, list(range(16)))
+        job = fill(rs, seeder, f"push-{attempt}", seeder.stats()["pages_total"] // 16, BIG, job + 1)  # x demoted
+        assert dropped(tier_stats(seeder)) == 0
+        pid = tier_stats(b)["pid"]
+        rb[0].call("lookup_detail", keys=x)
+        if wait_promoting(b):
+            os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            time.sleep(0.3)                            # a reply sent before the signal is taken in by now
+            if tier_stats(b)["promoted_blocks"] == 0:
+                caught = (x, pid)
+                break
+            os.kill(pid, signal.SIGCONT)               # it had finished already: try again
+            wait_ready(b)
+        promote(rb[0], x)
+    assert caught, "no promote was caught in flight in 5 attempts"
+    x, pid = caught
+    try:
+        if fault == "freeze_resume":
+            wait_for(lambda: tier_stats(b)["promote_aborted"].get("tier_timeout"), 30, "the promote to time out")
+            st = b.stats()
+            assert st["pages_fenced"] == 16 * 16 and st["fenced_pages"]["writer_alive"] == 16 * 16, st
+            assert rb[0].call("lookup_detail", keys=x)["hits"] == 0      # aborted: a miss, not READY
+            # Refill the region while the pages stay fenced: no store may get them.
+            job = 100
+            for i in range(3):
+                keys = keys_for(f"refill-{i}", 16)
+                store(rb, job, keys, list(range(16)))
+                assert rb[0].call("lookup", keys=keys) == 16
+                load_exact(rb, job + 1, keys, list(range(16, 32)))
+                job += 2
+            os.kill(pid, signal.SIGCONT)                 # its late copy lands in the fenced pages only
+        else:                                            # dead, or killed by the daemon: a new one starts
+            wait_for(lambda: tier_stats(b)["pid"] not in (None, pid), 30, "a new companion")
+        wait_for(lambda: b.stats()["pages_fenced"] == 0, 30, "the fenced pages to be released")
+        wait_ready(b)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    if fault == "freeze_resume":
+        for i in range(3):                               # what the refill stored is still exact
+            keys = keys_for(f"refill-{i}", 16)
+            hits = rb[0].call("lookup", keys=keys)
+            if hits:
+                load_exact(rb, 200 + i, keys[:hits], list(range(16, 16 + hits)))
+    st = tier_stats(b)
+    assert st["promote_failed_blocks"] == 16 and st["promoted_blocks"] == 0, st
+    if fault != "freeze_resume":
+        assert st["restarts"] >= 1 and st["pid"] != pid
+    # The blocks are promoted again by the next lookups, and exact.
+    time.sleep(1.1)                                      # what B remembers as failed expires
+    promote(rb[0], x, timeout=60)
+    load_exact(rb, 300, x, list(range(16, 32)))
+    assert b.stats()["pages_fenced"] == 0 and region_check(b)["ok"]
+
+
+def wait_promoting(daemon, timeout: float = 5.0) -> bool:
+    """Whether a promote job was seen in flight (its get sent) within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = tier_stats(daemon)
+        if st["promoting_blocks"]:
+            return True
+        if st["promoted_blocks"]:
+            return False
+        time.sleep(0.0005)
+    return False
+
+
+def test_the_data_file_replaced_restarts_the_companion_on_the_new_file(nodes, ranks):
+    """The companion maps the region's data file as a client does. When the file is truncated
+    (any member of the client group can) the daemon replaces it; the companion, frozen here with a
+    promote's pages fenced for it, is killed, its job and pages go (``Fence.reset`` needs no writer
+    attached), and a new companion maps the new file: blocks are promoted into it, exact."""
+    seeder = nodes(size="64MiB", low_watermark=0.5)
+    b = nodes("--tier-data-timeout", "30", "--tier-kill-after", "60", "--no-tier-demote",
+              "--region-check-interval", "0.2", size="40MiB")
+    rs, rb = ranks(1), ranks(1)
+    connect(rs, seeder, "seeder", BIG, "tier-replaced")
+    connect(rb, b, "engine-b", BIG, "tier-replaced")
+    caught, job = None, 1
+    for attempt in range(5):
+        x = keys_for(f"replaced-{attempt}", 16)
+        store(rs, job, x, list(range(16)))
+        job = fill(rs, seeder, f"push-{attempt}", seeder.stats()["pages_total"] // 16, BIG, job + 1)  # x demoted
+        pid = tier_stats(b)["pid"]
+        rb[0].call("lookup_detail", keys=x)
+        if wait_promoting(b):
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.3)
+            if tier_stats(b)["promoted_blocks"] == 0:
+                caught = (x, pid)
+                break
+            os.kill(pid, signal.SIGCONT)
+            wait_ready(b)
+        promote(rb[0], x)
+    assert caught, "no promote was caught in flight in 5 attempts"
+    x, pid = caught
+    try:
+        assert tier_stats(b)["promoting_blocks"] == 16          # its pages handed to the frozen companion
+        generation = b.stats()["generation"]
+        os.truncate(b.region, 4096)
+        stats = wait_for(lambda: (s := b.stats())["generation"] != generation and s, 30,
+                         "the daemon to replace the truncated data file")
+        assert stats["region_problem"] is None and stats["pages_fenced"] == 0 and stats["entries_ready"] == 0, stats
+        wait_for(lambda: tier_stats(b)["pid"] not in (None, pid), 30, "a new companion")
+        wait_ready(b)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    st = tier_stats(b)
+    assert st["promoted_blocks"] == 0 and st["promote_failed_blocks"] == 16 and st["restarts"] >= 1, st
+    rb2 = ranks(1)                                      # B's sessions ended with the old file
+    connect(rb2, b, "engine-b2", BIG, "tier-replaced")
+    time.sleep(1.1)                                     # what B remembers as failed expires
+    promote(rb2[0], x, timeout=60)                      # into the new file, by the new companion
+    load_exact(rb2, 300, x, list(range(16, 32)))
+    assert b.stats()["pages_fenced"] == 0 and region_check(b)["ok"]
+    assert "Traceback" not in b.log()

@@ -1,0 +1,404 @@
+"""kvtierd.tiering without a companion: the daemon's side of demote and promote, step by step.
+
+``Tiering`` runs over a real store (``store_env``: a region in memory, a fake clock) and a
+scripted link standing in for ``TierLink`` (as tests/unit/test_tier.py scripts a backend for the
+guard): it records what the daemon asks and lets the test answer — in time, late, failed, or
+with the companion gone. The companion, the engines and the bytes are tested for real in
+tests/tier/. Every scenario checks the store's own consistency (``verify``: pages, the policy,
+the fence table against the companion's writer row).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome
+from kvtierd.contract.region_format import EntryState
+from kvtierd.tier.backend import TierTimeout, TierUnavailable
+from kvtierd.tier.link import LinkBusy, LinkDown, Outcome, Request
+from kvtierd.tiering import ABSENT_SECONDS, CHECK_DELAY, PATIENCE, TierConfig, Tiering, identity
+
+from .store_env import Env, keys, lay
+
+W, P = StoreOutcome.WRITE, StoreOutcome.PRESENT
+
+
+class ScriptedLink:
+    """Records the requests it is given; ``answer`` queues their outcomes for the next ``collect``."""
+
+    def __init__(self, max_inflight: int = 8):
+        self.state = "ready"
+        self.pid: int | None = os.getpid()      # a living process: the fence's writer row needs one
+        self.max_inflight = max_inflight
+        self.inflight: dict[int, Request] = {}
+        self.sent: list[tuple[int, str, dict]] = []
+        self.info: dict = {}
+        self.last_error = None
+        self.counters = {"started": 1, "killed": 0}
+        self.restart_backoff = 0.0
+        self._ids = itertools.count(1)
+        self._out: list[Outcome] = []
+
+    def start(self) -> None: pass
+    def stop(self, timeout: float = 0) -> None: pass
+
+    def submit(self, op: str, context=None, **fields) -> int:
+        if self.state != "ready":
+            raise LinkDown("down")
+        if len(self.inflight) >= self.max_inflight:
+            raise LinkBusy("busy")
+        rid = next(self._ids)
+        self.inflight[rid] = Request(rid, op, 0.0, context)
+        self.sent.append((rid, op, fields))
+        return rid
+
+    def collect(self, now=None) -> list[Outcome]:
+        out, self._out = self._out, []
+        return out
+
+    def last(self, op: str) -> tuple[int, dict]:
+        rid, _, fields = [s for s in self.sent if s[1] == op][-1]
+        return rid, fields
+
+    def answer(self, rid: int, ok: bool = True, final: bool = True, error=None, **result) -> None:
+        req = self.inflight.pop(rid) if final else self.inflight[rid]
+        self._out.append(Outcome(req.op, req.context, final, ok, result, error))
+
+    def die(self) -> None:
+        """The companion died and was reaped: every request ends (final, failed); a new one starts."""
+        for rid in list(self.inflight):
+            self.answer(rid, ok=False, error=TierUnavailable("the tier companion exited (-9)"))
+        self.state, self.pid = "down", None
+
+
+class TierEnv(Env):
+    def __init__(self, num_pages: int = 32, **config):
+        super().__init__(num_pages)
+        self.link = ScriptedLink()
+        self.tier = Tiering(self.store.index, self.store.fence, self.link,
+                            TierConfig("scripted", "nowhere", **{"low_watermark": 0.25, "cooldown": 5.0, **config}),
+                            clock=self.clock)
+        self.store.tiering = self.tier
+        self.pump()
+
+    def pump(self) -> None:
+        self.tier.pump(self.clock())
+        self.store.verify()
+
+    def lookup(self, session, ks: list[bytes]) -> tuple[int, int]:
+        """A lookup as the server serves it: the reply, then the loop's turn after CHECK_DELAY
+        (which sends the existence checks the lookup promised)."""
+        hits = self.store.lookup(session, ks)
+        reply = hits, self.store.pending(session, ks, hits)
+        self.clock.advance(CHECK_DELAY)
+        self.pump()
+        return reply
+
+    def ready(self, session, key: bytes) -> bool:
+        e = session.engine.ns.index.get(key)
+        return e is not None and e.state is EntryState.READY
+
+
+@pytest.fixture
+def tenv():
+    e = TierEnv()
+    yield e
+    e.store.verify()
+
+
+# ------------------------------------------------------------------------------------------ demote
+def test_victims_are_demoted_before_their_pages_are_reused_then_freed(tenv):
+    (s,) = tenv.engine("e")
+    tenv.put([s], 1, keys("k", 26))             # 26 of 32 pages: below the 25 % reserve (8 pages)
+    tenv.pump()
+    rid, put = tenv.link.last("put")
+    victims = put["keys"]                        # the policy's first two (a chain: its tail first)
+    assert len(victims) == 2 and put["length"] == 4096 and put["shards"] == 1
+    assert put["ns"] == identity(s.engine.ns.id)
+    assert np.frombuffer(put["pages"], PAGES_DTYPE).tolist() == [
+        p for k in victims for p in np.frombuffer(s.engine.ns.index[k].pages, PAGES_DTYPE).tolist()]
+    stats = tenv.tier.stats()
+    assert stats["demoting_blocks"] == 2 and tenv.stats()["entries_pinned"] == 2
+    # Pinned for the demote: still READY and loadable, but no store takes their pages.
+    assert tenv.lookup(s, victims[:1]) == (1, 0)
+    tenv.put([s], 2, keys("n", 10))              # needs room now: evicts other victims, not the pinned
+    assert tenv.ready(s, victims[0]) and tenv.ready(s, victims[1])
+    assert tenv.tier.stats()["demote_dropped_blocks"]["pressure"] == 4
+    tenv.link.answer(rid, done=b"\x01\x01")
+    tenv.pump()
+    # The first was looked up meanwhile (used: it stays); the other was not: freed, and in the tier.
+    assert tenv.ready(s, victims[0]) and not tenv.ready(s, victims[1])
+    assert s.engine.ns.index[victims[0]].in_tier
+    stats = tenv.tier.stats()
+    assert stats["demoted_blocks"] == 2 and stats["demoted_bytes"] == 2 * 4096
+    assert stats["demoting_blocks"] == len(tenv.link.last("put")[1]["keys"])     # the next pass is under way
+
+
+def test_a_block_the_tier_holds_is_freed_without_a_second_put(tenv):
+    (s,) = tenv.engine("e")
+    tenv.put([s], 1, keys("k", 26))
+    for entry in s.engine.ns.index.values():
+        entry.in_tier = True                    # promoted, or demoted before
+    tenv.pump()
+    assert [op for _, op, _ in tenv.link.sent] == ["stats"]             # no put
+    assert tenv.store.index.pages.free_count == 8                       # the reserve, freed ahead of need
+    assert tenv.stats()["evictions"] == 2
+
+
+def test_a_failed_put_drops_its_blocks_and_pauses_demotes(tenv):
+    (s,) = tenv.engine("e")
+    tenv.put([s], 1, keys("k", 26))
+    tenv.pump()
+    rid, _ = tenv.link.last("put")
+    tenv.link.answer(rid, ok=False, error=TierUnavailable("down"))
+    tenv.pump()
+    stats = tenv.tier.stats()
+    assert stats["demote_dropped_blocks"]["failed"] == 2 and stats["demoted_blocks"] == 0
+    assert stats["errors"] == [{"op": "put", "code": "unavailable", "calls": 1}]
+    sent = len(tenv.link.sent)
+    tenv.put([s], 2, keys("n", 4))
+    tenv.pump()
+    assert len(tenv.link.sent) == sent           # paused for the cooldown
+    tenv.clock.advance(5.1)
+    tenv.pump()
+    assert "put" in [op for _, op, _ in tenv.link.sent[sent:]]
+
+
+def test_a_put_past_its_deadline_keeps_its_pins_until_its_end(tenv):
+    (s,) = tenv.engine("e")
+    tenv.put([s], 1, keys("k", 26))
+    tenv.pump()
+    rid, _ = tenv.link.last("put")
+    tenv.link.answer(rid, ok=False, final=False, error=TierTimeout("late"))
+    tenv.pump()
+    assert tenv.stats()["entries_pinned"] == 2                # the companion may still read them
+    tenv.link.answer(rid, done=b"\x01\x01")
+    tenv.pump()
+    assert tenv.stats()["entries_pinned"] == 0 and tenv.tier.stats()["demoted_blocks"] == 2
+    assert tenv.tier.stats()["errors"] == [{"op": "put", "code": "timeout", "calls": 1}]
+
+
+def test_evictions_while_the_tier_is_down_or_busy_are_counted_so(tenv):
+    (s,) = tenv.engine("e")
+    tenv.link.state = "down"
+    tenv.put([s], 1, keys("k", 32))
+    tenv.put([s], 2, keys("n", 2))
+    assert tenv.tier.stats()["demote_dropped_blocks"]["down"] == 2
+    tenv.link.state = "ready"
+    tenv.link.max_inflight = 0
+    tenv.put([s], 3, keys("m", 2))
+    assert tenv.tier.stats()["demote_dropped_blocks"]["busy"] == 2
+
+
+def test_an_excluded_model_is_never_demoted_nor_checked():
+    tenv = TierEnv(exclude=frozenset({"private"}))
+    (s,) = tenv.engine("e", model="private")
+    tenv.put([s], 1, keys("k", 30))
+    tenv.pump()
+    assert tenv.link.sent == [(1, "stats", {})]
+    assert tenv.lookup(s, keys("x", 3)) == (0, 0)
+    tenv.put([s], 2, keys("n", 4))
+    assert sum(tenv.tier.stats()["demote_dropped_blocks"].values()) == 0
+
+
+def test_a_sharded_entry_is_demoted_whole_shards_back_to_back():
+    tenv = TierEnv(num_pages=64)
+    sess = tenv.engine("e", 2, kind="sharded", block_bytes=4096 + 100)    # 2 pages per shard, 4 per entry
+    tenv.put(sess, 1, keys("k", 14))
+    tenv.pump()
+    _, put = tenv.link.last("put")
+    assert put["shards"] == 2 and put["length"] == 4096 + 100
+    assert len(put["pages"]) == len(put["keys"]) * 4 * 4
+
+
+# ------------------------------------------------------------------------------------------ promote
+def test_a_miss_is_checked_then_promoted_and_reported_pending_until_ready(tenv):
+    (s,) = tenv.engine("e")
+    tenv.put([s], 1, keys("k", 2))
+    ks = keys("k", 2) + keys("t", 4) + [b"absent"] + keys("u", 2)
+    assert tenv.lookup(s, ks) == (2, 7)                      # checking the 7 after the hits
+    rid, exists = tenv.link.last("exists")
+    assert exists["keys"] == ks[2:]
+    assert tenv.lookup(s, ks) == (2, 7)                      # still being checked: no second check
+    assert len([x for x in tenv.link.sent if x[1] == "exists"]) == 1
+    tenv.link.answer(rid, present=b"\x01\x01\x01\x01\x00\x01\x01")
+    tenv.pump()
+    rid, get = tenv.link.last("get")
+    assert get["keys"] == keys("t", 4)                       # the leading run the tier holds
+    assert tenv.tier.stats()["promoting_blocks"] == 4 and tenv.stats()["pages_fenced"] == 0
+    fence = tenv.store.fence
+    row = tenv.tier.writer.row
+    assert sorted(np.flatnonzero(fence.table == row).tolist()) == sorted(
+        np.frombuffer(get["pages"], PAGES_DTYPE).tolist())  # fenced for the companion before it was asked
+    assert tenv.lookup(s, ks) == (2, 4)                      # promoting; "absent" ends the run
+    # An engine storing a key being promoted finds it present (one writer at a time).
+    (w,) = tenv.engine("w")
+    assert tenv.store.store(w, 1, [b"t0"])[0] == [P]
+    tenv.link.answer(rid, done=b"\x01\x01\x01\x01")
+    tenv.pump()
+    assert tenv.lookup(s, ks) == (6, 0)                      # "absent" is remembered: no new check
+    assert all(s.engine.ns.index[k].in_tier for k in keys("t", 4))
+    assert not (fence.table == row).any()
+    stats = tenv.tier.stats()
+    assert stats["promoted_blocks"] == 4 and stats["lookup_keys"] == {"hit": 6, "miss": 1}
+    tenv.clock.advance(ABSENT_SECONDS + 0.01)
+    assert tenv.lookup(s, ks) == (6, 3)                      # checked again once forgotten
+
+
+def test_a_promote_past_its_deadline_is_a_miss_and_its_pages_stay_fenced_until_the_end(tenv):
+    (s,) = tenv.engine("e")
+    ks = keys("t", 3)
+    tenv.lookup(s, ks)
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01\x01\x01")
+    tenv.pump()
+    rid, get = tenv.link.last("get")
+    pages = np.frombuffer(get["pages"], PAGES_DTYPE)
+    tenv.link.answer(rid, ok=False, final=False, error=TierTimeout("late"))
+    tenv.pump()
+    assert tenv.lookup(s, ks) == (0, 0)                      # aborted: gone, and not asked again soon
+    stats = tenv.stats()
+    assert stats["pages_fenced"] == 3 and stats["fenced_pages"]["writer_alive"] == 3
+    assert tenv.tier.stats()["promote_aborted"] == {"tier_timeout": 1}
+    # The region fills: no store gets the fenced pages.
+    (w,) = tenv.engine("w")
+    tenv.put([w], 1, keys("f", 40))
+    got = {p for e in w.engine.ns.index.values() for p in np.frombuffer(e.pages, PAGES_DTYPE).tolist()}
+    assert not got & set(pages.tolist())
+    tenv.link.answer(rid, done=b"\x01\x01\x01")               # it answered after all: the pages are free
+    tenv.pump()
+    assert tenv.stats()["pages_fenced"] == 0 and not tenv.ready(s, b"t0")
+
+
+def test_the_companion_gone_mid_promote_releases_the_pages_and_a_new_one_gets_a_new_row(tenv):
+    (s,) = tenv.engine("e")
+    tenv.lookup(s, keys("t", 2))
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01\x01")
+    tenv.pump()
+    first_row = tenv.tier.writer.row
+    tenv.link.die()
+    tenv.pump()
+    assert tenv.tier.writer is None and tenv.stats()["pages_fenced"] == 0
+    assert not tenv.ready(s, b"t0") and tenv.tier.stats()["promote_failed_blocks"] == 2
+    assert tenv.lookup(s, keys("t", 2)) == (0, 0)             # no companion: nothing checked
+    tenv.link.state, tenv.link.pid = "ready", os.getpid()
+    tenv.pump()
+    assert tenv.tier.writer is not None and tenv.store.fence.writers[tenv.tier.writer.row] is tenv.tier.writer
+    assert first_row not in tenv.store.fence.writers or tenv.tier.writer.row == first_row
+
+
+def test_a_failed_or_slow_check_costs_lookups_nothing(tenv):
+    (s,) = tenv.engine("e")
+    assert tenv.lookup(s, keys("a", 2)) == (0, 2)
+    tenv.clock.advance(PATIENCE + 0.01)
+    assert tenv.lookup(s, keys("a", 2)) == (0, 0)             # a slow check is not waited for
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, ok=False, error=TierUnavailable("down"))
+    tenv.pump()
+    assert tenv.lookup(s, keys("b", 2)) == (0, 0)             # checks pause for the cooldown
+    tenv.clock.advance(5.1)
+    assert tenv.lookup(s, keys("b", 2)) == (0, 2)
+
+
+def test_a_busy_link_checks_nothing_and_promises_nothing(tenv):
+    (s,) = tenv.engine("e")
+    tenv.link.max_inflight = 0
+    assert tenv.lookup(s, keys("a", 3)) == (0, 0)
+
+
+def test_clear_reaches_the_tier_and_says_how_it_went(tenv):
+    (s,) = tenv.engine("e")
+    tenv.put([s], 1, keys("k", 2))
+    for entry in s.engine.ns.index.values():
+        entry.in_tier = True
+    replies = []
+    tenv.store.clear_tier(s.engine.ns.id.name(), lambda tier, n: replies.append((tier, n)))
+    rid, fields = tenv.link.last("clear")
+    assert fields == {"ns": identity(s.engine.ns.id)} and replies == []
+    assert not any(e.in_tier for e in s.engine.ns.index.values())     # their copies are going
+    tenv.link.answer(rid, removed=5)
+    tenv.pump()
+    assert replies == [("removed", 5)] and tenv.tier.stats()["cleared_blocks"] == 5
+    tenv.link.state = "down"
+    tenv.store.clear_tier(None, lambda tier, n: replies.append((tier, n)))
+    assert replies[-1] == ("failed", 0)
+
+
+def test_close_releases_what_the_companion_was_handed(tenv):
+    (s,) = tenv.engine("e")
+    tenv.lookup(s, keys("t", 2))
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01\x01")
+    tenv.pump()
+    tenv.store.shutdown()
+    assert tenv.stats()["pages_fenced"] == 0 and not tenv.store.fence.writers
+    assert tenv.store.index.pages.free_count == tenv.store.index.pages.total
+
+
+def test_a_promoted_block_is_not_freed_ahead_of_need_before_an_engine_used_it(tenv):
+    (s,) = tenv.engine("e")
+    tenv.put([s], 1, keys("k", 22))
+    tenv.lookup(s, keys("k", 22))                 # used: out of the first victims' segment
+    tenv.lookup(s, keys("t", 2))
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01\x01")
+    tenv.pump()
+    rid, _ = tenv.link.last("get")
+    tenv.link.answer(rid, done=b"\x01\x01")
+    tenv.pump()
+    tenv.put([s], 2, keys("n", 6))                # 2 pages free: short of the reserve
+    tenv.pump()
+    # t0, t1 are the policy's first victims and in the tier, but nobody loaded them yet: they stay.
+    assert tenv.ready(s, b"t0") and tenv.ready(s, b"t1")
+    _, put = tenv.link.last("put")
+    assert not {b"t0", b"t1"} & set(put["keys"])
+
+
+def test_the_check_goes_out_after_the_reply(tenv):
+    (s,) = tenv.engine("e")
+    ks = keys("a", 3)
+    assert tenv.store.pending(s, ks, tenv.store.lookup(s, ks)) == 3
+    assert "exists" not in [op for _, op, _ in tenv.link.sent]        # the reply first
+    assert tenv.tier.pump(tenv.clock()) == pytest.approx(CHECK_DELAY)   # the loop's next turn: not yet
+    assert "exists" not in [op for _, op, _ in tenv.link.sent]
+    assert tenv.store.pending(s, keys("b", 2), 0) == 2                # promised meanwhile: goes with it
+    tenv.clock.advance(CHECK_DELAY)
+    tenv.pump()
+    assert [f["keys"] for _, op, f in tenv.link.sent if op == "exists"] == [ks, keys("b", 2)]
+
+
+def test_the_data_file_replaced_ends_what_the_companion_had_and_restarts_it(tenv):
+    # Server._replace_data: sessions end, then the tier (its companion maps the old file), then
+    # Store.drop_all, whose Fence.reset needs no writer attached.
+    from kvtierd.sessions import SessionEnd
+    (s,) = tenv.engine("e")
+    tenv.put([s], 1, keys("k", 4))
+    tenv.lookup(s, keys("t", 2) + keys("u", 2))
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01\x01\x01\x01")
+    tenv.pump()
+    late, _ = tenv.link.last("get")                          # a promote timed out: its pages stay parked
+    tenv.link.answer(late, ok=False, final=False, error=TierTimeout("late"))
+    tenv.pump()
+    tenv.lookup(s, keys("v", 2))
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01\x01")
+    tenv.pump()                                              # and another one in flight
+    assert tenv.stats()["pages_fenced"] == 4 and tenv.tier.stats()["promoting_blocks"] == 2
+    row = tenv.tier.writer.row
+    tenv.store.detach(s, SessionEnd.REGION_REPLACED)
+    tenv.link.kill = tenv.link.die
+    tenv.tier.data_replaced()
+    assert tenv.tier.writer is None and not tenv.tier.promotes
+    assert not (tenv.store.fence.table == row).any()
+    assert tenv.store.drop_all() == 4                        # Fence.reset: nothing attached
+    assert tenv.tier.link.restart_at == tenv.clock()        # restarted at the loop's next turn
+    assert tenv.tier.stats()["promote_failed_blocks"] == 6 and tenv.stats()["pages_fenced"] == 0
+    tenv.link.state, tenv.link.pid = "ready", os.getpid()    # the new companion, on the new file
+    tenv.pump()
+    assert tenv.tier.writer is not None and tenv.store.fence.writers[tenv.tier.writer.row] is tenv.tier.writer
