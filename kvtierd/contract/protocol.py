@@ -519,13 +519,13 @@ class LookupReply(Reply):
     lease: int | None                 # the lease now holding them (None: none asked, or none held)
     leased: int                       # how many leading hits the lease holds (fewer: the caps)
     ttl_ms: int                       # for how long from now (0: no lease)
+    pending: int                      # how many keys after them are being promoted from the second tier:
+                                      # ask again later instead of computing them (0 without a tier)
 
 
 @_shape
 class UnleaseReply(Reply):
     released: int                     # how many of the ids named a live lease
-    pending: int                      # how many keys after them are being promoted from the second tier:
-                                      # ask again later instead of computing them (0 without a tier)
 
 
 @_shape
