@@ -390,10 +390,12 @@ the copy's path). 4 KiB pages: a region created with `hugepages=off`; 2 MiB page
 and it runs as root.""",
     "tier": """Two daemons ("nodes") share one real engine on loopback, each through its tier companion
 (docs/tier.md): node A's region holds exactly 2N blocks with `tier_low_watermark` 0.5, so once a
-store takes its last free pages it demotes its N oldest blocks in one put (timed by the daemon:
-the put's round trip); node B is then asked for them and promotes them (timed from the first
-lookup, which reports them pending, to the lookup that finds them all READY: existence check,
-allocation, get into the region), and loads them, every block checked. Against the engine's own
+store takes its last free pages it demotes its N blocks X in one put (timed by the daemon: the
+put's round trip; the store is committed only after A took them, so that X are its only READY
+blocks, and the engine is then asked whether it holds all of X); node B is then asked for them
+and promotes them (timed from the first lookup, which reports them pending, to the lookup that
+finds them all READY: existence check, allocation, get into the region), and loads them, every
+block checked. Against the engine's own
 client moving the same N blocks of S from one registered buffer in the bench process (Mooncake
 `batch_put_from`/`batch_get_into`; Redis Cluster through redis-py's pipeline), the two taking turns
 at going first. The lookup table: a lookup of K keys the tier does not hold on a third node (the

@@ -12,10 +12,15 @@ raw floor and the daemons taking turns at going first:
              each block copied into its place, as a KV library must)
 ``demote``   node A (a kvtierd whose region holds exactly 2N blocks, ``tier_low_watermark`` 0.5)
              holds N blocks X; a store of N more takes the last free pages, so the daemon demotes
-             its N oldest victims — X — at once, in one put. Timed by the daemon itself: its put's
-             round trip through the companion (``kvtierd_tier_call_seconds{op="put"}``), read once
-             A counts all N demoted (asking for stats every few milliseconds would compete for
-             the CPU with what it measures)
+             its N first victims at once, in one put. The store is committed only once A has
+             taken them: X are then its only READY blocks, so its victims are X whatever order
+             the policy gives them (committed earlier, the store's own blocks are victims too,
+             and slru ranks a block whose key its sketch remembers — a false positive does that
+             to a fresh key — after them: one of X stayed on A and a block of the store went to
+             the tier in its place). Timed by the daemon itself: its put's round trip through
+             the companion (``kvtierd_tier_call_seconds{op="put"}``), read once A counts all N
+             demoted (asking for stats every few milliseconds would compete for the CPU with
+             what it measures); then the engine is asked whether it holds all of X
 ``promote``  node B (another kvtierd on the same engine) is asked for X: timed from the first
              lookup (pending N) to the lookup that finds all N READY (asked every 0.5 ms): the
              existence check, the pages, the get into them, READY. B then loads X and every block
@@ -49,6 +54,7 @@ import numpy as np
 from kvtierd.tier.backend import open_backend
 from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
 from kvtierd.tier.keys import Keyspace
+from kvtierd.tiering import identity
 
 from .harness import (DATA_PAGE, FULL, QUICK, BlockBench, Context, MiB, bench_daemon, bench_namespace, make_keys, pct,
                       region_size, say, target)
@@ -114,6 +120,10 @@ class RawMooncake:
     def clear(self, prefix: str) -> None:
         self.backend.clear(prefix)
 
+    def holds(self, keys: list[str]) -> int:
+        """How many of ``keys`` the engine holds (one existence check, off the timed path)."""
+        return sum(self.backend.exists(keys))
+
     def close(self) -> None:
         self.backend.close()
 
@@ -151,6 +161,9 @@ class RawRedis:
 
     def clear(self, prefix: str) -> None:
         self.cleaner.clear(prefix)
+
+    def holds(self, keys: list[str]) -> int:
+        return sum(self.cleaner.exists(keys))
 
     def close(self) -> None:
         self.client.close()
@@ -198,8 +211,19 @@ def call_seconds(tier: dict, op: str) -> float:
     return hist["sum"] if hist else 0.0
 
 
-def demote_promote(a, b, bench_a: BlockBench, bench_b: BlockBench, n: int, seed: int, ns_name: str
-                   ) -> tuple[float, float]:
+def taken(daemon, since: int, n: int, timeout: float = 60.0) -> None:
+    """Wait until the daemon has taken ``n`` blocks for demotion (in its put, or done) since its
+    ``demoted_blocks`` was ``since``. Its loop does that at its next turn, so the first ask
+    nearly always finds them."""
+    deadline = time.monotonic() + timeout
+    while (tier := daemon.stats()["tier"])["demoting_blocks"] + tier["demoted_blocks"] - since < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node A did not take {n} blocks to demote: {tier}")
+        time.sleep(0.001)
+
+
+def demote_promote(a, b, bench_a: BlockBench, bench_b: BlockBench, n: int, seed: int, ns_name: str,
+                   raw, keyspace: Keyspace) -> tuple[float, float]:
     """One repetition: X demoted from A (timed), then promoted into B (timed) and checked."""
     for node in (a, b):                         # both regions and the namespace in the tier empty
         node.call("clear", admin=True, namespace=ns_name)
@@ -213,12 +237,19 @@ def demote_promote(a, b, bench_a: BlockBench, bench_b: BlockBench, n: int, seed:
     before = a.stats()["tier"]
     job = next(bench_a.jobs)                    # takes the last free pages: no copy, only the allocation
     bench_a.client.channel.call("store", job=job, keys=trigger)
+    # Committed only once A has taken its victims: X, its only READY blocks until then. Committed
+    # before A's loop came round to it, the trigger's blocks would be victims too, and the policy
+    # may rank one of them before one of X (module docstring, "demote").
+    taken(a, before["demoted_blocks"], n)
     bench_a.client.channel.call("commit", job=job, ok=True)
     after = wait_counter(a, "demoted_blocks", before["demoted_blocks"] + n)
     demote = call_seconds(after, "put") - call_seconds(before, "put")
     dropped = sum(after["demote_dropped_blocks"].values())
     if dropped:
         raise RuntimeError(f"node A dropped {dropped} blocks instead of demoting them")
+    held = raw.holds(keyspace.names(x))
+    if held != n:
+        raise RuntimeError(f"node A demoted {n} blocks but the tier holds {held} of the {n} of X")
     rows = bench_b.kv.numpy()
     rows[:, :8] = 0xFF
     t0 = time.perf_counter()
@@ -306,7 +337,8 @@ def engine_rows(ctx: Context, kind: str) -> tuple[list[dict], list[dict], str]:
             a = start_node(ctx, f"{name}-a", kind, engine, 2 * n * per, DATA_PAGE, "--tier-low-watermark", "0.5")
             b = start_node(ctx, f"{name}-b", kind, engine, 4 * n * per, DATA_PAGE)
             bench_a, bench_b = BlockBench(a, size, n, name), BlockBench(b, size, n, name)
-            ns_name = bench_namespace(name, size).name()
+            ns_id = bench_namespace(name, size)
+            ns_name, keyspace = ns_id.name(), Keyspace(identity(ns_id))
             try:
                 times = {"raw": [], "tier": []}
                 for rep in range(plan.tier_reps + 1):
@@ -318,7 +350,7 @@ def engine_rows(ctx: Context, kind: str) -> tuple[list[dict], list[dict], str]:
                         raw.clear(ks.prefix)
 
                     def ours():
-                        times["tier"].append(demote_promote(a, b, bench_a, bench_b, n, seed, ns_name))
+                        times["tier"].append(demote_promote(a, b, bench_a, bench_b, n, seed, ns_name, raw, keyspace))
                     # Taking turns at going first: on a shared machine, the first of the two after
                     # a pause measured slower, whichever it was.
                     for step in ((floor, ours) if rep % 2 else (ours, floor)):
@@ -378,8 +410,9 @@ def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
     notes += [f"skipped {s}" for s in skipped]
     notes.append("raw: the engine's own client in this process (Mooncake batch_put_from/batch_get_into on one "
                  "registered buffer; Redis: redis-py cluster pipeline, GET values copied into place). demote: node A's "
-                 "daemon writes its N oldest victims to the tier in one put once a store takes its last free pages "
-                 "(the put's round trip, timed by the daemon); promote: node B, first lookup to all N READY (existence check, allocation, "
+                 "daemon writes its N blocks X to the tier in one put once a store takes its last free pages, X "
+                 "its only READY blocks then (the put's round trip, timed by the daemon; the engine then holds all "
+                 "of X); promote: node B, first lookup to all N READY (existence check, allocation, "
                  "get into the region, READY), then loaded and checked. Both through each daemon's tier companion. "
                  "Fresh keys every repetition; median of the repetitions after a warm-up")
     return {"rows": rows, "more": {"lookup": lookups}, "ratios": ratios, "targets": targets, "notes": notes}
