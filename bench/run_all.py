@@ -395,10 +395,9 @@ put's round trip; the store is committed only after A took them, so that X are i
 blocks, and the engine is then asked whether it holds all of X); node B is then asked for them
 and promotes them (timed from the first lookup, which reports them pending, to the lookup that
 finds them all READY: existence check, allocation, get into the region), and loads them, every
-block checked. Against the engine's own
-client moving the same N blocks of S from one registered buffer in the bench process (Mooncake
-`batch_put_from`/`batch_get_into`; Redis Cluster through redis-py's pipeline), the two taking turns
-at going first. The lookup table: a lookup of K keys the tier does not hold on a third node (the
+block checked. Against the engine's own client moving the same N blocks of S from one registered
+buffer in the bench process (Mooncake `batch_put_from`/`batch_get_into`; Redis Cluster through
+redis-py's pipeline), the two taking turns at going first. The lookup table: a lookup of K keys the tier does not hold on a third node (the
 daemon replies at once, pending K, and sends the existence check after the reply) against a
 lookup of the same keys once they are stored there; "tier answered" is when a lookup no longer
 reports them pending.""",
