@@ -397,10 +397,10 @@ and promotes them (timed from the first lookup, which reports them pending, to t
 finds them all READY: existence check, allocation, get into the region), and loads them, every
 block checked. Against the engine's own client moving the same N blocks of S from one registered
 buffer in the bench process (Mooncake `batch_put_from`/`batch_get_into`; Redis Cluster through
-redis-py's pipeline), the two taking turns at going first. The lookup table: a lookup of K keys the tier does not hold on a third node (the
-daemon replies at once, pending K, and sends the existence check after the reply) against a
-lookup of the same keys once they are stored there; "tier answered" is when a lookup no longer
-reports them pending.""",
+redis-py's pipeline), the two taking turns at going first. The lookup table: a lookup of K keys
+the tier does not hold on a third node (the daemon replies at once, pending K, and sends the
+existence check after the reply) against a lookup of the same keys once they are stored there;
+"tier answered" is when a lookup no longer reports them pending.""",
     "policy": """`kvtierctl bench policy --trace FILE`: each Mooncake-format trace replayed, per policy and
 capacity, through a fresh daemon (`--policy NAME`, `PYTHONHASHSEED` fixed) whose region holds
 exactly that many one-page blocks: per request a lookup, a load of the hit prefix, a store of the
