@@ -117,3 +117,23 @@ def make_region():
     yield make
     for r in made:
         r.close()
+
+
+def kill_engine(kind: str, e) -> None:
+    """The engine's service gone (its clients stay): Mooncake's master, every Redis Cluster node."""
+    if kind == "mooncake":
+        e.kill_master()
+    else:
+        for i in range(len(e.ports)):
+            e.kill_node(i)
+
+
+def restart_engine(kind: str, e) -> None:
+    """``kill_engine`` undone, waiting until the engine serves again."""
+    if kind == "mooncake":
+        e.start_master()
+        e.wait_capacity()
+    else:
+        for i in range(len(e.ports)):
+            e.start_node(i)
+        e.wait_ok()

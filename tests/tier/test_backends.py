@@ -19,7 +19,7 @@ from kvtierd.tier.backend import (CircuitOpen, TierError, TierTimeout, TierUnava
 from kvtierd.tier.guard import CLOSED, OPEN, Guard
 from kvtierd.tier.keys import Keyspace
 
-from .conftest import settings_for, start_engine
+from .conftest import kill_engine, restart_engine, settings_for, start_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,24 +144,6 @@ def stored_block(b, region, name: bytes) -> list[str]:
     region.write(name, [0, 1, 2], LENGTH)
     assert b.put(ks.names([name]), page_extents(np.array([[0, 1, 2]]), PAGE, LENGTH)) == [True]
     return ks.names([name])
-
-
-def kill_engine(kind: str, e) -> None:
-    if kind == "mooncake":
-        e.kill_master()
-    else:
-        for i in range(len(e.ports)):
-            e.kill_node(i)
-
-
-def restart_engine(kind: str, e) -> None:
-    if kind == "mooncake":
-        e.start_master()
-        e.wait_capacity()
-    else:
-        for i in range(len(e.ports)):
-            e.start_node(i)
-        e.wait_ok()
 
 
 def test_engine_killed_fails_fast_opens_breaker_and_recovers(backend, guard_for):

@@ -19,7 +19,7 @@ import pytest
 
 from kvtierd.tier.link import LinkBusy, LinkDown, Outcome, TierLink
 
-from .conftest import settings_for
+from .conftest import kill_engine, restart_engine, settings_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -125,11 +125,7 @@ def test_the_engine_killed_mid_run_gives_typed_errors_and_recovers(nodes):
     a = make(failures=1, cooldown=1.0)
     keys = [b"k%d" % i for i in range(8)]
     demote(a, NS_A, keys[:4], 0)
-    if kind == "mooncake":
-        e.kill_master()
-    else:
-        for i in range(len(e.ports)):
-            e.kill_node(i)
+    kill_engine(kind, e)
     started = time.monotonic()
     for op, fields in (("exists", {"keys": keys}),
                        ("put", {"keys": keys[4:], "pages": pages_bytes([[40, 41, 42]] * 4), "length": LENGTH}),
@@ -140,13 +136,7 @@ def test_the_engine_killed_mid_run_gives_typed_errors_and_recovers(nodes):
     assert time.monotonic() - started < 15
     guards = a.call("stats").result["guards"]
     assert guards["meta"]["state"] == "open" or guards["meta"].get("rejected", 0) >= 1
-    if kind == "mooncake":
-        e.start_master()
-        e.wait_capacity()
-    else:
-        for i in range(len(e.ports)):
-            e.start_node(i)
-        e.wait_ok()
+    restart_engine(kind, e)
     deadline = time.monotonic() + 60
     while True:                            # the breaker half-opens after its cooldown and closes
         out = a.call("put", ns=NS_A, keys=keys[4:], pages=pages_bytes([[40, 41, 42], [43, 44, 45], [46, 47, 48],
