@@ -47,8 +47,8 @@ ONE_PAGE = CacheSpec(layers=2, num_blocks=16, row_shape=(16, 1024), dtype="bfloa
 
 
 # ---------------------------------------------------------------------------------- helpers
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    """Poll ``predicate`` until it returns something truthy (bounded); return that."""
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition", every: float = 0.05):
+    """Poll ``predicate`` every ``every`` seconds until it returns something truthy (bounded); return that."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -56,7 +56,7 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
             return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 def layout_of(spec: CacheSpec, kind: str, model: str = "tiny-mla") -> dict:

@@ -29,6 +29,7 @@ import pytest
 from kvtierd.contract.namespace import NamespaceId
 from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
 from tests.integration.ranks import CacheSpec, RankProcess, all_call
+from tests.integration.test_faults import wait_for
 from tests.integration.test_kvtierctl import ctl, ctl_json
 from tests.integration.test_tp_roundtrip import keys_for
 
@@ -46,17 +47,6 @@ def tier(request):
     engine = start_engine(request.param)
     yield request.param, engine
     engine.stop()
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition", every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
 
 
 @pytest.fixture
