@@ -339,13 +339,21 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+# What the shipped deployment (deploy/systemd: user kvtierd, group kvtier) needs, set in the example
+# config rather than commented out: the unit sets no KVTIERD_* variable, which would override the file.
+DEPLOYED = {"dir": "/dev/shm/kvtierd", "group": "kvtier"}
+
+
 def example_toml() -> str:
     """deploy/kvtierd.example.toml, generated from the table (``make docs``)."""
     lines = ["# kvtierd configuration (TOML). Generated from kvtierd/config.py by `make docs`.",
-             f"# Install as {DEFAULT_CONFIG_FILE}. Every key is optional; shown are the defaults.", ""]
+             f"# Install as {DEFAULT_CONFIG_FILE}. Every key is optional; shown commented out are the defaults,",
+             "# set are the values the systemd unit and deploy/systemd/kvtierd.sysusers.conf go with.", ""]
     for s in SETTINGS:
         lines.append(f"# {s.doc}")
-        if callable(s.default):
+        if s.name in DEPLOYED:
+            lines.append(f"{s.name} = \"{DEPLOYED[s.name]}\"")
+        elif callable(s.default):
             lines.append(f"# {s.name} = \"{s.default()}\"")
         elif s.type in ("int", "float", "bool"):
             lines.append(f"# {s.name} = {s.default}")

@@ -448,3 +448,56 @@ def test_the_unit_gives_the_default_caps_their_descriptors():
     assert fit_fd_caps(limit, *caps) == caps and limit >= sum(caps) + FD_RESERVE
     connections, sessions = fit_fd_caps(1024, *caps)      # a low hard limit: caps shrink to fit it
     assert connections + sessions + FD_RESERVE <= 1024 and connections >= 256
+
+
+# --- the systemd unit ------------------------------------------------------------------------
+UNIT = DEPLOY / "systemd" / "kvtierd.service"
+# Directories that are empty after a boot (tmpfs, or mounted at boot): a path under one exists only
+# once something creates it.
+EMPTY_AT_BOOT = ("/dev/shm", "/dev/hugepages", "/run", "/tmp", "/var/tmp")
+
+
+def unit_lines(commented: bool) -> list[tuple[str, str]]:
+    """(key, value) of the unit's settings; with ``commented``, also of its commented-out settings
+    (the alternatives the comments tell operators to switch on)."""
+    out = []
+    for line in UNIT.read_text().splitlines():
+        if commented and re.match(r"#[A-Z]\w*=", line):
+            line = line[1:]
+        m = re.fullmatch(r"([A-Z]\w*)=(.*)", line)
+        if m:
+            out.append((m.group(1), m.group(2)))
+    return out
+
+
+@pytest.mark.parametrize("commented", [False, True], ids=["as shipped", "alternatives switched on"])
+def test_every_read_write_path_of_the_unit_exists_at_boot(commented):
+    # Issue 27 item 1: ReadWritePaths=/dev/shm/kvtierd (no "-" prefix) names a directory the daemon
+    # creates, absent after a boot: namespace setup failed (226/NAMESPACE) and the unit never started.
+    lines = unit_lines(commented)
+    created = {arg for key, value in lines if key == "ExecStartPre"
+               for arg in re.findall(r"\binstall -d\b.*?(/\S+)$", value)}
+    problems = []
+    for key, value in lines:
+        if key not in ("ReadWritePaths", "ReadOnlyPaths", "InaccessiblePaths", "BindPaths", "BindReadOnlyPaths"):
+            continue
+        for path in value.split():
+            if path.startswith("-") or path in created:
+                continue
+            if path.startswith(EMPTY_AT_BOOT):
+                problems.append(f"{key}={path}: absent after a boot; prefix it with '-' or create it in ExecStartPre")
+    assert not problems, problems
+
+
+def test_the_unit_sets_no_setting_that_overrides_its_config_file():
+    # Issue 27 item 4: Environment=KVTIERD_DIR/KVTIERD_GROUP silently overrode dir and group set in
+    # /etc/kvtierd/kvtierd.toml, the file the docs tell operators to edit.
+    lines = unit_lines(commented=True)
+    env = [value for key, value in lines if key == "Environment" and "KVTIERD_" in value]
+    assert not env, f"the unit overrides its config file: {env}"
+    (exec_start,) = [value for key, value in lines if key == "ExecStart"]
+    flags = re.findall(r"(--[\w-]+)", exec_start)
+    assert flags == ["--config"], f"ExecStart passes settings that override the file: {flags}"
+    shipped = tomllib.loads((DEPLOY / "kvtierd.example.toml").read_text())
+    group = re.search(r"^Group=(\S+)$", UNIT.read_text(), re.M).group(1)
+    assert shipped["group"] == group and shipped["dir"] == "/dev/shm/kvtierd"
