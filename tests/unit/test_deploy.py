@@ -93,7 +93,7 @@ def tier_snapshot() -> dict:
             "breaker": {lane: "open" for lane in set(LANES.values())}}
 
 
-def snapshot(pinned: str) -> P.StatsReply:
+def snapshot(pinned: str, tier: bool = True) -> P.StatsReply:
     """A whole stats reply, label-bearing dicts filled with every value the code can emit."""
     hist = Histogram()
     hist.observe(1e-4)
@@ -122,20 +122,22 @@ def snapshot(pinned: str) -> P.StatsReply:
         policy="slru", policy_admitted_keys=14, policy_refused_keys=15,
         policy_segments={segment: 1 for segment in policy_segments()},
         policy_evictions={segment: 1 for segment in policy_segments()}, policy_extra={},
-        tier=tier_snapshot(),
+        tier=tier_snapshot() if tier else {"backend": "off"},
     )
 
 
 class Exported:
     """Sample names, the family each belongs to, and label names/values per sample name."""
 
-    def __init__(self):
+    def __init__(self, tier: bool = True):
         self.family_of: dict[str, str] = {}
         self.labels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self.series: dict[str, set[tuple]] = defaultdict(set)    # sample name → its label sets
         for pinned in sorted(pin_results()):
-            for family in DaemonCollector(lambda: snapshot(pinned)).collect():
+            for family in DaemonCollector(lambda: snapshot(pinned, tier)).collect():
                 for sample in family.samples:
                     self.family_of[sample.name] = family.name
+                    self.series[sample.name].add(tuple(sorted(sample.labels.items())))
                     for label, value in sample.labels.items():
                         self.labels[sample.name][label].add(value)
                 # A family whose dict came out empty has no samples; its names still exist.
