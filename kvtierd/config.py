@@ -283,6 +283,9 @@ def load(args: argparse.Namespace | None = None, config_file: str | None = None,
                 table = tomllib.load(f)
         except FileNotFoundError:
             raise ValueError(f"config file {path} not found (--config / KVTIERD_CONFIG)") from None
+        except OSError as exc:      # a directory, a file this user may not read
+            raise ValueError(f"config file {path}: {exc.strerror} (--config / KVTIERD_CONFIG names a TOML "
+                             "file)") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {path}: {exc}") from None
         table = table.get("kvtierd", table)
