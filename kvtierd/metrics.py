@@ -257,24 +257,40 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def start_endpoint(address: str, snapshot: Callable[[], StatsReply], cache_seconds: float = 1.0) -> tuple[object, str]:
-    """Serve /metrics on ``host:port`` (port 0 picks one). Returns (server, bound host:port)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"metrics address {address!r} must be HOST:PORT (or 'off'); setting metrics_address")
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(snapshot))
-    ProcessCollector(registry=registry)     # process_resident_memory_bytes, open fds, CPU, start time
-    host = host.strip("[]")
+class Endpoint:
+    """The /metrics HTTP endpoint. Bound at construction — before the daemon touches the region, so
+    a bad or taken address fails the start at once, not after minutes of prefault — and served from
+    ``serve`` on, with the daemon's snapshot."""
 
-    class Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    def __init__(self, address: str, cache_seconds: float = 1.0):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"metrics address {address!r} must be HOST:PORT with a port of 0..65535 (0: any free "
+                             "one), or off; setting metrics_address (--metrics-address)")
+        host = host.strip("[]")
 
-    try:
-        server = make_server(host, int(port), CachedPage(registry, cache_seconds), Server, handler_class=_QuietHandler)
-    except OSError as exc:
-        raise ValueError(f"cannot serve metrics on {address}: {exc.strerror}; change metrics_address "
-                         "(--metrics-address) or set it to off") from None
-    threading.Thread(target=server.serve_forever, name="kvtierd-metrics", daemon=True).start()
-    bound_host, bound_port = server.server_address[:2]
-    return server, f"{bound_host}:{bound_port}"
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._registry = CollectorRegistry(auto_describe=False)
+        try:
+            self.server = make_server(host, int(port), CachedPage(self._registry, cache_seconds), Server,
+                                      handler_class=_QuietHandler)
+        except OSError as exc:
+            raise ValueError(f"cannot serve metrics on {address}: {exc.strerror or exc}; change metrics_address "
+                             "(--metrics-address) or set it to off") from None
+        bound_host, bound_port = self.server.server_address[:2]
+        self.address = f"{bound_host}:{bound_port}"
+        self._serving = False
+
+    def serve(self, snapshot: Callable[[], StatsReply]) -> None:
+        """Answer scrapes from now on (connections made since the bind waited in the backlog)."""
+        self._registry.register(DaemonCollector(snapshot))
+        ProcessCollector(registry=self._registry)   # process_resident_memory_bytes, open fds, CPU, start time
+        threading.Thread(target=self.server.serve_forever, name="kvtierd-metrics", daemon=True).start()
+        self._serving = True
+
+    def close(self) -> None:
+        if self._serving:           # shutdown() waits for serve_forever: it would wait forever before it
+            self.server.shutdown()
+        self.server.server_close()

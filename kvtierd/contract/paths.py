@@ -25,6 +25,14 @@ from dataclasses import dataclass
 DEFAULT_NAME = "kvtierd"
 SOCKET_SUFFIX = ".sock"
 ADMIN_SOCKET_SUFFIX = ".admin.sock"
+MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
+
+
+def check_socket_path(path: str) -> None:
+    """ValueError naming the settings when ``path`` is too long for a unix socket."""
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise ValueError(f"socket path {path} is {len(path.encode())} bytes; ipc paths are limited to "
+                         f"{MAX_SOCKET_PATH}. Choose a shorter dir or name (settings dir, name)")
 
 
 def default_directory() -> str:
