@@ -503,3 +503,47 @@ def test_the_unit_sets_no_setting_that_overrides_its_config_file():
     shipped = tomllib.loads((DEPLOY / "kvtierd.example.toml").read_text())
     group = re.search(r"^Group=(\S+)$", UNIT.read_text(), re.M).group(1)
     assert shipped["group"] == group and shipped["dir"] == "/dev/shm/kvtierd"
+
+
+# Grafana units by what a query yields (issue 27 item 7: counts were shown as ops, seconds as ops,
+# blocks in flight as Bps).
+UNITS = {"bytes": {"bytes", "decbytes"}, "bytes_per_second": {"Bps", "binBps"}, "seconds": {"s", "ms", "µs"},
+         "per_second": {"ops", "reqps", "cps"}, "count": {"none", "short"}, "ratio": {"percentunit"}}
+
+
+def query_kind(expr: str) -> str:
+    """What a dashboard query yields, from the metrics it reads and the functions it applies."""
+    names = [name for name, _ in SELECTOR.findall(expr)]
+    if "histogram_quantile" in expr:
+        assert all(n.endswith("_seconds_bucket") for n in names), expr
+        return "seconds"
+    if re.search(r"\)\s*/\s", expr):
+        if {n.rsplit("_", 1)[-1] for n in names} == {"sum", "count"} and names[0].endswith("_seconds_sum"):
+            return "seconds"                       # a histogram's mean
+        return "ratio"
+    if "rate(" in expr:
+        return "bytes_per_second" if names[0].endswith("_bytes_total") else "per_second"
+    if "increase(" in expr or re.search(r"\bcount\b", expr):
+        return "count"
+    if names[0].endswith("_bytes"):
+        return "bytes"
+    if names[0].endswith("_seconds"):
+        return "seconds"
+    return "count"
+
+
+def test_every_dashboard_query_is_shown_in_a_unit_of_its_kind():
+    problems = []
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            continue
+        config = panel.get("fieldConfig", {})
+        overrides = {o["matcher"]["options"]: p["value"] for o in config.get("overrides", [])
+                     if o["matcher"]["id"] == "byFrameRefID" for p in o["properties"] if p["id"] == "unit"}
+        for target in panel["targets"]:
+            unit = overrides.get(target["refId"], config.get("defaults", {}).get("unit", "none"))
+            kind = query_kind(target["expr"])
+            if unit not in UNITS[kind]:
+                problems.append(f"{panel['title']!r} {target['refId']}: {kind} shown as {unit!r} "
+                                f"(one of {sorted(UNITS[kind])}): {target['expr'][:80]}")
+    assert not problems, "\n".join(problems)
