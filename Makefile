@@ -115,6 +115,16 @@ crash: install
 soak-hostile: install
 	$(BIN)/python tests/soak/hostile_soak.py --duration 75
 
+# The one GPU check (tools/gpu_check.py): tests/gpu, the SGLang and vLLM GPU checks where those import,
+# bench/gpu_bench.py; one JSON and one Markdown summary in OUT, under 8 minutes. Runs with the
+# machine's own Python (torch, CuPy) from a bare checkout: no install, no registry; WHEELS=dir
+# installs what does not import from a wheel directory. On a machine without CUDA every GPU step is
+# reported skipped, with the reason. docs/cuda.md says where the figures go.
+GPU_PYTHON ?= python3
+OUT ?= out/gpu-check
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py --out $(OUT) $(if $(WHEELS),--wheels $(WHEELS))
+
 NVCC ?= nvcc
 # CI's compile check of the copy kernel for Hopper (sm_90): any error or warning fails.
 nvcc-check:
