@@ -77,7 +77,8 @@ class Check:
     def left(self) -> float:
         return self.budget_s - RESERVE_S - (time.monotonic() - self.started)
 
-    def run(self, step: Step, argv: list[str], limit: float, env: dict | None = None) -> subprocess.CompletedProcess | None:
+    def run(self, step: Step, argv: list[str], limit: float,
+            env: dict | None = None) -> subprocess.CompletedProcess | None:
         """Run one step's command with its timeout; its output goes to <out>/<step>.log."""
         timeout = min(limit, self.left())
         if timeout < 5:

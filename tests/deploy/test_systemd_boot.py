@@ -31,15 +31,18 @@ BOOT_TIMEOUT = 240
 # kvtierd and kvtierctl for the container: the system's python3 (the unit's ProtectHome= hides a
 # Python under /root) with this checkout's virtual environment on its path.
 WRAPPER = """#!/bin/sh
-exec /usr/bin/python3 -c 'import site, sys; site.addsitedir("{site}"); from kvtierd.cli import {main}; sys.exit({main}())' "$@"
+exec /usr/bin/python3 -c 'import site, sys; site.addsitedir("{site}")
+from kvtierd.cli import {main}; sys.exit({main}())' "$@"
 """
 
 PROBE = """#!/bin/sh
-show() {{ systemctl show kvtierd -p ActiveState -p SubState -p Result -p ExecMainStatus -p NRestarts; }}
+show() {{ systemctl show kvtierd -p ActiveState -p SubState -p Result -p ExecMainStatus \\
+    -p NRestarts; }}
 engine() {{ setpriv --reuid engine --regid engine --init-groups "$@"; }}
 show > /probe/boot.txt
 ls -la /dev/shm/kvtierd > /probe/ls.txt 2>&1
-systemd-analyze verify /etc/systemd/system/kvtierd.service > /probe/verify.txt 2>&1; echo "rc=$?" >> /probe/verify.txt
+systemd-analyze verify /etc/systemd/system/kvtierd.service > /probe/verify.txt 2>&1
+echo "rc=$?" >> /probe/verify.txt
 engine /usr/local/bin/kvtierctl --config /etc/kvtierd/kvtierd.toml status --json > /probe/status.json 2> /probe/status.err
 engine /usr/local/bin/kvtierctl --config /etc/kvtierd/kvtierd.toml stats --json > /probe/stats.json 2> /probe/stats.err
 systemctl restart kvtierd
