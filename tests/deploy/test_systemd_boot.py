@@ -29,10 +29,12 @@ EXAMPLE = ROOT / "deploy" / "kvtierd.example.toml"
 BOOT_TIMEOUT = 240
 
 # kvtierd and kvtierctl for the container: the system's python3 (the unit's ProtectHome= hides a
-# Python under /root) with this checkout's virtual environment on its path.
-WRAPPER = """#!/bin/sh
-exec /usr/bin/python3 -c 'import site, sys; site.addsitedir("{site}")
-from kvtierd.cli import {main}; sys.exit({main}())' "$@"
+# Python under /root) with this checkout and its virtual environment's packages on its path, both
+# bound under /opt (the unit's PrivateTmp= hides a checkout under /tmp); ``kvtier`` is client/.
+LIB = "/opt/kvtierd"
+WRAPPER = f"""#!/bin/sh
+exec /usr/bin/python3 -c 'import sys; sys.path[:0] = ["{LIB}/src", "{LIB}/shim", "{LIB}/site"]
+from kvtierd.cli import {{main}}; sys.exit({{main}}())' "$@"
 """
 
 PROBE = """#!/bin/sh
@@ -82,9 +84,12 @@ def boot(tmp_path: Path, unit: str, extra_config: str) -> dict[str, str]:
     subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir=/,upperdir={upper},workdir={work}",
                     str(root)], check=True)
     try:
-        site = sysconfig.get_paths()["purelib"]
         for name, main in (("kvtierd", "daemon_main"), ("kvtierctl", "ctl_main")):
-            _write(root, f"/usr/local/bin/{name}", WRAPPER.format(site=site, main=main), 0o755)
+            _write(root, f"/usr/local/bin/{name}", WRAPPER.format(main=main), 0o755)
+        shim = root / LIB.lstrip("/") / "shim"
+        shim.mkdir(parents=True, exist_ok=True)
+        (shim / "kvtier").unlink(missing_ok=True)
+        (shim / "kvtier").symlink_to(f"{LIB}/src/client")
         _write(root, "/etc/systemd/system/kvtierd.service", unit)
         wants = root / "etc/systemd/system/multi-user.target.wants"
         wants.mkdir(parents=True, exist_ok=True)
@@ -101,7 +106,9 @@ def boot(tmp_path: Path, unit: str, extra_config: str) -> dict[str, str]:
                "ExecStart=/probe.sh\n[Install]\nWantedBy=multi-user.target\n")
         (root / "etc/machine-id").unlink(missing_ok=True)
         proc = subprocess.run(["systemd-nspawn", "-D", str(root), "--register=no", "--keep-unit", "--boot",
-                               "--console=pipe", "--link-journal=no", f"--bind={probe}:/probe"],
+                               "--console=pipe", "--link-journal=no", f"--bind={probe}:/probe",
+                               f"--bind-ro={ROOT}:{LIB}/src",
+                               f"--bind-ro={sysconfig.get_paths()['purelib']}:{LIB}/site"],
                               capture_output=True, text=True, timeout=BOOT_TIMEOUT, stdin=subprocess.DEVNULL)
         files = {p.name: p.read_text() for p in probe.iterdir()}
         files["nspawn"] = proc.stdout + proc.stderr
