@@ -56,7 +56,8 @@ def test_admin_commands_of_a_member_are_refused_at_once(start_daemon):
         r = ctl_as(gid, "--socket", daemon.socket, "--timeout", "30", *command)
         assert r["rc"] == 1 and "permission denied: the admin socket" in r["err"] \
             and "is the daemon user's (root) alone" in r["err"] and "did not answer" not in r["err"], (command, r)
-    assert ctl_as(gid, "--socket", daemon.socket, "stats")["rc"] == 0       # the client socket is open to it
+    for command in ("stats", "status"):            # the client socket and the lock are open to it
+        assert ctl_as(gid, "--socket", daemon.socket, command)["rc"] == 0
 
 
 def test_offline_commands_of_a_member_explain_the_metadata_file(start_daemon):
