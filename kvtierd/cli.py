@@ -63,11 +63,11 @@ def daemon_paths(args: argparse.Namespace, environ: dict[str, str] | None = None
     else ``--dir``/``--name`` do; what they leave unset comes from the daemon's own settings, read as
     the daemon reads them: its config file (``--config``, ``$KVTIERD_CONFIG``, or
     /etc/kvtierd/kvtierd.toml when it exists), then ``$KVTIERD_DIR``/``$KVTIERD_NAME``. Flags beat
-    the environment."""
+    the environment: ``--dir``, ``--name`` or ``--config`` set ``$KVTIERD_SOCKET`` aside."""
     environ = os.environ if environ is None else environ
     if args.socket:
         return DaemonPaths.of_socket(args.socket)
-    if environ.get("KVTIERD_SOCKET") and not (args.dir or args.name):
+    if environ.get("KVTIERD_SOCKET") and not (args.dir or args.name or args.config):
         return DaemonPaths.of_socket(environ["KVTIERD_SOCKET"])
     # The settings of the daemon's that name its files, from its file and environment alone (other
     # KVTIERD_* variables are no business of kvtierctl's).

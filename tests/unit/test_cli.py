@@ -25,6 +25,7 @@ def test_one_way_to_name_the_daemon(tmp_path):
     assert paths(["--config", str(conf)], {"KVTIERD_NAME": "z"}) == DaemonPaths("/srv/kv", "z")
     assert paths(["--config", str(conf), "--dir", "/d"], {}) == DaemonPaths("/d", "a")
     assert paths(["--dir", "/d"], {"KVTIERD_SOCKET": "/y/c.sock"}) == DaemonPaths("/d", "kvtierd")
+    assert paths(["--config", str(conf)], {"KVTIERD_SOCKET": "/y/c.sock"}) == DaemonPaths("/srv/kv", "a")
     assert paths(["--socket", "/x/b.sock", "--dir", "/d"], {"KVTIERD_SOCKET": "/y/c.sock"}) == DaemonPaths("/x", "b")
     with pytest.raises(ValueError, match="not found"):
         paths(["--config", str(tmp_path / "missing.toml")], {})
