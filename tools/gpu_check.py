@@ -16,10 +16,9 @@ Steps, each in its own process with its own timeout, under one budget (``--budge
 5. ``vllm-e2e``: bench/vllm_e2e.py, where vLLM imports: a small MLA model with dummy weights run
    by vllm.LLM twice, engine B loading engine A's KV from kvtierd, greedy tokens compared (TP=2
    where two GPUs exist).
-6. ``gpu-bench``: bench/gpu_bench.py (D2H/H2D GB/s per geometry, kernel and torch copier against a
-   contiguous cudaMemcpyAsync, cudaHostRegister s/GiB with 4 KiB and 2 MiB pages). One-copy MLA at
-   TP=N is measured by neither yet: tests/gpu's TP=2 test proves it on one GPU, and vllm-e2e runs
-   TP=2 where two GPUs exist.
+6. ``gpu-bench``: bench/gpu_bench.py (D2H/H2D GB/s per geometry — block sizes of 2.1 to 5 MiB —,
+   kernel and torch copier against a contiguous cudaMemcpyAsync, cudaHostRegister s/GiB with
+   4 KiB and 2 MiB pages, one-copy MLA at TP=N against TP=1: N = the GPUs, at least 2).
 
 A step that cannot run here is recorded as skipped with the reason (no CUDA device, a package that
 does not import); one that fails or runs out of time is recorded with its log's tail. The summary
