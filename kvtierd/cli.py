@@ -221,6 +221,8 @@ def _key(text: str) -> bytes:
 
 fetch_namespaces = _offline(lambda off, view, args: off.namespaces(view))
 fetch_entries = _offline(lambda off, view, args: off.entries(view, args.namespace, args.sort, args.limit))
+
+
 def _page(text: str) -> int:
     try:
         return int(text)

@@ -30,7 +30,6 @@ when a step failed or timed out, else 0. docs/cuda.md says where the figures go.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
