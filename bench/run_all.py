@@ -454,7 +454,9 @@ of the device copiers (the CUDA kernel of csrc/ and the torch fallback) against 
 contiguous `cudaMemcpyAsync` of the same bytes into the same pinned region (the link's ceiling),
 for DeepSeek-V3 MLA and a Llama-70B-like GQA shard; and cudaHostRegister of a client's mapping per
 GiB with 4 KiB vs 2 MiB pages, unpopulated and populated first (issue 15). They were **not run**
-for this page: no GPU device was lent to this task, so there are no GPU figures here."""
+for this page: no GPU device was lent to this task, so there are no GPU figures here. `make
+gpu-check OUT=dir` runs them with the GPU tests in one command ([cuda.md](cuda.md), "The GPU
+check"); its `gpu_bench/gpu_bench.md` is the table that belongs here."""
 
 
 def main() -> int:

@@ -5,8 +5,10 @@ environment variables and the settings reference. Precedence, lowest to highest:
 default < config file < environment < command line. ``load`` returns the effective values and,
 for each, where it came from.
 
-Sizes accept binary units (``64KiB``, ``512MiB``, ``64GiB``) or plain byte counts; durations
-are seconds (floats).
+Sizes accept binary units (``64KiB``, ``512MiB``, ``64GiB``) or plain byte counts; ``KB``, ``MB``,
+``GB``, ``TB`` (and ``K``, ``M``, ``G``, ``T``) are accepted as the same binary units, and every
+place that documents a size says so (``64GB`` is 64 × 2^30 bytes, not 64 × 10^9). Durations are
+seconds (floats).
 """
 
 from __future__ import annotations
@@ -35,13 +37,18 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1 << 10, "m": 1 << 
           "g": 1 << 30, "gib": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tib": 1 << 40, "tb": 1 << 40}
 
 
+# What a size may be, said alike by the docs, the --help of every size setting and the error for a bad one.
+SIZE_UNITS = ("binary units: 65536, 64KiB, 512MiB, 64GiB; KB, MB, GB, TB are read as the same binary units "
+              "(64GB = 64GiB = 64 × 2^30 bytes)")
+
+
 def parse_size(text: str | int) -> int:
     """'64KiB' → 65536. Binary units throughout (KB and KiB both mean 1024)."""
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (examples: 65536, 64KiB, 512MiB, 64GiB)")
+        raise ValueError(f"{text!r} is not a size ({SIZE_UNITS})")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -260,7 +267,8 @@ class Config:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; flags default to None so that unset ones do not override."""
     for s in SETTINGS:
-        kwargs: dict[str, Any] = {"dest": s.name, "default": None, "help": f"{s.doc} [env {s.env}]"}
+        doc = f"{s.doc} Sizes take {SIZE_UNITS}." if s.type == "size" else s.doc
+        kwargs: dict[str, Any] = {"dest": s.name, "default": None, "help": f"{doc} [env {s.env}]"}
         if s.type == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -283,6 +291,9 @@ def load(args: argparse.Namespace | None = None, config_file: str | None = None,
                 table = tomllib.load(f)
         except FileNotFoundError:
             raise ValueError(f"config file {path} not found (--config / KVTIERD_CONFIG)") from None
+        except OSError as exc:      # a directory, a file this user may not read
+            raise ValueError(f"config file {path}: {exc.strerror} (--config / KVTIERD_CONFIG names a TOML "
+                             "file)") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {path}: {exc}") from None
         table = table.get("kvtierd", table)
@@ -324,7 +335,7 @@ def markdown() -> str:
         f"TOML file (`--config FILE`, `KVTIERD_CONFIG`, or `{DEFAULT_CONFIG_FILE}` when it exists; keys",
         "at top level or under a `[kvtierd]` table), as an environment variable, or as a flag.",
         "`kvtierd --print-config` shows the effective value of each and where it came from.",
-        "Sizes take binary units (`64KiB`, `512MiB`, `64GiB`); durations are seconds.",
+        f"Sizes take {SIZE_UNITS}; durations are seconds.",
         "",
         "| setting | flag | environment | type | default | bounds | description |",
         "|---|---|---|---|---|---|---|",
@@ -339,13 +350,21 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+# What the shipped deployment (deploy/systemd: user kvtierd, group kvtier) needs, set in the example
+# config rather than commented out: the unit sets no KVTIERD_* variable, which would override the file.
+DEPLOYED = {"dir": "/dev/shm/kvtierd", "group": "kvtier"}
+
+
 def example_toml() -> str:
     """deploy/kvtierd.example.toml, generated from the table (``make docs``)."""
     lines = ["# kvtierd configuration (TOML). Generated from kvtierd/config.py by `make docs`.",
-             f"# Install as {DEFAULT_CONFIG_FILE}. Every key is optional; shown are the defaults.", ""]
+             f"# Install as {DEFAULT_CONFIG_FILE}. Every key is optional; shown commented out are the defaults,",
+             "# set are the values the systemd unit and deploy/systemd/kvtierd.sysusers.conf go with.", ""]
     for s in SETTINGS:
         lines.append(f"# {s.doc}")
-        if callable(s.default):
+        if s.name in DEPLOYED:
+            lines.append(f"{s.name} = \"{DEPLOYED[s.name]}\"")
+        elif callable(s.default):
             lines.append(f"# {s.name} = \"{s.default()}\"")
         elif s.type in ("int", "float", "bool"):
             lines.append(f"# {s.name} = {s.default}")

@@ -17,6 +17,8 @@ import time
 
 from . import tiering
 from .config import Config, format_size
+from .contract.paths import DaemonPaths, check_socket_path
+from .metrics import Endpoint
 from .region import Region, RegionError
 from .server import Server
 from .store import Store
@@ -79,6 +81,17 @@ def fit_fd_caps(nofile: int, max_connections: int, max_sessions: int) -> tuple[i
     return connections, sessions
 
 
+def preflight(c: Config) -> None:
+    """Every check of the settings that costs nothing, made before the daemon touches memory: one
+    found after the prefault costs minutes of a large region's start, and Restart=on-failure repeats
+    it. (The region's own — directory, group, lock, huge pages, space, memlock for pin=mlock — come
+    first in Region.open, before it prefaults; the metrics address is bound right after this.)"""
+    paths = DaemonPaths(c.dir, c.name)
+    for path in (paths.socket, paths.admin_socket):
+        check_socket_path(path)
+    tiering.check(c)
+
+
 class Daemon:
     def __init__(self, config: Config):
         self.config = config
@@ -95,69 +108,31 @@ class Daemon:
                 log.info("prefault %d%% (%s of %s)", pct, format_size(done), format_size(total))
 
         started = time.monotonic()
-        self.notifier.status("prefaulting region")
-        self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
-                                  recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress,
-                                  huge=c.hugepages)
+        preflight(c)
+        # Bound before the prefault: a bad or taken address fails the start at once.
+        self.metrics = None if c.metrics_address == "off" else Endpoint(c.metrics_address, c.metrics_cache_seconds)
         try:
-            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
-                               fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
-                               max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
-                               lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
-                               max_leased_keys_per_engine=c.max_leased_keys_per_engine,
-                               max_leased_keys=c.max_leased_keys)
-            # The recovered index (up to millions of entries) lives as long as the daemon: keep it
-            # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
-            gc.freeze()
-            rec = self.store.recovered
-            if self.region.adopted:
-                log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
-                         "damaged discarded, %d pages fenced for writers not proven gone", self.region.paths.region,
-                         "clean" if self.region.was_clean else "unclean", rec["ready"],
-                         rec["writing_discarded"], rec["corrupt_discarded"], rec["pages_fenced"])
-                if rec["writing_discarded"] or rec["corrupt_discarded"]:
-                    # The tables were rebuilt: page numbers a client held may mean other entries now.
-                    log.info("region rebuilt: new generation %x (clients remap on re-attach)",
-                             self.region.new_generation())
-            log.info("eviction policy: %s", c.policy)
-            geo = self.region.geometry
-            self.store.tiering = tiering.build(c, self.region.paths.region, geo.data_offset, geo.capacity_bytes,
-                                               geo.page_size, self.region.paths.directory, c.name, self.store.index,
-                                               self.store.fence)
-            if self.store.tiering is not None:
-                self.store.tiering.start()
-                log.info("second tier: %s at %s (demote %s, promote %s, low watermark %.2f); companion log %s",
-                         c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote, c.tier_low_watermark,
-                         self.store.tiering.link.log_path)
-            self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
-                                 drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
-                                 region_check_interval=c.region_check_interval, max_connections=max_connections,
-                                 max_connections_per_peer=c.max_connections_per_peer, max_sessions=max_sessions,
-                                 max_sessions_per_peer=c.max_sessions_per_peer)
-            try:
-                self.server.listen()
-            except BaseException:
-                self.server.close()
-                raise
+            self.notifier.status("prefaulting region")
+            self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
+                                      recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress,
+                                      huge=c.hugepages)
         except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
+        try:
+            self._serve(c, max_connections, max_sessions)
+        except BaseException:
+            # Every failed start leaves nothing behind: sockets, the companion, the lock, and a
+            # region this start created (it caches nothing yet and holds its size in memory).
+            if getattr(self, "server", None) is not None:
+                self.server.close()
             if getattr(self, "store", None) is not None and self.store.tiering is not None:
                 self.store.tiering.close()
-            self.region.close(clean=False)
+            if self.metrics is not None:
+                self.metrics.close()
+            self.region.close(clean=False, remove=not self.region.adopted)
             raise
-        self.metrics_server = None
-        if c.metrics_address != "off":
-            from .metrics import start_endpoint   # prometheus-client only where metrics are served
-            try:
-                self.metrics_server, bound = start_endpoint(
-                    c.metrics_address, lambda: self.server.call_in_loop(self.server.stats), c.metrics_cache_seconds)
-            except ValueError:
-                self.server.close()
-                if self.store.tiering is not None:
-                    self.store.tiering.close()
-                self.region.close(clean=False)
-                raise
-            self.server.metrics_address = bound
-            log.info("metrics: http://%s/metrics", bound)
         geo, backing = self.region.geometry, self.region.backing
         log.info("ready: socket=%s region=%s size=%s pages=%d page_size=%s capacity=%s data_offset=%d "
                  "pinned=%s prefault=%s hugepages=%s huge_page_size=%s huge_bytes=%s generation=%x started_in=%.2fs "
@@ -169,6 +144,48 @@ class Daemon:
         self.notifier.notify(READY=1, STATUS=f"serving {self.server.socket_path}: {geo.num_pages} pages of "
                                              f"{format_size(geo.page_size)}, pinned={self.region.pinned}, "
                                              f"{backing.describe()}")
+
+    def _serve(self, c: Config, max_connections: int, max_sessions: int) -> None:
+        """The store on the region, the second tier, the sockets, the metrics: from here clients connect."""
+        self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
+                           fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
+                           max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
+                           lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
+                           max_leased_keys_per_engine=c.max_leased_keys_per_engine,
+                           max_leased_keys=c.max_leased_keys)
+        # The recovered index (up to millions of entries) lives as long as the daemon: keep it
+        # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
+        gc.freeze()
+        rec = self.store.recovered
+        if self.region.adopted:
+            log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
+                     "damaged discarded, %d pages fenced for writers not proven gone", self.region.paths.region,
+                     "clean" if self.region.was_clean else "unclean", rec["ready"],
+                     rec["writing_discarded"], rec["corrupt_discarded"], rec["pages_fenced"])
+            if rec["writing_discarded"] or rec["corrupt_discarded"]:
+                # The tables were rebuilt: page numbers a client held may mean other entries now.
+                log.info("region rebuilt: new generation %x (clients remap on re-attach)",
+                         self.region.new_generation())
+        log.info("eviction policy: %s", c.policy)
+        geo = self.region.geometry
+        self.store.tiering = tiering.build(c, self.region.paths.region, geo.data_offset, geo.capacity_bytes,
+                                           geo.page_size, self.region.paths.directory, c.name, self.store.index,
+                                           self.store.fence)
+        if self.store.tiering is not None:
+            self.store.tiering.start()
+            log.info("second tier: %s at %s (demote %s, promote %s, low watermark %.2f); companion log %s",
+                     c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote, c.tier_low_watermark,
+                     self.store.tiering.link.log_path)
+        self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
+                             drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
+                             region_check_interval=c.region_check_interval, max_connections=max_connections,
+                             max_connections_per_peer=c.max_connections_per_peer, max_sessions=max_sessions,
+                             max_sessions_per_peer=c.max_sessions_per_peer)
+        self.server.listen()
+        if self.metrics is not None:
+            self.metrics.serve(lambda: self.server.call_in_loop(self.server.stats))
+            self.server.metrics_address = self.metrics.address
+            log.info("metrics: http://%s/metrics", self.metrics.address)
 
     def run(self) -> None:
         self.server.install_signal_handlers()
@@ -182,9 +199,8 @@ class Daemon:
             return
         log.info("stopping")
         self.notifier.notify(STOPPING=1)
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.store.shutdown()
         self.region.close(clean=True)
         self.notifier.close()

@@ -60,6 +60,7 @@ import zmq
 
 from .contract import protocol as P
 from .contract.namespace import NamespaceId
+from .contract.paths import check_socket_path
 from .contract.protocol import ErrorCode, RequestError
 from .histogram import Histogram
 from .peers import Conn, Connections
@@ -77,7 +78,6 @@ BURST = 256
 # peer's replies (ROUTER_MANDATORY off) instead of growing the daemon's memory: 60,000 unread
 # stats replies took an unbounded daemon from 56 to 163 MiB. The peer only hurts itself.
 REPLY_QUEUE_PER_PEER = 1000
-MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
 PRESSURE_LOG_SECONDS = 10.0    # how often eviction pressure is reported in the log
 
 
@@ -159,15 +159,13 @@ class Server:
     def listen(self) -> None:
         """Bind the client and admin sockets: from now on clients can connect."""
         self.sock = self._bind(self.socket_path, 0o117, self.gid, self.connections)   # 0660, client group
-        self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
         self.poller.register(self.connections.monitor, zmq.POLLIN)
         self.poller.register(self.sock, zmq.POLLIN)
+        self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
         self.poller.register(self.admin, zmq.POLLIN)
 
     def _bind(self, path: str, umask: int, gid: int | None, connections: Connections | None = None) -> zmq.Socket:
-        if len(path.encode()) > MAX_SOCKET_PATH:
-            raise ValueError(f"socket path {path} is {len(path)} bytes; ipc paths are limited to "
-                             f"{MAX_SOCKET_PATH}. Choose a shorter --dir or --name")
+        check_socket_path(path)
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         if connections is not None:
             connections.watch(sock)
@@ -582,13 +580,16 @@ class Server:
     def close(self) -> None:
         """End every session, close the sockets (when bound) and the wake pipe."""
         self.sessions.close()
+        registered = {sock for sock, _ in self.poller.sockets}    # a failed listen registered only some
         if self.connections.monitor is not None:
-            self.poller.unregister(self.connections.monitor)
+            if self.connections.monitor in registered:
+                self.poller.unregister(self.connections.monitor)
             self.connections.close()
         for sock, path in ((self.sock, self.socket_path), (self.admin, self.admin_socket_path)):
             if sock is None:
                 continue
-            self.poller.unregister(sock)
+            if sock in registered:
+                self.poller.unregister(sock)
             sock.close(linger=0)
             try:
                 os.unlink(path)

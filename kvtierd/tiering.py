@@ -659,6 +659,14 @@ class Tiering:
         }
 
 
+def check(config_values) -> None:
+    """The second tier's settings, checked before the daemon touches the region (ValueError)."""
+    c = config_values
+    if c.tier_backend != "off" and not c.tier_address:
+        raise ValueError(f"tier_backend {c.tier_backend} needs tier_address (--tier-address: the Mooncake master's "
+                         "HOST:PORT, or Valkey/Redis Cluster nodes HOST:PORT,HOST:PORT)")
+
+
 def build(config_values, region_path: str, data_offset: int, data_bytes: int, page_size: int, directory: str,
           name: str, index: Index, fence: Fence) -> Tiering | None:
     """The daemon's ``Tiering`` from its settings (None when ``tier_backend`` is off). The companion's
@@ -666,9 +674,7 @@ def build(config_values, region_path: str, data_offset: int, data_bytes: int, pa
     c = config_values
     if c.tier_backend == "off":
         return None
-    if not c.tier_address:
-        raise ValueError(f"tier_backend {c.tier_backend} needs tier_address (--tier-address: the Mooncake master's "
-                         "HOST:PORT, or Valkey/Redis Cluster nodes HOST:PORT,HOST:PORT)")
+    check(c)
     where = {"mooncake": "master", "redis": "nodes"}[c.tier_backend]
     settings = {where: c.tier_address, "timeout": c.tier_timeout, **c.tier_settings}
     socket_path = os.path.join(directory, f"{name}.tier.sock")

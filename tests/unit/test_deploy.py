@@ -93,7 +93,7 @@ def tier_snapshot() -> dict:
             "breaker": {lane: "open" for lane in set(LANES.values())}}
 
 
-def snapshot(pinned: str) -> P.StatsReply:
+def snapshot(pinned: str, tier: bool = True) -> P.StatsReply:
     """A whole stats reply, label-bearing dicts filled with every value the code can emit."""
     hist = Histogram()
     hist.observe(1e-4)
@@ -122,20 +122,22 @@ def snapshot(pinned: str) -> P.StatsReply:
         policy="slru", policy_admitted_keys=14, policy_refused_keys=15,
         policy_segments={segment: 1 for segment in policy_segments()},
         policy_evictions={segment: 1 for segment in policy_segments()}, policy_extra={},
-        tier=tier_snapshot(),
+        tier=tier_snapshot() if tier else {"backend": "off"},
     )
 
 
 class Exported:
     """Sample names, the family each belongs to, and label names/values per sample name."""
 
-    def __init__(self):
+    def __init__(self, tier: bool = True):
         self.family_of: dict[str, str] = {}
         self.labels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self.series: dict[str, set[tuple]] = defaultdict(set)    # sample name → its label sets
         for pinned in sorted(pin_results()):
-            for family in DaemonCollector(lambda: snapshot(pinned)).collect():
+            for family in DaemonCollector(lambda: snapshot(pinned, tier)).collect():
                 for sample in family.samples:
                     self.family_of[sample.name] = family.name
+                    self.series[sample.name].add(tuple(sorted(sample.labels.items())))
                     for label, value in sample.labels.items():
                         self.labels[sample.name][label].add(value)
                 # A family whose dict came out empty has no samples; its names still exist.
@@ -448,3 +450,100 @@ def test_the_unit_gives_the_default_caps_their_descriptors():
     assert fit_fd_caps(limit, *caps) == caps and limit >= sum(caps) + FD_RESERVE
     connections, sessions = fit_fd_caps(1024, *caps)      # a low hard limit: caps shrink to fit it
     assert connections + sessions + FD_RESERVE <= 1024 and connections >= 256
+
+
+# --- the systemd unit ------------------------------------------------------------------------
+UNIT = DEPLOY / "systemd" / "kvtierd.service"
+# Directories that are empty after a boot (tmpfs, or mounted at boot): a path under one exists only
+# once something creates it.
+EMPTY_AT_BOOT = ("/dev/shm", "/dev/hugepages", "/run", "/tmp", "/var/tmp")
+
+
+def unit_lines(commented: bool) -> list[tuple[str, str]]:
+    """(key, value) of the unit's settings; with ``commented``, also of its commented-out settings
+    (the alternatives the comments tell operators to switch on)."""
+    out = []
+    for line in UNIT.read_text().splitlines():
+        if commented and re.match(r"#[A-Z]\w*=", line):
+            line = line[1:]
+        m = re.fullmatch(r"([A-Z]\w*)=(.*)", line)
+        if m:
+            out.append((m.group(1), m.group(2)))
+    return out
+
+
+@pytest.mark.parametrize("commented", [False, True], ids=["as shipped", "alternatives switched on"])
+def test_every_read_write_path_of_the_unit_exists_at_boot(commented):
+    # Issue 27 item 1: ReadWritePaths=/dev/shm/kvtierd (no "-" prefix) names a directory the daemon
+    # creates, absent after a boot: namespace setup failed (226/NAMESPACE) and the unit never started.
+    lines = unit_lines(commented)
+    created = {arg for key, value in lines if key == "ExecStartPre"
+               for arg in re.findall(r"\binstall -d\b.*?(/\S+)$", value)}
+    problems = []
+    for key, value in lines:
+        if key not in ("ReadWritePaths", "ReadOnlyPaths", "InaccessiblePaths", "BindPaths", "BindReadOnlyPaths"):
+            continue
+        for path in value.split():
+            if path.startswith("-") or path in created:
+                continue
+            if path.startswith(EMPTY_AT_BOOT):
+                problems.append(f"{key}={path}: absent after a boot; prefix it with '-' or create it in ExecStartPre")
+    assert not problems, problems
+
+
+def test_the_unit_sets_no_setting_that_overrides_its_config_file():
+    # Issue 27 item 4: Environment=KVTIERD_DIR/KVTIERD_GROUP silently overrode dir and group set in
+    # /etc/kvtierd/kvtierd.toml, the file the docs tell operators to edit.
+    lines = unit_lines(commented=True)
+    env = [value for key, value in lines if key == "Environment" and "KVTIERD_" in value]
+    assert not env, f"the unit overrides its config file: {env}"
+    (exec_start,) = [value for key, value in lines if key == "ExecStart"]
+    flags = re.findall(r"(--[\w-]+)", exec_start)
+    assert flags == ["--config"], f"ExecStart passes settings that override the file: {flags}"
+    shipped = tomllib.loads((DEPLOY / "kvtierd.example.toml").read_text())
+    group = re.search(r"^Group=(\S+)$", UNIT.read_text(), re.M).group(1)
+    assert shipped["group"] == group and shipped["dir"] == "/dev/shm/kvtierd"
+
+
+# Grafana units by what a query yields (issue 27 item 7: counts were shown as ops, seconds as ops,
+# blocks in flight as Bps).
+UNITS = {"bytes": {"bytes", "decbytes"}, "bytes_per_second": {"Bps", "binBps"}, "seconds": {"s", "ms", "µs"},
+         "per_second": {"ops", "reqps", "cps"}, "count": {"none", "short"}, "ratio": {"percentunit"}}
+
+
+def query_kind(expr: str) -> str:
+    """What a dashboard query yields, from the metrics it reads and the functions it applies."""
+    names = [name for name, _ in SELECTOR.findall(expr)]
+    if "histogram_quantile" in expr:
+        assert all(n.endswith("_seconds_bucket") for n in names), expr
+        return "seconds"
+    if re.search(r"\)\s*/\s", expr):
+        if {n.rsplit("_", 1)[-1] for n in names} == {"sum", "count"} and names[0].endswith("_seconds_sum"):
+            return "seconds"                       # a histogram's mean
+        return "ratio"
+    if "rate(" in expr:
+        return "bytes_per_second" if names[0].endswith("_bytes_total") else "per_second"
+    if "increase(" in expr or re.search(r"\bcount\b", expr):
+        return "count"
+    if names[0].endswith("_bytes"):
+        return "bytes"
+    if names[0].endswith("_seconds"):
+        return "seconds"
+    return "count"
+
+
+def test_every_dashboard_query_is_shown_in_a_unit_of_its_kind():
+    problems = []
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            continue
+        config = panel.get("fieldConfig", {})
+        overrides = {o["matcher"]["options"]: p["value"] for o in config.get("overrides", [])
+                     if o["matcher"]["id"] == "byFrameRefID" for p in o["properties"] if p["id"] == "unit"}
+        for target in panel["targets"]:
+            unit = overrides.get(target["refId"], config.get("defaults", {}).get("unit", "none"))
+            kind = query_kind(target["expr"])
+            if unit not in UNITS[kind]:
+                problems.append(f"{panel['title']!r} {target['refId']}: {kind} shown as {unit!r} "
+                                f"(one of {sorted(UNITS[kind])}): {target['expr'][:80]}")
+    assert not problems, "\n".join(problems)
