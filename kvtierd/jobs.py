@@ -51,6 +51,7 @@ from .contract.namespace import Sharding
 from .contract.protocol import PAGES_DTYPE, AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
 from .fence import Fence
 from .histogram import Histogram
+from .holds import Holds
 from .index import Index, Namespace
 from .sessions import Session, SessionEnd
 
@@ -118,12 +119,14 @@ class Job:
 
 
 class Jobs:
-    def __init__(self, index: Index, fence: Fence, leases: "Leases", job_timeout: float = 30.0, clock=time.monotonic,
+    def __init__(self, index: Index, fence: Fence, leases: "Leases", holds: Holds, job_timeout: float = 30.0,
+                 clock=time.monotonic,
                  checksums: bool = False, max_job_keys: int = 1 << 20, max_job_keys_per_engine: int = 1 << 18,
                  max_tombstones: int = 1 << 17):
         self.index = index
         self.fence = fence
         self.leases = leases
+        self.holds = holds
         self.job_timeout = job_timeout
         self.clock = clock
         self.checksums = checksums        # keep writers' checksums of their shards
@@ -303,14 +306,19 @@ class Jobs:
              ) -> tuple[int, list[bytes]]:
         """Open or join a load job. Returns (hits, this rank's pages per hit key).
 
-        The first request pins the READY prefix of ``keys``; they stay pinned until every rank
-        released the job (or it is aborted). It also consumes ``lease``, after pinning (later
-        requests of the job ignore it).
+        The first request pins the READY prefix of ``keys`` — as much of it as the engine may
+        hold (``kvtierd.holds``; the rest are misses); they stay pinned until every rank released
+        the job (or it is aborted). It also consumes ``lease``, after pinning (later requests of
+        the job ignore it); the lease's pages count as room, so a load of leased keys is whole.
         """
         job, new = self._job(session, job_id, JobKind.LOAD, keys)
         if new:
-            job.entries = self.index.ready_prefix(job.engine.ns, keys)
+            engine = job.engine
+            ready = self.index.ready_prefix(engine.ns, keys)
+            returned = self.leases.pages_of(engine, lease) if lease is not None else 0
+            job.entries = ready[:self.holds.fit(engine, engine.ns.entry_pages, len(ready), returned)]
             self.index.pin(job.entries)
+            self.holds.take(engine, len(job.entries) * engine.ns.entry_pages)
             if lease is not None:
                 self.leases.consume(job.engine, lease)
             self.counters["load_hit_keys"] += len(job.entries)
@@ -335,6 +343,7 @@ class Jobs:
 
     def _unpin(self, job: Job) -> None:
         self.index.unpin(job.entries)
+        self.holds.give(job.engine, len(job.entries) * job.engine.ns.entry_pages)
         job.entries = []
 
     # ------------------------------------------------------------------ abort and finish
@@ -483,6 +492,7 @@ class Jobs:
         return {
             "engines": len(self.engines),
             "open_jobs": self.open_jobs(),
+            "jobs_held": sum(len(e.jobs) for e in self.engines.values()),
             "open_job_keys": self.open_keys,
             "tombstones": len(self.tombstones),
             "aborted_jobs": dict(self.aborted),
