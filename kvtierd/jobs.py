@@ -155,7 +155,7 @@ class Jobs:
         job = engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
             if job is not None:     # aborted, a writer's pages still fenced: the id stays taken
-                self._refuse_aborted(job.kind, job_id, job.cause)   # (its tombstone may be gone)
+                self._refuse_settled(job.kind, job.state, job.cause, job_id)   # (its tombstone may be gone)
             self._refuse_finished(engine, job_id)
             cost = self._admit(engine, len(keys))
             now = self.clock()
@@ -187,23 +187,22 @@ class Jobs:
 
     def _refuse_finished(self, engine: Engine, job_id: int) -> None:
         tomb = self.tombstones.get((engine.serial, job_id))
-        if tomb is None:
-            return
-        kind, state, cause = tomb
-        if state is JobState.ABORTED:
-            self._refuse_aborted(kind, job_id, cause)
-        raise RequestError(ErrorCode.CONFLICT, f"{kind.value} job {job_id} already finished; job ids are not reused")
+        if tomb is not None:
+            self._refuse_settled(*tomb, job_id)
 
     @staticmethod
-    def _refuse_aborted(kind: JobKind, job_id: int, cause: AbortCause) -> None:
-        code = ErrorCode.TIMEOUT if cause is AbortCause.TIMEOUT else ErrorCode.ABORTED
-        raise RequestError(code, f"{kind.value} job {job_id} was aborted ({cause.value})")
+    def _refuse_settled(kind: JobKind, state: JobState, cause: AbortCause | None, job_id: int) -> None:
+        """The precise error for a request naming a job that is no longer open."""
+        if state is JobState.ABORTED:
+            code = ErrorCode.TIMEOUT if cause is AbortCause.TIMEOUT else ErrorCode.ABORTED
+            raise RequestError(code, f"{kind.value} job {job_id} was aborted ({cause.value})")
+        raise RequestError(ErrorCode.CONFLICT, f"{kind.value} job {job_id} already finished; job ids are not reused")
 
     def _open_job(self, session: Session, job_id: int, kind: JobKind) -> Job:
         job = session.engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
             if job is not None:
-                self._refuse_aborted(job.kind, job_id, job.cause)
+                self._refuse_settled(job.kind, job.state, job.cause, job_id)
             self._refuse_finished(session.engine, job_id)
             raise RequestError(ErrorCode.UNKNOWN_JOB, f"no job {job_id} for engine {session.engine.id!r}")
         if job.kind is not kind:
@@ -237,6 +236,11 @@ class Jobs:
             return job.outcomes, []
         job.seen.add(rank)
         if rank in job.engine.writers:
+            if rank in job.done_ranks:
+                # Its commit settled its pages: handing them again would fence READY pages for it
+                # and keep the job past its end, waiting for a second commit (issue 26 A).
+                raise RequestError(ErrorCode.CONFLICT, f"rank {rank} already committed store job {job_id}: a writer "
+                                                       "stores a job once, then commits it once")
             pages = job.engine.ns.pages_for(job.entries, rank)
             if pages:       # fenced for this writer before the reply hands them out
                 self.fence.hand(session.writer, np.frombuffer(b"".join(pages), PAGES_DTYPE))
@@ -254,7 +258,7 @@ class Jobs:
             writer = job.handed.pop(rank)
             self.index.release_pages(self.fence.release_job(writer, job.id))
             self._drop_if_settled(job)
-            self._refuse_aborted(job.kind, job_id, job.cause)
+            self._refuse_settled(job.kind, job.state, job.cause, job_id)
         if rank not in job.seen:
             raise RequestError(ErrorCode.CONFLICT, f"rank {rank} commits store job {job_id} before storing it")
         if ok and checksums is None and self.checksums and rank in job.engine.writers:
