@@ -174,9 +174,18 @@ SETTINGS: tuple[Setting, ...] = (
             "cut to it; the shortest is 10 ms).", lo=0.01, hi=86400),
     Setting("max_leased_keys_per_engine", "int", "262144", "Entries one engine's leases may hold, counted per "
             "lease, plus one per lease; a lookup past it leases the prefix that fits (its reply says how many). "
-            "Bounds the capacity one engine can keep from eviction.", lo=1, hi=1 << 30),
+            "Bounds the daemon memory leases take; the capacity an engine keeps from eviction is bounded by "
+            "max_held_share_per_engine.", lo=1, hi=1 << 30),
     Setting("max_leased_keys", "int", "1048576", "Entries the leases of all engines may hold together (as "
             "max_leased_keys_per_engine counts them).", lo=1, hi=1 << 32),
+    Setting("max_held_share_per_engine", "float", "0.25", "Share of the region's pages one engine may keep out of "
+            "eviction through its leases and its load jobs' pins together, each counted on its own. A lookup past it "
+            "leases the prefix that fits (its reply says how many), a load pins the prefix that fits (the rest are "
+            "misses); a load of leased keys is never cut.", lo=0.01, hi=1.0),
+    Setting("max_held_share_per_namespace", "float", "0.4", "The same, for all engines of one namespace together.",
+            lo=0.01, hi=1.0),
+    Setting("max_held_share", "float", "0.75", "The same, for all engines together: the rest of the region stays "
+            "evictable, so that any engine's store finds room.", lo=0.01, hi=1.0),
     Setting("checksums", "bool", "false", "Writers hash each block (xxh64) after copying; the hash is kept in the "
             "entry table and verified when a restarted daemon recovers the region and by kvtierctl check "
             "--checksums. Turned on, a restart drops the entries stored while it was off.", ),
@@ -198,6 +207,10 @@ SETTINGS: tuple[Setting, ...] = (
             "it gets LIMIT.", lo=1, hi=1 << 20),
     Setting("max_sessions_per_peer", "int", "128", "Attached sessions at most from one peer (see "
             "max_connections_per_peer).", lo=1, hi=1 << 20),
+    Setting("max_writer_rows_per_peer", "int", "256", "Rows of the region's writer table one peer (see "
+            "max_connections_per_peer) may hold: its writer sessions attached, and its writers gone whose pages stay "
+            "fenced until they are proven done (fence_grace for those the daemon cannot watch). A writer hello past "
+            "it gets LIMIT; all peers together hold at most 4,096 rows (the region format).", lo=1, hi=4096),
     Setting("max_job_keys_per_engine", "int", "262144", "Keys (plus one per job) one engine's open jobs may hold; "
             "a job past it gets LIMIT. About 120 bytes of daemon memory per key.", lo=1024, hi=1 << 30),
     Setting("max_job_keys", "int", "1048576", "Keys (plus one per job) the open jobs of all engines may hold "

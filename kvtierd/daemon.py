@@ -18,6 +18,7 @@ import time
 from . import tiering
 from .config import Config, format_size
 from .contract.paths import DaemonPaths, check_socket_path
+from .contract.region_format import WRITER_SLOTS
 from .metrics import Endpoint
 from .region import Region, RegionError
 from .server import Server
@@ -67,18 +68,24 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def fit_fd_caps(nofile: int, max_connections: int, max_sessions: int) -> tuple[int, int]:
-    """(connections, sessions) caps that fit the open-files limit: every connection takes a
-    descriptor, every watched session a pidfd, and FD_RESERVE stay free for everything else."""
+def fit_fd_caps(nofile: int, max_connections: int, max_sessions: int,
+                writer_rows: int = WRITER_SLOTS) -> tuple[int, int, int]:
+    """(connections, sessions, writer rows) caps that fit the open-files limit: every connection
+    takes a descriptor, every watched session a pidfd, every writer gone whose pages are still
+    fenced a pidfd (while the daemon watches its process), and FD_RESERVE stay free for
+    everything else."""
     room = nofile - FD_RESERVE
-    if room >= max_connections + max_sessions:
-        return max_connections, max_sessions
-    connections = max(16, room * max_connections // (max_connections + max_sessions))
-    sessions = max(1, room - connections)
-    log.warning("the open-files limit (%d) cannot hold max_connections=%d plus max_sessions=%d; serving at most %d "
-                "connections and %d sessions. Raise the hard limit (LimitNOFILE= in the unit, ulimit -Hn) to lift "
-                "this", nofile, max_connections, max_sessions, connections, sessions)
-    return connections, sessions
+    wanted = max_connections + max_sessions + writer_rows
+    if room >= wanted:
+        return max_connections, max_sessions, writer_rows
+    connections = max(16, room * max_connections // wanted)
+    sessions = max(1, room * max_sessions // wanted)
+    rows = max(1, room - connections - sessions)
+    log.warning("the open-files limit (%d) cannot hold max_connections=%d plus max_sessions=%d plus %d writer rows "
+                "(a pidfd each); serving at most %d connections, %d sessions and %d writer rows. Raise the hard limit "
+                "(LimitNOFILE= in the unit, ulimit -Hn) to lift this", nofile, max_connections, max_sessions,
+                writer_rows, connections, sessions, rows)
+    return connections, sessions, rows
 
 
 def preflight(c: Config) -> None:
@@ -96,7 +103,8 @@ class Daemon:
     def __init__(self, config: Config):
         self.config = config
         c = config
-        max_connections, max_sessions = fit_fd_caps(raise_fd_limit(), c.max_connections, c.max_sessions)
+        max_connections, max_sessions, max_writer_rows = fit_fd_caps(raise_fd_limit(), c.max_connections,
+                                                                     c.max_sessions)
         self.notifier = Notifier()
         last = [-1]
 
@@ -121,7 +129,7 @@ class Daemon:
                 self.metrics.close()
             raise
         try:
-            self._serve(c, max_connections, max_sessions)
+            self._serve(c, max_connections, max_sessions, max_writer_rows)
         except BaseException:
             # Every failed start leaves nothing behind: sockets, the companion, the lock, and a
             # region this start created (it caches nothing yet and holds its size in memory).
@@ -145,14 +153,17 @@ class Daemon:
                                              f"{format_size(geo.page_size)}, pinned={self.region.pinned}, "
                                              f"{backing.describe()}")
 
-    def _serve(self, c: Config, max_connections: int, max_sessions: int) -> None:
+    def _serve(self, c: Config, max_connections: int, max_sessions: int, max_writer_rows: int) -> None:
         """The store on the region, the second tier, the sockets, the metrics: from here clients connect."""
         self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
                            fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
                            max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
                            lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
                            max_leased_keys_per_engine=c.max_leased_keys_per_engine,
-                           max_leased_keys=c.max_leased_keys)
+                           max_leased_keys=c.max_leased_keys, max_writer_rows=max_writer_rows,
+                           max_writer_rows_per_peer=c.max_writer_rows_per_peer,
+                           held_shares=(c.max_held_share_per_engine, c.max_held_share_per_namespace,
+                                        c.max_held_share))
         # The recovered index (up to millions of entries) lives as long as the daemon: keep it
         # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
         gc.freeze()

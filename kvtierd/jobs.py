@@ -51,6 +51,7 @@ from .contract.namespace import Sharding
 from .contract.protocol import PAGES_DTYPE, AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
 from .fence import Fence
 from .histogram import Histogram
+from .holds import Holds
 from .index import Index, Namespace
 from .sessions import Session, SessionEnd
 
@@ -118,12 +119,14 @@ class Job:
 
 
 class Jobs:
-    def __init__(self, index: Index, fence: Fence, leases: "Leases", job_timeout: float = 30.0, clock=time.monotonic,
+    def __init__(self, index: Index, fence: Fence, leases: "Leases", holds: Holds, job_timeout: float = 30.0,
+                 clock=time.monotonic,
                  checksums: bool = False, max_job_keys: int = 1 << 20, max_job_keys_per_engine: int = 1 << 18,
                  max_tombstones: int = 1 << 17):
         self.index = index
         self.fence = fence
         self.leases = leases
+        self.holds = holds
         self.job_timeout = job_timeout
         self.clock = clock
         self.checksums = checksums        # keep writers' checksums of their shards
@@ -152,7 +155,7 @@ class Jobs:
         job = engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
             if job is not None:     # aborted, a writer's pages still fenced: the id stays taken
-                self._refuse_aborted(job.kind, job_id, job.cause)   # (its tombstone may be gone)
+                self._refuse_settled(job.kind, job.state, job.cause, job_id)   # (its tombstone may be gone)
             self._refuse_finished(engine, job_id)
             cost = self._admit(engine, len(keys))
             now = self.clock()
@@ -184,23 +187,22 @@ class Jobs:
 
     def _refuse_finished(self, engine: Engine, job_id: int) -> None:
         tomb = self.tombstones.get((engine.serial, job_id))
-        if tomb is None:
-            return
-        kind, state, cause = tomb
-        if state is JobState.ABORTED:
-            self._refuse_aborted(kind, job_id, cause)
-        raise RequestError(ErrorCode.CONFLICT, f"{kind.value} job {job_id} already finished; job ids are not reused")
+        if tomb is not None:
+            self._refuse_settled(*tomb, job_id)
 
     @staticmethod
-    def _refuse_aborted(kind: JobKind, job_id: int, cause: AbortCause) -> None:
-        code = ErrorCode.TIMEOUT if cause is AbortCause.TIMEOUT else ErrorCode.ABORTED
-        raise RequestError(code, f"{kind.value} job {job_id} was aborted ({cause.value})")
+    def _refuse_settled(kind: JobKind, state: JobState, cause: AbortCause | None, job_id: int) -> None:
+        """The precise error for a request naming a job that is no longer open."""
+        if state is JobState.ABORTED:
+            code = ErrorCode.TIMEOUT if cause is AbortCause.TIMEOUT else ErrorCode.ABORTED
+            raise RequestError(code, f"{kind.value} job {job_id} was aborted ({cause.value})")
+        raise RequestError(ErrorCode.CONFLICT, f"{kind.value} job {job_id} already finished; job ids are not reused")
 
     def _open_job(self, session: Session, job_id: int, kind: JobKind) -> Job:
         job = session.engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
             if job is not None:
-                self._refuse_aborted(job.kind, job_id, job.cause)
+                self._refuse_settled(job.kind, job.state, job.cause, job_id)
             self._refuse_finished(session.engine, job_id)
             raise RequestError(ErrorCode.UNKNOWN_JOB, f"no job {job_id} for engine {session.engine.id!r}")
         if job.kind is not kind:
@@ -234,6 +236,11 @@ class Jobs:
             return job.outcomes, []
         job.seen.add(rank)
         if rank in job.engine.writers:
+            if rank in job.done_ranks:
+                # Its commit settled its pages: handing them again would fence READY pages for it
+                # and keep the job past its end, waiting for a second commit (issue 26 A).
+                raise RequestError(ErrorCode.CONFLICT, f"rank {rank} already committed store job {job_id}: a writer "
+                                                       "stores a job once, then commits it once")
             pages = job.engine.ns.pages_for(job.entries, rank)
             if pages:       # fenced for this writer before the reply hands them out
                 self.fence.hand(session.writer, np.frombuffer(b"".join(pages), PAGES_DTYPE))
@@ -251,7 +258,7 @@ class Jobs:
             writer = job.handed.pop(rank)
             self.index.release_pages(self.fence.release_job(writer, job.id))
             self._drop_if_settled(job)
-            self._refuse_aborted(job.kind, job_id, job.cause)
+            self._refuse_settled(job.kind, job.state, job.cause, job_id)
         if rank not in job.seen:
             raise RequestError(ErrorCode.CONFLICT, f"rank {rank} commits store job {job_id} before storing it")
         if ok and checksums is None and self.checksums and rank in job.engine.writers:
@@ -303,14 +310,19 @@ class Jobs:
              ) -> tuple[int, list[bytes]]:
         """Open or join a load job. Returns (hits, this rank's pages per hit key).
 
-        The first request pins the READY prefix of ``keys``; they stay pinned until every rank
-        released the job (or it is aborted). It also consumes ``lease``, after pinning (later
-        requests of the job ignore it).
+        The first request pins the READY prefix of ``keys`` — as much of it as the engine may
+        hold (``kvtierd.holds``; the rest are misses); they stay pinned until every rank released
+        the job (or it is aborted). It also consumes ``lease``, after pinning (later requests of
+        the job ignore it); the lease's pages count as room, so a load of leased keys is whole.
         """
         job, new = self._job(session, job_id, JobKind.LOAD, keys)
         if new:
-            job.entries = self.index.ready_prefix(job.engine.ns, keys)
+            engine = job.engine
+            ready = self.index.ready_prefix(engine.ns, keys)
+            returned = self.leases.pages_of(engine, lease) if lease is not None else 0
+            job.entries = ready[:self.holds.fit(engine, engine.ns.entry_pages, len(ready), returned)]
             self.index.pin(job.entries)
+            self.holds.take(engine, len(job.entries) * engine.ns.entry_pages)
             if lease is not None:
                 self.leases.consume(job.engine, lease)
             self.counters["load_hit_keys"] += len(job.entries)
@@ -335,6 +347,7 @@ class Jobs:
 
     def _unpin(self, job: Job) -> None:
         self.index.unpin(job.entries)
+        self.holds.give(job.engine, len(job.entries) * job.engine.ns.entry_pages)
         job.entries = []
 
     # ------------------------------------------------------------------ abort and finish
@@ -483,6 +496,7 @@ class Jobs:
         return {
             "engines": len(self.engines),
             "open_jobs": self.open_jobs(),
+            "jobs_held": sum(len(e.jobs) for e in self.engines.values()),
             "open_job_keys": self.open_keys,
             "tombstones": len(self.tombstones),
             "aborted_jobs": dict(self.aborted),

@@ -23,9 +23,11 @@ How a lease ends (``LeaseEnd``, the ``cause`` of kvtierd_lease_ends_total):
   it re-attached.
 
 Bounds (issue 11's pattern for open jobs): a lease counts its entries plus one against
-``max_leased_keys_per_engine`` and ``max_leased_keys`` (all engines together). A lookup past
-either leases the longest prefix of its hits that fits, or nothing; its reply says how many it
-holds (``leased``), and the keys left out are counted (``lease_capped_keys``).
+``max_leased_keys_per_engine`` and ``max_leased_keys`` (all engines together), which bound the
+records' memory; and its entries' pages against the shares of the region an engine, a namespace
+and all engines may hold out of eviction (``kvtierd.holds``, with load pins). A lookup past any
+leases the longest prefix of its hits that fits, or nothing; its reply says how many it holds
+(``leased``), and the keys left out are counted (``lease_capped_keys``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+from .holds import Holds
 from .index import Entry, Index
 from .jobs import Engine
 from .sessions import Session
@@ -66,15 +69,21 @@ class Lease:
     live: bool = True
 
     @property
+    def pages(self) -> int:
+        """What it counts against the held shares (``kvtierd.holds``): its entries' pages."""
+        return len(self.entries) * self.engine.ns.entry_pages
+
+    @property
     def cost(self) -> int:
         """What it counts against the caps: its entries plus one (the record itself)."""
         return len(self.entries) + 1
 
 
 class Leases:
-    def __init__(self, index: Index, clock: Callable[[], float] = time.monotonic, ttl: float = 5.0,
+    def __init__(self, index: Index, holds: Holds, clock: Callable[[], float] = time.monotonic, ttl: float = 5.0,
                  max_ttl: float = 60.0, max_keys_per_engine: int = 1 << 18, max_keys: int = 1 << 20):
         self.index = index
+        self.holds = holds
         self.clock = clock
         self.ttl = ttl                                  # setting lease_ttl
         self.max_ttl = max(max_ttl, MIN_TTL)            # setting max_lease_ttl
@@ -106,6 +115,7 @@ class Leases:
         room = min(self.max_keys_per_engine - self._engine_keys[engine],
                    self.max_keys - self.keys) + returned - 1
         n = max(0, min(len(entries), room))
+        n = self.holds.fit(engine, engine.ns.entry_pages, n, old.pages if old is not None else 0)
         self.capped_keys += len(entries) - n
         if n == 0:
             if old is not None:
@@ -121,11 +131,17 @@ class Leases:
         self._by_session.setdefault(session, {})[lease_id] = lease
         self._engine_keys[engine] += lease.cost
         self.keys += lease.cost
+        self.holds.take(engine, lease.pages)
         self.granted += 1
         self._push_deadline(lease)
         return n, ttl
 
     # ------------------------------------------------------------------ ends
+    def pages_of(self, engine: Engine, lease_id: int) -> int:
+        """The pages the live lease ``lease_id`` of ``engine`` holds (0: none is live)."""
+        lease = self._leases.get((engine, lease_id))
+        return 0 if lease is None else lease.pages
+
     def consume(self, engine: Engine, lease_id: int) -> None:
         """A load job of ``engine`` named the lease; the caller pinned the job's entries first."""
         lease = self._leases.get((engine, lease_id))
@@ -177,6 +193,7 @@ class Leases:
         if not self._engine_keys[lease.engine]:
             del self._engine_keys[lease.engine]
         self.keys -= lease.cost
+        self.holds.give(lease.engine, lease.pages)
         self.index.unlease(lease.entries)
         self.ends[cause.value] += 1
 
@@ -194,6 +211,9 @@ class Leases:
         """Entries held by a lease in the namespace named ``namespace`` (None: all)."""
         return len({entry.slot for lease in self._leases.values()
                     if namespace is None or lease.engine.ns.id.name() == namespace for entry in lease.entries})
+
+    def live(self) -> list[Lease]:
+        return list(self._leases.values())
 
     def of_session(self, session: Session) -> tuple[int, int]:
         """(leases, entries in them) that ``session`` holds."""

@@ -119,6 +119,12 @@ class DaemonCollector:
                     "fenced after it was last seen.", s.fence_grace_seconds)
         yield gauge("writer_rows", "Rows of the region's writer table in use (writers attached, or gone with pages "
                     "fenced).", s.writer_rows)
+        yield labelled(CounterMetricFamily, "writer_rows_refused", "Writer hellos refused for want of a writer row, "
+                       "by the bound: per_peer (max_writer_rows_per_peer), total (the region's 4,096 rows, or what "
+                       "the open-files limit holds).", "cap", s.writer_rows_refused)
+        yield counter("fence_check_failures", "Checks of a gone writer's process that could not be made (the daemon "
+                      "out of descriptors or memory): its pages stayed fenced (reason unproven), checked again.",
+                      s.fence_check_failures)
         yield labelled(GaugeMetricFamily, "entries", "Entries by state (pinned: READY and held by a load; leased: "
                        "READY and held by a lease; an entry may be both).", "state",
                        {"ready": s.entries_ready, "writing": s.entries_writing, "pinned": s.entries_pinned,
@@ -133,8 +139,15 @@ class DaemonCollector:
         yield counter("lease_missed_loads", "Load jobs that named a lease that was not live (expired, revoked, "
                       "released, or lost with a daemon restart): their keys were pinned only if still ready.",
                       s.lease_missed_loads)
-        yield counter("lease_capped_keys", "Hits a lookup could not lease because of max_leased_keys_per_engine or "
-                      "max_leased_keys.", s.lease_capped_keys)
+        yield counter("lease_capped_keys", "Hits a lookup could not lease because of max_leased_keys_per_engine, "
+                      "max_leased_keys or a max_held_share setting.", s.lease_capped_keys)
+        yield gauge("held_pages", "Pages engines hold out of eviction through leases and load pins, each hold counted "
+                    "on its own (what max_held_share caps).", s.held_pages)
+        yield gauge("held_pages_top_engine", "The most pages one engine holds out of eviction (what "
+                    "max_held_share_per_engine caps).", s.held_pages_top_engine)
+        yield labelled(CounterMetricFamily, "hold_capped_keys", "Keys a lease or a load could not hold, by the cap "
+                       "that bound it: engine (max_held_share_per_engine), namespace (max_held_share_per_namespace), "
+                       "total (max_held_share).", "cap", s.hold_capped_keys)
         yield labelled(CounterMetricFamily, "lookup_keys", "Keys asked by lookup, by result.", "result",
                        {"hit": s.lookup_hit_keys, "miss": s.lookup_miss_keys})
         yield labelled(CounterMetricFamily, "store_keys", "Keys of store jobs by outcome.", "outcome",
@@ -172,6 +185,8 @@ class DaemonCollector:
                        "(total: max_connections; per_peer: max_connections_per_peer).", "cap",
                        s.connections_refused)
         yield gauge("open_jobs", "Jobs waiting for copies, votes or releases.", s.open_jobs)
+        yield gauge("jobs_held", "Job records the daemon holds: the open jobs, and aborted store jobs kept until "
+                    "every writer handed their pages committed or was proven gone.", s.jobs_held)
         yield labelled(CounterMetricFamily, "errors", "Error replies by code.", "code", s.errors)
         yield _histogram("kvtierd_request_duration_seconds", "Time to handle one request, by operation.", "op",
                          _every_op(REQUESTS, s.latency))

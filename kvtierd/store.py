@@ -17,16 +17,18 @@ import hmac
 import itertools
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .contract.namespace import NamespaceId
-from .contract.protocol import ErrorCode, RequestError
-from .contract.region_format import RegionView
+from .contract.protocol import ErrorCode, JobKind, JobState, RequestError
+from .contract.region_format import WRITER_SLOTS, RegionView
 from .fence import Fence, Release
 from .index import COUNTERS as INDEX_COUNTERS
 from .index import Index
 from .jobs import COUNTERS as JOB_COUNTERS
+from .holds import Holds
 from .jobs import Engine, Jobs
 from .leases import Leases
 from .policy import DEFAULT as DEFAULT_POLICY
@@ -71,13 +73,19 @@ class Store:
     def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
                  checksums: bool = False, policy: str = DEFAULT_POLICY, fence_grace: float = 600.0,
                  lease_ttl: float = 5.0, max_lease_ttl: float = 60.0, max_leased_keys_per_engine: int = 1 << 18,
-                 max_leased_keys: int = 1 << 20, **job_limits: int):
-        """``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
+                 max_leased_keys: int = 1 << 20, max_writer_rows: int = WRITER_SLOTS,
+                 max_writer_rows_per_peer: int = 256, held_shares: tuple[float, float, float] = (0.25, 0.4, 0.75),
+                 **job_limits: int):
+        """``held_shares``: the shares of the region one engine, one namespace and all engines may
+        hold out of eviction (``holds.Holds``). ``job_limits``: max_job_keys,
+        max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
-        self.fence = Fence(view, fence_grace, clock)
+        self.fence = Fence(view, fence_grace, clock, max_writer_rows, max_writer_rows_per_peer)
         self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums)
-        self.leases = Leases(self.index, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine, max_leased_keys)
-        self.jobs = Jobs(self.index, self.fence, self.leases, job_timeout, clock, checksums, **job_limits)
+        self.holds = Holds(self.index.pages.total, *held_shares)
+        self.leases = Leases(self.index, self.holds, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine,
+                             max_leased_keys)
+        self.jobs = Jobs(self.index, self.fence, self.leases, self.holds, job_timeout, clock, checksums, **job_limits)
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)
         self.tiering: Tiering | None = None     # the second tier, when one is configured
@@ -291,7 +299,7 @@ class Store:
         counters = {name: index.counters[name] for name in INDEX_COUNTERS}
         counters.update({name: jobs.counters[name] for name in JOB_COUNTERS})
         tier = self.tiering.stats() if self.tiering is not None else {"backend": "off"}
-        return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.fence.stats(),
+        return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.holds.stats(), **self.fence.stats(),
                 "sessions": len(self.sessions), **counters, "tier": tier}
 
     def namespace_stats(self) -> list[dict]:
@@ -301,6 +309,7 @@ class Store:
         """Check the in-memory state against itself and the region's tables (tests)."""
         self.index.verify()
         self.leases.verify()
+        self.holds.verify(self._held())
         handed = self.jobs.handed()
         if self.tiering is not None:
             for row, pages in self.tiering.handed().items():
@@ -310,9 +319,22 @@ class Store:
         for engine in engines:
             assert all(self.sessions.get(s.id) is s and s.engine is engine
                        for s in [*engine.ranks.values(), *engine.coordinators])
+            assert all(job.state is JobState.OPEN or (job.state is JobState.ABORTED and job.handed)
+                       for job in engine.jobs.values()), f"engine {engine.id!r} holds a settled job"
         for ns in self.index.namespaces.values():
             assert ns.users == sum(1 for e in engines if e.ns is ns), f"namespace {ns.slot} user count"
         assert len(self.sessions) == sum(len(e.ranks) + len(e.coordinators) for e in self.jobs.engines.values())
+
+    def _held(self) -> Counter:
+        """Engine → the pages its leases and its load jobs' pins hold (``Holds.verify``)."""
+        held: Counter = Counter()
+        for lease in self.leases.live():
+            held[lease.engine] += lease.pages
+        for engine in self.jobs.engines.values():
+            for job in engine.jobs.values():
+                if job.kind is JobKind.LOAD:
+                    held[engine] += len(job.entries) * engine.ns.entry_pages
+        return held
 
     def shutdown(self) -> None:
         """Abort every open job and persist the access clock. Pages a writer may still copy into

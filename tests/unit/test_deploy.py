@@ -23,7 +23,8 @@ from kvtierd import config
 from kvtierd.contract import protocol as P
 from kvtierd.histogram import Histogram
 from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
-from kvtierd.fence import Reason, Release
+from kvtierd.fence import ROW_CAPS, Reason, Release
+from kvtierd.holds import CAPS as HOLD_CAPS
 from kvtierd.leases import LeaseEnd
 from kvtierd.policy import POLICIES, create
 from kvtierd.sessions import SessionEnd
@@ -104,13 +105,15 @@ def snapshot(pinned: str, tier: bool = True) -> P.StatsReply:
         pages_total=16384, pages_free=8192, pages_used=8192, pages_fenced=16,
         fenced_pages={reason.value: 1 for reason in Reason}, fence_released_pages={c.value: 1 for c in Release},
         fence_oldest_seconds=1.0, fence_grace_seconds=600.0, writer_rows=2,
+        writer_rows_refused={cap: 1 for cap in ROW_CAPS}, fence_check_failures=1,
+        held_pages=9, held_pages_top_engine=8, hold_capped_keys={cap: 1 for cap in HOLD_CAPS},
         entries_ready=100, entries_writing=3, entries_pinned=7, evictable=93, namespaces=1,
         leases_open=2, entries_leased=5, leased_keys=6, leases_granted=3, lease_ends={end.value: 1 for end in LeaseEnd},
         lease_missed_loads=1, lease_capped_keys=1,
         lookup_hit_keys=5, lookup_miss_keys=6, load_hit_keys=7, load_miss_keys=8,
         **{field: 1 for field in STORE_KEY_OUTCOMES.values()},
         store_jobs_done=9, load_jobs_done=10, evictions=11, operator_evictions=0,
-        bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1, open_job_keys=9, tombstones=5,
+        bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1, jobs_held=2, open_job_keys=9, tombstones=5,
         aborted_jobs={cause: 1 for cause in abort_causes()},
         session_roles={role: 1 for role in session_roles()},
         errors={code.name: 1 for code in P.ErrorCode},
@@ -443,13 +446,15 @@ def test_daemonset_paths_probes_and_ports_agree_with_its_config(tmp_path):
 def test_the_unit_gives_the_default_caps_their_descriptors():
     # Issue 11 item 2: the unit set no LimitNOFILE, so the daemon ran with 1,024 descriptors.
     from kvtierd.config import BY_NAME
+    from kvtierd.contract.region_format import WRITER_SLOTS
     from kvtierd.daemon import FD_RESERVE, fit_fd_caps
     unit = (DEPLOY / "systemd" / "kvtierd.service").read_text()
     limit = int(re.search(r"^LimitNOFILE=(\d+)$", unit, re.M).group(1))
-    caps = (BY_NAME["max_connections"].default_value(), BY_NAME["max_sessions"].default_value())
-    assert fit_fd_caps(limit, *caps) == caps and limit >= sum(caps) + FD_RESERVE
-    connections, sessions = fit_fd_caps(1024, *caps)      # a low hard limit: caps shrink to fit it
-    assert connections + sessions + FD_RESERVE <= 1024 and connections >= 256
+    # Issue 26 B: a writer gone with pages fenced holds a pidfd too (one per writer row at most).
+    caps = (BY_NAME["max_connections"].default_value(), BY_NAME["max_sessions"].default_value(), WRITER_SLOTS)
+    assert fit_fd_caps(limit, *caps[:2]) == caps and limit >= sum(caps) + FD_RESERVE
+    connections, sessions, rows = fit_fd_caps(1024, *caps[:2])      # a low hard limit: caps shrink to fit it
+    assert connections + sessions + rows + FD_RESERVE <= 1024 and connections >= 256 and rows >= 256
 
 
 # --- the systemd unit ------------------------------------------------------------------------
