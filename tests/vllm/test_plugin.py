@@ -37,7 +37,8 @@ from kvtier import NamespaceId  # noqa: E402
 from kvtier.integrations import vllm as plugin  # noqa: E402
 from kvtier.integrations.vllm.identity import ModelIdentity  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager  # noqa: E402
-from kvtier.integrations.vllm.settings import KvtierSettings, kvtier_key, namespace_id  # noqa: E402
+from kvtier.integrations.offload.keys import kvtier_key  # noqa: E402
+from kvtier.integrations.vllm.settings import KvtierSettings, namespace_id  # noqa: E402
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, LoadFailed  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -381,8 +382,7 @@ def test_on_the_plain_spec_path_a_failed_load_stops_the_engine_even_under_python
 
 def settled(manager) -> None:
     """Wait until the link thread has served everything queued before (it serves in order)."""
-    served = manager.link.submit(lambda client: None).wait(30)
-    assert served
+    manager.link.submit(lambda client: None).result(30)
 
 
 def test_a_full_region_is_not_offered_again(tier):
@@ -407,9 +407,16 @@ def test_a_full_region_is_not_offered_again(tier):
     assert manager.link.requests == requests and daemon.stats()["store_no_space_keys"] == 3
 
 
+def small_parts(monkeypatch, keys_per_part: int) -> None:
+    """kvtier jobs and lookups of at most ``keys_per_part`` keys (PART_KEYS where the manager's
+    bookkeeping uses it)."""
+    for module in ("jobs", "lookups"):
+        monkeypatch.setattr(f"kvtier.integrations.offload.{module}.PART_KEYS", keys_per_part)
+
+
 def test_large_transfers_are_split_into_several_kvtier_jobs(tier, monkeypatch):
     _, make_manager, make_worker = tier
-    monkeypatch.setattr("kvtier.integrations.vllm.manager.PART_KEYS", 3)
+    small_parts(monkeypatch, 3)
     manager = make_manager()
     worker, pages = make_worker()
     ks = keys("big", 8)
@@ -470,7 +477,7 @@ def test_the_batched_lookup_leases_its_hits_and_the_load_consumes_the_lease(tier
 
 def test_leases_of_a_load_split_into_jobs_follow_the_lookups_parts(tier, monkeypatch):
     daemon, make_manager, make_worker = tier
-    monkeypatch.setattr("kvtier.integrations.vllm.manager.PART_KEYS", 3)
+    small_parts(monkeypatch, 3)
     manager = make_manager()
     worker, pages = make_worker()
     ks = keys("parts", 8)
