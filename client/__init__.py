@@ -12,10 +12,10 @@ from kvtierd.contract.namespace import NamespaceId, Sharding
 from kvtierd.contract.paths import default_socket
 from kvtierd.contract.protocol import ErrorCode, StoreOutcome
 
-from .api import Client, JobResult, Lease, StoreDecision
+from .api import Client, Coordinator, JobResult, Lease, Rank, StoreDecision
 
 __all__ = [
-    "Client", "NamespaceId", "JobResult", "Lease", "StoreDecision", "StoreOutcome", "Sharding", "ErrorCode",
+    "Client", "Rank", "Coordinator", "NamespaceId", "JobResult", "Lease", "StoreDecision", "StoreOutcome", "Sharding", "ErrorCode",
     "default_socket",
     "KvtierError", "DaemonUnavailable", "AccessDenied", "DaemonError", "BadRequest", "VersionMismatch", "NotAttached",
     "LayoutMismatch", "Conflict", "UnknownJob", "NoSpace", "JobTimeout", "ShuttingDown", "JobAborted",

@@ -1,7 +1,8 @@
 """What the bench sections share: the plan of a run, key streams, machine facts, targets and
-ratios, the daemons they start (``kvtierd.launcher.DaemonProcess``), a rank copying blocks
-through the client (``BlockBench``), a rank storing at the protocol level (``RankChannel``), and
-the full region that eviction fills and recovery restarts."""
+ratios, the daemons they start (``kvtierd.launcher.DaemonProcess``) and the stop of their worker
+processes (``stop_processes``), a rank copying blocks through the client (``BlockBench``), a rank
+storing at the protocol level (``RankChannel``), and the full region that eviction fills and
+recovery restarts."""
 
 from __future__ import annotations
 
@@ -277,6 +278,20 @@ class RankChannel:
 
     def close(self) -> None:
         self.client.close()
+
+
+def stop_processes(workers: list, stop_message, timeout: float) -> None:
+    """Tell each worker process (``(process, its pipe)``) to stop, wait ``timeout`` for it, kill it
+    if it is still there."""
+    for _, conn in workers:
+        try:
+            conn.send(stop_message)
+        except OSError:
+            pass
+    for proc, _ in workers:
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
 
 
 def big_region(ctx: Context) -> DaemonProcess:

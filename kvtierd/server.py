@@ -39,7 +39,8 @@ With a second tier (``Store.tiering``), the companion's socket is in the poller 
 loop hands the tier its replies and its turn (``Tiering.pump``) at every wake-up and at least
 every 100 ms; an admin ``clear`` is answered once the tier said how it went (``Later``).
 
-Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
+Stopping (SIGTERM/SIGINT) drains: new jobs, new sessions and new leases (a lease promises a load,
+a new job) are refused with SHUTTING_DOWN (clients then wait for the daemon that follows),
 requests of jobs already open are still served, and the loop ends when no job is open any more
 (store copies in flight and loads) or ``drain_timeout`` passed, whichever comes first. Pages a
 writer may still copy into stay fenced in the region for the next daemon.
@@ -464,6 +465,8 @@ class Server:
         if "lease" not in msg:
             hits = self.store.lookup(session, keys)
             return P.LookupReply(hits, None, 0, 0, self.store.pending(session, keys, hits))
+        if self.stopping:      # a lease promises a load, a new job, which a stopping daemon refuses
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new leases")
         ttl = msg["ttl_ms"] / 1000 if "ttl_ms" in msg else None
         found = self.store.lease(session, msg["lease"], keys, ttl)
         return P.LookupReply(found.hits, found.lease, found.leased, round(found.ttl * 1000),

@@ -83,7 +83,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_JOB = 6       # commit/release/status of a job the daemon does not know
     NO_SPACE = 7          # the region (or its namespace table) cannot take the request at all
     TIMEOUT = 8           # the job ran past its deadline and was aborted
-    SHUTTING_DOWN = 9     # the daemon stopped accepting new jobs
+    SHUTTING_DOWN = 9     # the daemon is stopping: no new sessions, jobs or leases
     ABORTED = 10          # the job was aborted (failed vote, conflict, dead rank, ...)
     LIMIT = 11            # a protocol limit was exceeded (frame size, keys, key length)
     FORBIDDEN = 12        # the session's role may not do this (e.g. a coordinator voting)
