@@ -19,7 +19,7 @@ import pytest
 
 from kvtierd.tier.link import LinkBusy, LinkDown, Outcome, TierLink
 
-from .conftest import kill_engine, restart_engine, settings_for
+from .conftest import kill_engine, restart_engine, settings_for, write_key_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,7 +40,7 @@ class Node:
         self.region = region
         self.link = TierLink(f"ipc://{region.dir}/tier.sock", region.path, region.offset, region.data_bytes,
                              region.page_size, kind, settings, log_path=os.path.join(region.dir, "tier.log"),
-                             **link_kwargs)
+                             key_file=write_key_file(region.dir), **link_kwargs)
         self.link.start()
         self.wait_state("ready", 60)
 
@@ -198,7 +198,8 @@ def test_requests_beyond_max_inflight_are_refused_not_queued(nodes):
 def test_a_companion_that_cannot_reach_its_engine_says_so(make_region):
     region = make_region(pages=16, page_size=PAGE)
     link = TierLink(f"ipc://{region.dir}/tier.sock", region.path, region.offset, region.data_bytes, PAGE, "redis",
-                    {"nodes": "127.0.0.1:1", "timeout": 0.5}, restart_backoff=60)
+                    {"address": "127.0.0.1:1", "timeout": 0.5}, restart_backoff=60, key_file=write_key_file(region.dir),
+                    log_path=os.path.join(region.dir, "tier.log"))
     try:
         link.start()
         deadline = time.monotonic() + 30
@@ -209,5 +210,8 @@ def test_a_companion_that_cannot_reach_its_engine_says_so(make_region):
         assert link.last_error.code == "unavailable" and "CLUSTER SLOTS" in str(link.last_error)
         with pytest.raises(LinkDown):
             link.submit("exists", None, ns=NS_A, keys=[b"x"])
+        # The companion's own log says so too (it was silent: issue 27).
+        with open(os.path.join(region.dir, "tier.log")) as f:
+            assert "cannot open the redis backend" in f.read()
     finally:
         link.stop()

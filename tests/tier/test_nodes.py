@@ -33,7 +33,7 @@ from tests.integration.test_faults import wait_for
 from tests.integration.test_kvtierctl import ctl, ctl_json
 from tests.integration.test_tp_roundtrip import keys_for
 
-from .conftest import BACKENDS, start_engine
+from .conftest import NETWORKED, start_engine, write_key_file
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,7 +41,7 @@ SMALL = CacheSpec(num_blocks=16)                                         # 54 Ki
 BIG = CacheSpec(layers=4, num_blocks=48, row_shape=(16, 8192))           # 1 MiB blocks: 16 pages
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=NETWORKED)
 def tier(request):
     """(kind, a real engine) shared by the module's tests of that backend."""
     engine = start_engine(request.param)
@@ -50,17 +50,18 @@ def tier(request):
 
 
 @pytest.fixture
-def nodes(tier):
+def nodes(tier, tmp_path):
     """Factory: nodes(*extra_args, size=..., engine=...) → a ready daemon whose second tier is
-    ``tier``'s engine (or the one given)."""
+    ``tier``'s engine (or the one given), all sealing with one key (as a fleet's nodes do)."""
     kind, shared = tier
     started = []
+    key = write_key_file(str(tmp_path))
 
     def start(*args: str, size: str = "16MiB", low_watermark: float = 0.25, engine=None):
         engine = engine or shared
         d = new_daemon("--tier-backend", kind, "--tier-address", engine.address, "--tier-low-watermark",
                        str(low_watermark), "--tier-timeout", "0.5", "--tier-cooldown", "1",
-                       "--tier-restart-backoff", "0.5", *args, size=size)
+                       "--tier-restart-backoff", "0.5", "--tier-key-file", key, *args, size=size)
         started.append(d)
         d.start()
         wait_ready(d)

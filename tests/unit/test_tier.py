@@ -1,4 +1,5 @@
-"""kvtierd.tier without engines: extents of page chains, tier keys, the guard's breaker.
+"""kvtierd.tier without engines: extents of page chains, tier keys, seals, settings, the disk
+tier's record checksums, the guard's breaker and its log.
 
 The guard is driven by a scripted backend (a plain object answering the interface as told): it
 checks the guard's own state machine; the backends themselves are tested against real engines
@@ -35,7 +36,7 @@ def test_extents_refuse_a_length_the_pages_do_not_fit():
 def test_keyspaces_of_two_identities_never_share_a_key():
     a, b = Keyspace(b"model-a|bf16|16|replicated"), Keyspace(b"model-b|bf16|16|replicated")
     assert a.names([b"\x00\x01"]) == [a.prefix + "0001"]
-    assert a.prefix != b.prefix and a.prefix.startswith("kvt1/")
+    assert a.prefix != b.prefix and a.prefix.startswith("kvt2/")
     assert Keyspace(b"model-a|bf16|16|replicated").prefix == a.prefix     # stable across processes
     with pytest.raises(ValueError):
         Keyspace(b"")
@@ -64,9 +65,9 @@ class Scripted(Backend):
             raise step
         return step
 
-    def attach(self, memory): pass
-    def put(self, keys, blocks): return []
-    def get(self, keys, blocks): return []
+    def attach(self, memory, owner): pass
+    def put(self, keys, blocks, seals): return []
+    def get(self, keys, blocks, seals): return []
     def remove(self, keys): return 0
     def clear(self, prefix): return 0
     def health(self): pass
