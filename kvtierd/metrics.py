@@ -185,6 +185,19 @@ def tier_families(t: dict, gauge, counter, labelled) -> Iterator[Metric]:
     yield errors
     yield _histogram("kvtierd_tier_call_seconds", "Time from a tier request to its answer, by op.", "op",
                      t["call_seconds"])
+    yield labelled(CounterMetricFamily, "tier_seal_rejected_blocks", "Promoted blocks dropped because their seal "
+                   "failed, by why: mismatch (bytes, namespace or key not the ones sealed: planted, foreign, "
+                   "damaged or torn), other_key (sealed with another tier_key_file's key).", "reason",
+                   t["seal_rejected_blocks"])
+    disk = t["engine"] if t["engine"].get("engine") == "disk" else None
+    if disk is not None and "errors" in disk:
+        yield labelled(GaugeMetricFamily, "tier_disk_bytes", "The disk tier's bytes: used (by its blocks), "
+                       "allocated (preallocated on the filesystem), capacity (its setting).", "kind",
+                       {kind: disk[f"{kind}_bytes"] for kind in ("used", "allocated", "capacity")})
+        yield gauge("tier_disk_blocks", "Blocks the disk tier holds.", disk["blocks"])
+        yield labelled(CounterMetricFamily, "tier_disk_errors", "The disk tier's failures by cause (since its "
+                       "companion started): no_space, io_error, read_only, full (capacity or free floor reached, "
+                       "nothing to evict), slow (an I/O past tier_timeout), other.", "cause", disk["errors"])
 
 
 class CachedPage:
