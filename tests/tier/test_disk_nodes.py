@@ -17,9 +17,11 @@ its key, so a torn, foreign or mixed block cannot pass ``load_exact``.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tempfile
 import time
+import urllib.request
 
 import pytest
 
@@ -27,6 +29,7 @@ from kvtierd.launcher import DaemonProcess
 from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
 from tests.integration.ranks import RankProcess, all_call
 from tests.integration.test_faults import wait_for
+from tests.integration.test_kvtierctl import ctl_json
 from tests.integration.test_tp_roundtrip import keys_for
 
 from .conftest import DiskDir
@@ -110,6 +113,15 @@ def test_daemons_in_turns_share_only_the_directory_and_a_reboot_finds_every_bloc
     sb = tier_stats(b)
     assert sb["promoted_blocks"] == 12 and sb["promote_failed_blocks"] == 0
     assert sb["seal_rejected_blocks"] == {"mismatch": 0, "other_key": 0}
+    # kvtierctl status and the metrics show the disk tier.
+    wait_for(lambda: tier_stats(b)["engine"].get("blocks", 0) > 0, 10, "the companion's stats")
+    status = ctl_json(b, "status")["tier"]
+    assert status["backend"] == "disk" and status["disk_direct"] is True and status["disk_blocks"] >= 12, status
+    assert re.fullmatch("[0-9a-f]{8}", status["seal_key_id"]) and "no_space:0" in status["disk_errors"], status
+    page = urllib.request.urlopen(f"http://{b.stats()['metrics_address']}/metrics", timeout=10).read().decode()
+    for line in ('kvtierd_tier_seal_rejected_blocks_total{reason="mismatch"} 0.0', 'kvtierd_tier_disk_bytes{kind="used"}',
+                 'kvtierd_tier_disk_errors_total{cause="io_error"} 0.0', "kvtierd_tier_disk_blocks "):
+        assert line in page, line
     # Another model with the same keys and geometry never gets them.
     rc = ranks(1)
     connect(rc, b, "engine-c", SMALL, "another-model")
