@@ -59,3 +59,12 @@ def test_the_key_file_is_generated_private_and_read_back(tmp_path):
         os.chmod(path, 0o600)
         with pytest.raises(ValueError, match=why):
             load_key(path)
+
+
+def test_memory_of_any_byte_format_is_sealed_alike(memory):
+    """The companion's region mapping is a ctypes array (format '<B'); its seals are the bytes' seals."""
+    import ctypes
+    raw = (ctypes.c_ubyte * len(memory)).from_buffer_copy(memory)
+    view = memoryview(raw)
+    assert view.format == "<B"
+    assert seal_of(view, [[(0, 3000)]]).make(0) == seal_of(memory, [[(0, 3000)]]).make(0)
