@@ -52,8 +52,8 @@ import numpy as np
 
 from ..config import parse_size
 from .backend import Backend, Block, Owner, TierFailed, TierRejected, TierUnavailable
-from .diskformat import (RECORD, RECORD_VERSION, checksums, claim, digest_index, hole_records, keyspace_digest,
-                         name_digest, slot_bytes, supports_direct, whole)
+from .diskformat import (RECORD, block_records, claim, digest_index, hole_records, keyspace_digest, name_digest,
+                         slot_bytes, supports_direct, whole)
 from .diskindex import DiskIndex
 from .seal import Seals
 from .slabs import Slab
@@ -188,13 +188,16 @@ class DiskBackend(Backend):
         for other, slot in self.index.victims(max(need * 4, 64)):
             if len(reused) == need or room >= (need - len(reused)) * size:
                 break
-            victim = self.index.slabs[other]
-            self._drop(victim, np.array([slot]))
             if other == number:
                 reused.append(slot)
-            elif self._punch(victim, slot):
+                continue
+            victim = self.index.slabs[other]
+            self._drop(victim, np.array([slot]))
+            if self._punch(victim, slot):
                 room += victim.size
-        return np.array(reused, np.int64), room
+        reused_slots = np.array(reused, np.int64)
+        self._drop(self.index.slabs[number], reused_slots)
+        return reused_slots, room
 
     def _punch(self, slab: Slab, slot: int) -> bool:
         """Give a slot's space back (its record marks the hole for a restart)."""
@@ -325,18 +328,11 @@ class DiskBackend(Backend):
             return cause_of(exc)
 
     def _records(self, ok: list, keys: list[str], blocks) -> np.ndarray:
-        recs = np.zeros(len(ok), RECORD)
-        for j, (i, _, seal) in enumerate(ok):
-            recs[j]["digest"] = name_digest(keys[i])
-            recs[j]["ns"] = keyspace_digest(keys[i])
-            recs[j]["seal"] = seal
-            recs[j]["length"] = sum(n for _, n in blocks[i])
         with self.lock:
-            recs["seq"] = np.arange(self.index.clock + 1, self.index.clock + 1 + len(ok), dtype=np.uint64)
+            first = self.index.clock + 1
             self.index.clock += len(ok)
-        recs["version"] = RECORD_VERSION
-        recs["check"] = checksums(recs)
-        return recs
+        return block_records([keys[i] for i, _, _ in ok], [seal for _, _, seal in ok],
+                             [sum(n for _, n in blocks[i]) for i, _, _ in ok], first)
 
     def get(self, keys: list[str], blocks: Sequence[Block], seals: Seals) -> list[bool]:
         if not keys:
@@ -348,7 +344,8 @@ class DiskBackend(Backend):
                 hit[0].busy[hit[1]] += 1
         landed = [False] * len(keys)
         try:
-            landed = list(self.pool.map(lambda i: self._read_one(found[i], keys[i], blocks[i], seals, i),
+            seal_of = self._records_of(found, keys, blocks)
+            landed = list(self.pool.map(lambda i: self._read_one(found[i], seal_of[i], blocks[i], seals, i),
                                         range(len(keys))))
         finally:
             with self.lock:
@@ -363,21 +360,38 @@ class DiskBackend(Backend):
                         self._drop(slab, np.array([slot]))
         return landed
 
-    def _read_one(self, hit: tuple[Slab, int] | None, name: str, block: Block, seals: Seals, i: int) -> bool:
-        """Read one block into its pages; True once its record and its seal held."""
-        if hit is None:
+    def _records_of(self, found: list, keys: list[str], blocks) -> list[bytes | None]:
+        """The seal each found block's record gives, once the record is whole and names that
+        block with that length (None otherwise: the block is not read)."""
+        out: list[bytes | None] = [None] * len(found)
+        by_slab: dict[int, list[int]] = {}
+        for i, hit in enumerate(found):
+            if hit is not None:
+                by_slab.setdefault(id(hit[0]), []).append(i)
+        for items in by_slab.values():
+            slab = found[items[0]][0]
+            try:
+                records = slab.read_records([found[i][1] for i in items])
+            except OSError as exc:
+                self._count(cause_of(exc), f"reading records: {exc.strerror}")
+                continue
+            good = whole(records)
+            for j, i in enumerate(items):
+                if good[j] and bytes(records["digest"][j]) == name_digest(keys[i]) \
+                        and int(records["length"][j]) == sum(n for _, n in blocks[i]):
+                    out[i] = bytes(records["seal"][j])
+        return out
+
+    def _read_one(self, hit: tuple[Slab, int] | None, seal: bytes | None, block: Block, seals: Seals, i: int) -> bool:
+        """Read one block into its pages; True once its seal held."""
+        if seal is None:
             return False
-        slab, slot = hit
         try:
-            record = slab.read_records([slot])
-            if not (whole(record)[0] and bytes(record["digest"][0]) == name_digest(name)
-                    and int(record["length"][0]) == sum(n for _, n in block)):
-                return False
-            self._timed(slab.read_block, slot, self.memory, block)
+            self._timed(hit[0].read_block, hit[1], self.memory, block)
         except OSError as exc:
             self._count(cause_of(exc), f"reading a block: {exc.strerror}")
             return False
-        return seals.check(i, bytes(record["seal"][0]))
+        return seals.check(i, seal)
 
     def remove(self, keys: list[str]) -> int:
         with self.lock:

