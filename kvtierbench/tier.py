@@ -33,8 +33,10 @@ reply) against a lookup of the same K keys once they are stored locally; p50 of
 until a lookup no longer reports them pending (the check's round trip through the companion and
 the engine; every tenth batch), for information.
 
-Both nodes run the daemon as shipped (a tier companion process each). Run it alone with
-``kvtierctl bench --only tier`` or ``python -m kvtierbench.tier [--quick] [--engine E]``.
+Both nodes run the daemon as shipped (a tier companion process each), sealing with one key (as a
+fleet's nodes do). The disk backend ("disk") is node-local: one node demotes and promotes, against
+O_DIRECT on the same filesystem (``kvtierbench.disktier``). Run it alone with ``kvtierctl bench
+--only tier`` or ``python -m kvtierbench.tier [--quick] [--engine E]``.
 """
 
 from __future__ import annotations
@@ -51,15 +53,17 @@ import time
 
 import numpy as np
 
-from kvtierd.tier.backend import open_backend
+from kvtierd.tier.backend import Owner, open_backend
 from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tiering import identity
 
+from . import disktier
 from .harness import (DATA_PAGE, FULL, QUICK, BlockBench, Context, MiB, bench_daemon, bench_namespace, make_keys, pct,
                       region_size, say, target)
 
-ENGINES = ("mooncake", "redis")
+ENGINES = ("mooncake", "redis", "disk")
+OWNER = Owner("kvtierbench", "")          # the raw floors' own clients: no directory to claim
 LOOKUP_PAGE = 4096
 # A pause before each timed lookup, as between an engine's scheduler steps. Timed right after
 # a burst of lookups polling for the tier's answer, a 1-key miss took 574 us against 194 us after
@@ -105,8 +109,8 @@ class RawMooncake:
     """Mooncake's own zero-copy batch API from/into one contiguous registered buffer."""
 
     def __init__(self, engine, buffer: Buffer):
-        self.backend = open_backend("mooncake", master=engine.address, timeout=30.0)
-        self.backend.attach(memoryview(buffer.map))
+        self.backend = open_backend("mooncake", engine.address, timeout=30.0)
+        self.backend.attach(memoryview(buffer.map), OWNER)
 
     def put_get(self, n: int, size: int, keys: list[str]) -> tuple[float, float]:
         store, base, config = self.backend.store, self.backend.base, self.backend.config
@@ -136,7 +140,7 @@ class RawRedis:
         self.buffer = buffer
         self.client = PyCluster(startup_nodes=[ClusterNode(h, int(p)) for h, p in
                                                (a.split(":") for a in engine.address.split(","))], socket_timeout=120)
-        self.cleaner = open_backend("redis", nodes=engine.address, timeout=30.0)   # SCAN + UNLINK per primary
+        self.cleaner = open_backend("redis", engine.address, timeout=30.0)   # SCAN + UNLINK per primary
 
     def put_get(self, n: int, size: int, keys: list[str]) -> tuple[float, float]:
         view = memoryview(self.buffer.map)
@@ -180,13 +184,24 @@ def engine_version(kind: str, engine) -> str:
 
 
 # ------------------------------------------------------------------------------------------ nodes
-def tier_flags(kind: str, engine, *more: str) -> tuple[str, ...]:
+def tier_flags(ctx: Context, kind: str, engine, *more: str) -> tuple[str, ...]:
     return ("--tier-backend", kind, "--tier-address", engine.address, "--tier-data-timeout", "120",
-            "--tier-kill-after", "60", "--tier-timeout", "5", *more)
+            "--tier-kill-after", "60", "--tier-timeout", "5", "--tier-key-file", key_file(ctx), *more)
+
+
+def key_file(ctx: Context) -> str:
+    """The key every node of the run seals with (generated once, mode 0600)."""
+    path = ctx.path("tier.key")
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode())
+        os.close(fd)
+    return path
 
 
 def start_node(ctx: Context, name: str, kind: str, engine, pages: int, page_size: int, *more: str):
-    daemon = bench_daemon(ctx.path(name), region_size(pages, page_size), page_size, *tier_flags(kind, engine, *more))
+    daemon = bench_daemon(ctx.path(name), region_size(pages, page_size), page_size,
+                          *tier_flags(ctx, kind, engine, *more))
     daemon.start()
     deadline = time.monotonic() + 120
     while daemon.stats()["tier"]["state"] != "ready":
@@ -382,9 +397,14 @@ def engine_rows(ctx: Context, kind: str) -> tuple[list[dict], list[dict], str]:
 
 
 def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
-    rows, lookups, notes, skipped = [], [], [], []
+    rows, lookups, notes, skipped, restart = [], [], [], [], []
     for kind in engines:
         try:
+            if kind == "disk":
+                got, restart, version = disktier.rows(ctx)
+                rows += got
+                notes.append(version)
+                continue
             got, lat, version = engine_rows(ctx, kind)
         except (EngineUnavailable, ImportError) as exc:
             skipped.append(f"{kind}: {exc}")
@@ -399,7 +419,13 @@ def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
               for r in rows for what in ("demote_vs_raw_put", "promote_vs_raw_get")}
     ratios.update({f"{r['engine']}_lookup_{r['keys']}_miss_vs_local": r["miss_vs_local"] for r in lookups})
     targets = []
-    for kind in dict.fromkeys(r["engine"] for r in rows):
+    disk = [r for r in rows if r["engine"] == "disk"]
+    if disk:
+        ratios.update({f"disk_{r['blocks']}x{r['block_bytes'] >> 10}KiB_{what}": r[what] for r in disk
+                       for what in ("lookup_pending_vs_local", "lookup1_pending_vs_local")})
+        ratios["disk_restart_first_block_ready_s"] = restart[0]["first_block_ready_s"]
+        targets += disktier.targets(disk, restart)
+    for kind in dict.fromkeys(r["engine"] for r in rows if r["engine"] != "disk"):
         mine = [r for r in rows if r["engine"] == kind]
         targets += [target(f"tier {kind}: demote vs the engine's raw put, blocks/s (worst block size)",
                            min(r["demote_vs_raw_put"] for r in mine), 0.8, "higher"),
@@ -408,14 +434,21 @@ def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
         targets.append(target(f"tier {kind}: lookup-miss p50 vs a local lookup of the same keys (worst key count)",
                               max(r["miss_vs_local"] for r in lookups if r["engine"] == kind), 2, "lower"))
     notes += [f"skipped {s}" for s in skipped]
-    notes.append("raw: the engine's own client in this process (Mooncake batch_put_from/batch_get_into on one "
-                 "registered buffer; Redis: redis-py cluster pipeline, GET values copied into place). demote: node A's "
-                 "daemon writes its N blocks X to the tier in one put once a store takes its last free pages, X "
-                 "its only READY blocks then (the put's round trip, timed by the daemon; the engine then holds all "
-                 "of X); promote: node B, first lookup to all N READY (existence check, allocation, "
-                 "get into the region, READY), then loaded and checked. Both through each daemon's tier companion. "
-                 "Fresh keys every repetition; median of the repetitions after a warm-up")
-    return {"rows": rows, "more": {"lookup": lookups}, "ratios": ratios, "targets": targets, "notes": notes}
+    if len(disk) < len(rows):
+        notes.append("raw: the engine's own client in this process (Mooncake batch_put_from/batch_get_into on one "
+                     "registered buffer; Redis: redis-py cluster pipeline, GET values copied into place). demote: node "
+                     "A's daemon writes its N blocks X to the tier in one put once a store takes its last free pages, "
+                     "X its only READY blocks then (the put's round trip, timed by the daemon; the engine then holds "
+                     "all of X); promote: node B, first lookup to all N READY (existence check, allocation, get into "
+                     "the region, READY), then loaded and checked. Both through each daemon's tier companion. Fresh "
+                     "keys every repetition; median of the repetitions after a warm-up")
+    if disk:
+        notes.append("disk: one node demotes N blocks X to its disk tier and promotes them back, against the same "
+                     "blocks written and read with O_DIRECT in the same directory (the faster of one stream and "
+                     f"{disktier.IO_THREADS}); lookups of keys held only on disk against the same keys READY; a "
+                     "restart on a directory of R blocks to the first disk block READY (kvtierbench/disktier.py)")
+    return {"rows": rows, "more": {"lookup": lookups, "disk lookup": disk, "disk restart": restart}, "ratios": ratios,
+            "targets": targets, "notes": notes}
 
 
 def main(argv: list[str] | None = None) -> int:
