@@ -12,9 +12,8 @@ median of the repetitions after a warm-up, the floor and the node taking turns a
              batch), then read back the same way: as one sequential stream, and as ``io_threads``
              streams each over a contiguous share (what the tier's thread pool does); the faster
              of the two in each direction is the floor
-``demote``   node A (a kvtierd whose region holds 2N blocks, ``tier_low_watermark`` 0.5) holds N
-             blocks X; a store of N more takes its last free pages, so it demotes X in one put
-             (as ``kvtierbench.tier``), timed by the daemon: the put's round trip
+``demote``   node A (a kvtierd whose region holds 2N blocks, ``tier_low_watermark`` 0.5) demotes
+             its N blocks X in one put, timed by the daemon (``kvtierbench.tiernode.demote_x``)
 ``promote``  the store's blocks evicted locally (nothing else is written while X comes back), the
              first lookup of X (pending N: X is held only on disk) to all N READY, timed as the
              engine sees it; then X is loaded and checked
@@ -49,6 +48,7 @@ from kvtierd.tiering import identity
 
 from .harness import (DATA_PAGE, BlockBench, Context, bench_daemon, bench_namespace, make_keys, pct, region_size, say,
                       target)
+from .tiernode import demote_x, promote_x, timed_lookup
 
 IO_THREADS = 4                    # the disk tier's default io_threads
 IDLE = 0.003                      # a pause before each timed lookup, as between scheduler steps
@@ -113,68 +113,21 @@ class RawDirect:
 
 
 # ------------------------------------------------------------------------------------------ the node
-def wait_stat(daemon, ok, what: str, timeout: float = 300.0, every: float = 0.005) -> dict:
+def wait_ready(daemon, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
-    while not ok(tier := daemon.stats()["tier"]):
+    while daemon.stats()["tier"]["state"] != "ready":
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: {tier}")
-        time.sleep(every)
-    return tier
-
-
-def put_seconds(tier: dict) -> float:
-    hist = tier["call_seconds"].get("put")
-    return hist["sum"] if hist else 0.0
-
-
-def timed_lookup(bench: BlockBench, keys: list[bytes]):
-    time.sleep(IDLE)
-    t0 = time.perf_counter()
-    reply = bench.client.lookup_detail(keys)
-    return reply, time.perf_counter() - t0
+            raise RuntimeError(f"the tier companion did not start: {daemon.stats()['tier']}")
+        time.sleep(0.001)
 
 
 def rep(a, bench: BlockBench, n: int, seed: int, ns_name: str) -> dict:
     """One repetition: X demoted (timed by the daemon), looked up while only on disk, promoted
     (timed), looked up READY, loaded and checked."""
-    a.call("clear", admin=True, namespace=ns_name)
-    ids = np.arange(n)
-    x, trigger = make_keys(seed, n), make_keys(seed + 1, n)
-    job = next(bench.jobs)
-    bench.client.store(job, x, ids)
-    (done,) = bench.client.wait([job])
-    if not done.ok:
-        raise RuntimeError(f"store of X failed: {done}")
-    before = a.stats()["tier"]
-    job = next(bench.jobs)
-    bench.client.channel.call("store", job=job, keys=trigger)
-    wait_stat(a, lambda t: t["demoting_blocks"] + t["demoted_blocks"] - before["demoted_blocks"] >= n,
-              "node A did not take X to demote", every=0.001)
-    bench.client.channel.call("commit", job=job, ok=True)
-    after = wait_stat(a, lambda t: t["demoted_blocks"] >= before["demoted_blocks"] + n, "X was not demoted")
-    if sum(after["demote_dropped_blocks"].values()) != sum(before["demote_dropped_blocks"].values()):
-        raise RuntimeError(f"node A dropped blocks instead of demoting them: {after}")
+    x, ids, demote = demote_x(a, bench, n, seed, ns_name)
     a.call("evict", admin=True, namespace=ns_name, count=n)      # the trigger's blocks: local only
-    rows = bench.kv.numpy()
-    rows[:, :8] = 0xFF
-    first, pending_s = timed_lookup(bench, x)
-    t0 = time.perf_counter() - pending_s
-    if (first.hits, first.pending) != (0, n):
-        raise RuntimeError(f"the first lookup of X answered {first}, not 0 hits and {n} pending")
-    while bench.client.lookup_detail(x).hits < n:
-        time.sleep(0.0005)
-        if time.perf_counter() - t0 > 300:
-            raise RuntimeError(f"X was not promoted: {a.stats()['tier']}")
-    promote = time.perf_counter() - t0
-    ready, local_s = timed_lookup(bench, x)
-    job = next(bench.jobs)
-    hits = bench.client.load(job, x, ids)
-    (loaded,) = bench.client.wait([job])
-    if ready.hits != n or not loaded.ok or hits != n or not np.array_equal(rows[:, :8].view("<u8").ravel(),
-                                                                          ids.astype("<u8")):
-        raise RuntimeError("node A loaded other bytes than it demoted")
-    return {"demote": put_seconds(after) - put_seconds(before), "promote": promote, "pending_n": pending_s,
-            "local_n": local_s, "x": x}
+    got = promote_x(a, bench, x, ids, IDLE)
+    return {"demote": demote, "promote": got["promote"], "pending_n": got["pending"], "local_n": got["local"], "x": x}
 
 
 def single_key_lookups(a, bench: BlockBench, keys: list[bytes], ns_name: str) -> tuple[list, list]:
@@ -182,13 +135,13 @@ def single_key_lookups(a, bench: BlockBench, keys: list[bytes], ns_name: str) ->
     a.call("evict", admin=True, namespace=ns_name, count=len(keys))
     pending, local = [], []
     for key in keys:
-        reply, took = timed_lookup(bench, [key])
+        reply, took = timed_lookup(bench, [key], IDLE)
         if (reply.hits, reply.pending) != (0, 1):
             raise RuntimeError(f"a key held only on disk looked up alone answered {reply}")
         pending.append(took)
         while bench.client.lookup_detail([key]).pending:
             time.sleep(0.0002)
-        reply, took = timed_lookup(bench, [key])
+        reply, took = timed_lookup(bench, [key], IDLE)
         if reply.hits != 1:
             raise RuntimeError("a promoted key is not a hit")
         local.append(took)
@@ -206,7 +159,7 @@ def size_row(ctx: Context, root: str, n: int, size: int) -> dict:
     raw = RawDirect(root, n, size)
     bench = None
     try:
-        wait_stat(a, lambda t: t["state"] == "ready", "the tier companion did not start", timeout=120)
+        wait_ready(a)
         bench = BlockBench(a, size, n, name)
         ns_name = bench_namespace(name, size).name()
         runs: dict[str, list] = {"raw": [], "node": [], "floors": []}
@@ -296,7 +249,7 @@ def restart_row(ctx: Context, root: str, count: int) -> dict:
     try:
         launched = time.perf_counter()
         serving = d.start()
-        wait_stat(d, lambda t: t["state"] == "ready", "the companion did not start", timeout=120, every=0.001)
+        wait_ready(d)
         ready_s = time.perf_counter() - launched
         bench = BlockBench(d, RESTART_BLOCK, 1, "tier-disk-restart")
         probe = [keys[count // 2]]

@@ -11,16 +11,9 @@ raw floor and the daemons taking turns at going first:
              Redis Cluster through redis-py's ``RedisCluster`` pipeline (SET of each block, GET of
              each block copied into its place, as a KV library must)
 ``demote``   node A (a kvtierd whose region holds exactly 2N blocks, ``tier_low_watermark`` 0.5)
-             holds N blocks X; a store of N more takes the last free pages, so the daemon demotes
-             its N first victims at once, in one put. The store is committed only once A has
-             taken them: X are then its only READY blocks, so its victims are X whatever order
-             the policy gives them (committed earlier, the store's own blocks are victims too,
-             and slru ranks a block whose key its sketch remembers — a false positive does that
-             to a fresh key — after them: one of X stayed on A and a block of the store went to
-             the tier in its place). Timed by the daemon itself: its put's round trip through
-             the companion (``kvtierd_tier_call_seconds{op="put"}``), read once A counts all N
-             demoted (asking for stats every few milliseconds would compete for the CPU with
-             what it measures); then the engine is asked whether it holds all of X
+             demotes its N blocks X in one put, timed by the daemon itself
+             (``kvtierbench.tiernode.demote_x``, which says how X are made its only victims);
+             then the engine is asked whether it holds all of X
 ``promote``  node B (another kvtierd on the same engine) is asked for X: timed from the first
              lookup (pending N) to the lookup that finds all N READY (asked every 0.5 ms): the
              existence check, the pages, the get into them, READY. B then loads X and every block
@@ -59,6 +52,7 @@ from kvtierd.tier.keys import Keyspace
 from kvtierd.tiering import identity
 
 from . import disktier
+from .tiernode import demote_x, promote_x
 from .harness import (DATA_PAGE, FULL, QUICK, BlockBench, Context, MiB, bench_daemon, bench_namespace, make_keys, pct,
                       region_size, say, target)
 
@@ -211,77 +205,15 @@ def start_node(ctx: Context, name: str, kind: str, engine, pages: int, page_size
     return daemon
 
 
-def wait_counter(daemon, name: str, value: int, timeout: float = 300.0) -> dict:
-    """Poll the daemon's tier counter until it reaches ``value``; returns the tier's stats then."""
-    deadline = time.monotonic() + timeout
-    while (tier := daemon.stats()["tier"])[name] < value:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} stayed below {value}: {tier}")
-        time.sleep(0.005)
-    return tier
-
-
-def call_seconds(tier: dict, op: str) -> float:
-    hist = tier["call_seconds"].get(op)
-    return hist["sum"] if hist else 0.0
-
-
-def taken(daemon, since: int, n: int, timeout: float = 60.0) -> None:
-    """Wait until the daemon has taken ``n`` blocks for demotion (in its put, or done) since its
-    ``demoted_blocks`` was ``since``. Its loop does that at its next turn, so the first ask
-    nearly always finds them."""
-    deadline = time.monotonic() + timeout
-    while (tier := daemon.stats()["tier"])["demoting_blocks"] + tier["demoted_blocks"] - since < n:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"node A did not take {n} blocks to demote: {tier}")
-        time.sleep(0.001)
-
-
 def demote_promote(a, b, bench_a: BlockBench, bench_b: BlockBench, n: int, seed: int, ns_name: str,
                    raw, keyspace: Keyspace) -> tuple[float, float]:
     """One repetition: X demoted from A (timed), then promoted into B (timed) and checked."""
-    for node in (a, b):                         # both regions and the namespace in the tier empty
-        node.call("clear", admin=True, namespace=ns_name)
-    ids = np.arange(n)
-    x, trigger = make_keys(seed, n), make_keys(seed + 1, n)
-    job = next(bench_a.jobs)
-    bench_a.client.store(job, x, ids)
-    (done,) = bench_a.client.wait([job])
-    if not done.ok:
-        raise RuntimeError(f"store of X on node A failed: {done}")
-    before = a.stats()["tier"]
-    job = next(bench_a.jobs)                    # takes the last free pages: no copy, only the allocation
-    bench_a.client.channel.call("store", job=job, keys=trigger)
-    # Committed only once A has taken its victims: X, its only READY blocks until then. Committed
-    # before A's loop came round to it, the trigger's blocks would be victims too, and the policy
-    # may rank one of them before one of X (module docstring, "demote").
-    taken(a, before["demoted_blocks"], n)
-    bench_a.client.channel.call("commit", job=job, ok=True)
-    after = wait_counter(a, "demoted_blocks", before["demoted_blocks"] + n)
-    demote = call_seconds(after, "put") - call_seconds(before, "put")
-    dropped = sum(after["demote_dropped_blocks"].values())
-    if dropped:
-        raise RuntimeError(f"node A dropped {dropped} blocks instead of demoting them")
+    b.call("clear", admin=True, namespace=ns_name)            # B's region empty too
+    x, ids, demote = demote_x(a, bench_a, n, seed, ns_name)
     held = raw.holds(keyspace.names(x))
     if held != n:
         raise RuntimeError(f"node A demoted {n} blocks but the tier holds {held} of the {n} of X")
-    rows = bench_b.kv.numpy()
-    rows[:, :8] = 0xFF
-    t0 = time.perf_counter()
-    first = bench_b.client.lookup_detail(x)
-    if (first.hits, first.pending) != (0, n):
-        raise RuntimeError(f"node B's first lookup: {first}, expected 0 hits and {n} pending")
-    while bench_b.client.lookup_detail(x).hits < n:
-        time.sleep(0.0005)
-        if time.perf_counter() - t0 > 300:
-            raise RuntimeError(f"node B did not promote X: {b.stats()['tier']}")
-    promote = time.perf_counter() - t0
-    job = next(bench_b.jobs)
-    hits = bench_b.client.load(job, x, ids)
-    (loaded,) = bench_b.client.wait([job])
-    if not loaded.ok or hits != n or not np.array_equal(rows[:, :8].view("<u8").ravel(), ids.astype("<u8")):
-        raise RuntimeError("node B loaded other bytes than node A stored")
-    return demote, promote
+    return demote, promote_x(b, bench_b, x, ids)["promote"]
 
 
 def lookup_latency(ctx: Context, kind: str, engine, batches: int, sizes: tuple[int, ...]) -> list[dict]:

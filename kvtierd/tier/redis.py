@@ -87,9 +87,10 @@ class RedisClusterBackend(Backend):
         argc = 3 + len(self.ttl)
         tail = command(*self.ttl)[1:] if self.ttl else []
         calls = []
-        for i, (k, block) in enumerate(zip(map(str.encode, keys), blocks)):
+        sealed = seals.make_all(range(len(keys)))
+        for k, block, seal in zip(map(str.encode, keys), blocks, sealed):
             head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n" % (argc, len(k), k)
-            value = [*self._views(block), memoryview(seals.make(i))]
+            value = [*self._views(block), memoryview(seal)]
             calls.append((key_slot(k), [head, *bulk_from(value), *tail], read_reply))
         return [r == "OK" for r in self._outcome(self.cluster.execute(calls), "put")]
 
@@ -103,8 +104,12 @@ class RedisClusterBackend(Backend):
             want.append(sum(n for _, n in block) + SEAL_BYTES)
             calls.append((key_slot(k), command("GET", k), lambda conn, v=views: conn.read_into(v)))
         results = self._outcome(self.cluster.execute(calls), "get")
-        return [r == w and seals.check(i, trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES])
-                for i, (r, w) in enumerate(zip(results, want))]
+        whole = [i for i, (r, w) in enumerate(zip(results, want)) if r == w]
+        held = seals.check_all([(i, trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]) for i in whole])
+        landed = [False] * len(keys)
+        for i, ok in zip(whole, held):
+            landed[i] = ok
+        return landed
 
     def remove(self, keys: list[str]) -> int:
         if not keys:

@@ -38,6 +38,8 @@ import hmac
 import os
 import stat
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import blake3
@@ -47,6 +49,19 @@ KEY_ID_BYTES = 4
 MIN_KEY_BYTES = 32
 LABEL = b"kvtierd-seal-1"
 REASONS = ("mismatch", "other_key")
+# Threads that hash a batch's blocks for a backend without threads of its own (Redis, Mooncake);
+# BLAKE3 releases the GIL, so they run on as many cores as there are.
+HASH_THREADS = min(8, os.cpu_count() or 2)
+_hashers: ThreadPoolExecutor | None = None
+_hashers_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _hashers
+    with _hashers_lock:
+        if _hashers is None:
+            _hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="seal")
+        return _hashers
 
 Extent = tuple[int, int]
 
@@ -156,6 +171,14 @@ class Seals:
             self.failed[i] = "mismatch"
             return False
         return True
+
+    def make_all(self, indices: Sequence[int]) -> list[bytes]:
+        """The seals of blocks ``indices``, hashed on ``HASH_THREADS`` threads at once."""
+        return list(_pool().map(self.make, indices))
+
+    def check_all(self, seals: Sequence[tuple[int, bytes | memoryview]]) -> list[bool]:
+        """``check`` of each (block, seal), on ``HASH_THREADS`` threads at once."""
+        return list(_pool().map(lambda item: self.check(*item), seals))
 
     def rejected(self) -> dict[str, int]:
         """Blocks whose check failed, by reason."""

@@ -33,6 +33,8 @@ from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluste
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tier.seal import SealKey, Sealer, Seals
 
+from .mounts import Mount, MountUnavailable
+
 NETWORKED = ("mooncake", "redis")        # engines shared by several nodes
 BACKENDS = NETWORKED + ("disk",)
 KEY = SealKey(bytes(range(32)))
@@ -91,6 +93,14 @@ def move(b, op: str, ks: Keyspace, keys: list[bytes], region, pages, length: int
     """``b.put``/``b.get`` of ``keys`` at ``pages`` (blocks × pages of ``region``), sealed."""
     extents = page_extents(np.asarray(pages), region.page_size, length)
     return getattr(b, op)(ks.names(keys), extents, seals(ks, keys, region.memory, extents))
+
+
+@pytest.fixture
+def disk():
+    """A fresh disk tier directory, removed at teardown."""
+    d = DiskDir()
+    yield d
+    d.stop()
 
 
 @pytest.fixture(params=NETWORKED)
@@ -191,3 +201,21 @@ def restart_engine(kind: str, e) -> None:
         for i in range(len(e.ports)):
             e.start_node(i)
         e.wait_ok()
+
+
+@pytest.fixture
+def mount():
+    """Factory: mount(kind, size_mib) → a real small filesystem (``mounts.Mount``), unmounted at
+    teardown; the test skips, saying why, where mounting is not allowed."""
+    made: list[Mount] = []
+
+    def make(kind: str, size_mib: int) -> Mount:
+        try:
+            made.append(Mount(kind, size_mib))
+        except MountUnavailable as exc:
+            pytest.skip(f"cannot mount a test filesystem here: {exc}")
+        return made[-1]
+
+    yield make
+    for m in made:
+        m.close()

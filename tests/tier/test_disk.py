@@ -22,8 +22,7 @@ from kvtierd.tier.diskformat import FORMAT_FILE, RECORD, checksums, name_digest
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tier.seal import SealKey
 
-from .conftest import OWNER, DiskDir, move, seals
-from .mounts import Mount, MountUnavailable
+from .conftest import OWNER, move, seals
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,13 +31,6 @@ LENGTH = 3 * PAGE - 123          # three pages, the last partly used: a tail thr
 SLOT = 3 * PAGE                  # its slot: the extents rounded up to 4 KiB
 NS = Keyspace(b"model-disk|bf16|16|49029|replicated")
 OTHER = Keyspace(b"model-other|bf16|16|49029|replicated")
-
-
-@pytest.fixture
-def disk():
-    d = DiskDir()
-    yield d
-    d.stop()
 
 
 @pytest.fixture
@@ -289,22 +281,6 @@ def test_two_slot_sizes_share_the_capacity(disk, region):
 
 
 # ------------------------------------------------------------------------------------------ bad disks
-@pytest.fixture
-def mount():
-    made: list[Mount] = []
-
-    def make(kind: str, size_mib: int) -> Mount:
-        try:
-            made.append(Mount(kind, size_mib))
-        except MountUnavailable as exc:
-            pytest.skip(f"cannot mount a test filesystem here: {exc}")
-        return made[-1]
-
-    yield make
-    for m in made:
-        m.close()
-
-
 def test_a_full_filesystem_is_counted_and_refused(mount, region, caplog):
     fs = mount("tmpfs", 8)
     with open(os.path.join(fs.path, "hog"), "wb") as f:          # someone else fills the disk

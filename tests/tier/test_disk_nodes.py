@@ -32,18 +32,9 @@ from tests.integration.test_faults import wait_for
 from tests.integration.test_kvtierctl import ctl_json
 from tests.integration.test_tp_roundtrip import keys_for
 
-from .conftest import DiskDir
 from .daemons import BIG, SMALL, connect, fill, load_exact, promote, region_check, store, tier_stats, wait_ready
-from .mounts import Mount, MountUnavailable
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def disk():
-    d = DiskDir()
-    yield d
-    d.stop()
 
 
 @pytest.fixture
@@ -206,22 +197,6 @@ def test_a_sigkill_mid_write_leaves_every_block_exact_or_dropped(disk, disk_node
 
 
 # ------------------------------------------------------------------------------------------ bad disks
-@pytest.fixture
-def mount():
-    made: list[Mount] = []
-
-    def make(kind: str, size_mib: int) -> Mount:
-        try:
-            made.append(Mount(kind, size_mib))
-        except MountUnavailable as exc:
-            pytest.skip(f"cannot mount a test filesystem here: {exc}")
-        return made[-1]
-
-    yield make
-    for m in made:
-        m.close()
-
-
 def serves_from_ram(procs: list[RankProcess], first_job: int, rounds: int = 3) -> None:
     for i in range(rounds):
         keys = keys_for(f"ram-{first_job}-{i}", 16)
