@@ -215,7 +215,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Cluster nodes as HOST:PORT,HOST:PORT (seeds), or the disk tier's directory on a local filesystem."),
     Setting("tier_settings", "json", "{}", "The backend's further settings as a JSON object (a TOML inline table in "
             "the config file), e.g. {\"protocol\": \"tcp\", \"device\": \"\"} for Mooncake, {\"ttl_s\": 3600} for "
-            "Redis, {\"capacity\": \"50%\", \"free_floor\": \"5%\"} for disk; docs/operations.md lists them. A key "
+            "Redis, {\"capacity\": \"2TiB\"} for disk; docs/operations.md lists them. A key "
             "the backend does not take is an error at start."),
     Setting("tier_key_file", "str", "", "File of the key (64 hex digits, mode 0600) that seals every block in the "
             "second tier, checked before a promoted block becomes READY; generated when the file does not exist. "
