@@ -24,8 +24,8 @@ straight into its pages and its seal checked there; a block that fails (seal, ch
 error) is dropped from the index and its record cleared.
 
 Restart: ``attach`` claims the directory and loads every slab's records at once
-(``diskindex.DiskIndex``: checksums and index vectorised), so a million blocks are found again
-in about a second; a torn or damaged record is dropped and counted (``dropped_records``).
+(``diskindex.DiskIndex``: checksums and index vectorised, no Python object per record); a torn
+or damaged record is dropped and counted (``dropped_records``).
 
 Bad disks never hang the daemon (its loop only ever waits on the companion's socket) and never
 stop it serving from RAM: a failed write or read fails its blocks and is counted by cause

@@ -55,8 +55,9 @@ class DiskIndex:
         """A slab's records: the whole ones fill its slots (a hole record marks a punched slot);
         a digest found twice (a block written again after a crash) keeps its newest record.
         Returns the slab's digest indexes, sorted, and their locations. Column-wise throughout:
-        1,000,000 records load in 0.4-0.7 s on this loaded 2-CPU machine (a lexsort, np.unique of
-        the namespace digests and a fancy-indexed copy of the records took 1.1-1.5 s)."""
+        1,000,000 records load in 1.0-1.3 s on this 2-CPU machine at a load average of 9.7 from
+        other sessions (with a lexsort, np.unique of the namespace digests and a fancy-indexed
+        copy of the records: 1.1-1.5 s at a load of 5)."""
         slab = self.slabs[number]
         records = slab.load()
         written = whole(records)
