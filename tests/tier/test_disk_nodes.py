@@ -8,7 +8,7 @@ its key, so a torn, foreign or mixed block cannot pass ``load_exact``.
 
 | what | test |
 |---|---|
-| two daemons in turns sharing nothing but the disk directory, the first "rebooted": every block promoted byte-exact; another namespace never gets them; a daemon of another name is refused, serves from RAM and says why | test_daemons_in_turns_share_only_the_directory_and_a_reboot_finds_every_block |
+| two daemons in turns sharing nothing but the disk directory, the first "rebooted": every block promoted byte-exact; another namespace never gets them; kvtierctl status, /metrics and kvtierctl clear with the disk; a daemon of another name is refused, serves from RAM and says why | test_daemons_in_turns_share_only_the_directory_and_a_reboot_finds_every_block |
 | the companion, or the daemon, SIGKILLed while demotes are being written: after a reboot every block is exact or gone (0 torn), and every block the daemon counted demoted is found | test_a_sigkill_mid_write_leaves_every_block_exact_or_dropped |
 | a full disk (tmpfs with size=): demotes refused and counted, the node keeps storing and loading from RAM | test_a_full_disk_leaves_the_node_serving_from_ram |
 | a read-only disk: promotes from it still work, demotes are refused and counted | test_a_read_only_disk_serves_promotes_and_refuses_demotes |
@@ -25,14 +25,16 @@ import urllib.request
 
 import pytest
 
+from kvtierd.contract.namespace import NamespaceId
 from kvtierd.launcher import DaemonProcess
 from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
 from tests.integration.ranks import RankProcess, all_call
 from tests.integration.test_faults import wait_for
-from tests.integration.test_kvtierctl import ctl_json
+from tests.integration.test_kvtierctl import ctl, ctl_json
 from tests.integration.test_tp_roundtrip import keys_for
 
-from .daemons import BIG, SMALL, connect, fill, load_exact, promote, region_check, store, tier_stats, wait_ready
+from .daemons import (BIG, SMALL, connect, fill, layout, load_exact, promote, region_check, store, tier_stats,
+                      wait_ready)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -119,6 +121,13 @@ def test_daemons_in_turns_share_only_the_directory_and_a_reboot_finds_every_bloc
     wait_for(lambda: rc[0].call("lookup_detail", keys=x) == {"hits": 0, "pending": 0}, 10, "a plain miss")
     assert tier_stats(b)["promoted_blocks"] == 12
     assert region_check(b)["ok"] and b.stats()["pages_fenced"] == 0
+    # kvtierctl clear of the namespace empties it on the disk too, and says how many blocks went.
+    name = NamespaceId(**layout(SMALL, "disk-model")).name()
+    said = ctl(b, "clear", "--namespace", name)
+    removed = re.search(r"; (\d+) blocks removed from the second tier", said)
+    assert removed and int(removed.group(1)) >= 12, said
+    time.sleep(1.1)                                             # past what B remembers as checked
+    wait_for(lambda: rb[0].call("lookup_detail", keys=x) == {"hits": 0, "pending": 0}, 10, "x gone from the disk")
     reboot(b, rb + rc)
     # A daemon of another name on the same directory is refused; it serves from its region anyway
     # and says why, once.
