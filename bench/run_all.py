@@ -367,11 +367,16 @@ that this one, at 3-4, missed.
   seals (issue 26 G), every value also moves a 32-byte seal as a second buffer (the multi-buffer
   API for every block), and the companion hashes every block: the before/after figures are in
   the second tier's section.
-- **Disk tier, restart with 1,000,000 blocks.** The end-to-end figure is the daemon's own start
-  (serving from its region, which never waits for the tier), then the companion's (a Python
-  process: numpy, zmq, blake3), then the index load; on this 2-CPU machine under a load average
-  of 5-7 from other sessions, numpy's sorts and gathers ran 2-5x slower than unloaded (an argsort
-  of a million u64 took 0.14-0.39 s). The index load alone is in the table."""
+- **Disk tier, demote and promote.** In an in-process profile the tier's O_DIRECT writes and reads
+  run at the raw floor's speed once its slots were written once (0.55-0.66 GB/s against
+  0.58-0.68 for 1 MiB blocks); the rest is CPU: each block's seal (hashed by the I/O threads
+  between their I/Os), the daemon's and the companion's per-batch work (the lookup, the existence
+  check, the promote job, two fdatasyncs per demote), on two CPUs that also run the bench's rank.
+  Over runs at load averages from 1 to 8.5, demote measured 0.73-1.07x and promote 0.58-1.00x the
+  raw floor. A first pass over new slots is slower again on ext4 (docs/tier.md, Known limits).
+- **Second tier with seals.** Every block is hashed on demote and on promote: the cost is in the
+  second tier's section ("What seals cost"). Mooncake's 64 KiB miss predates seals and grew
+  with them."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
@@ -434,23 +439,24 @@ daemon on it: from its launch to serving from its region, to the companion ready
 loaded), and to the first of those blocks READY on a lookup.
 
 **What seals cost** (issue 26 G): the same bench for Mooncake and Redis on the code before seals
-(486885d) and after (this section's code but for the seal pool: the seals hashed one after the
-other), alternating, two full runs each (`python -m kvtierbench.tier --engine mooncake --engine
-redis`), on this 2-CPU machine at a load average of 6-8.5 from other sessions (the raw floors
-themselves varied 2-3x between runs); demote and promote as multiples of the raw put and get:
+(486885d) and after (this section's code), alternating, two full runs each (`python -m
+kvtierbench.tier --engine mooncake --engine redis`), on this 2-CPU machine at a load average of
+about 1; demote and promote as multiples of the raw put and get, each run's figure:
 
 | engine | block | demote before | demote after | promote before | promote after |
 |---|---:|---:|---:|---:|---:|
-| mooncake | 64 KiB | 1.62, 0.48 | 0.48, 0.48 | 1.19, 1.06 | 0.31, 0.66 |
-| mooncake | 1 MiB | 0.82, 0.79 | 0.59, 0.65 | 0.83, 1.38 | 0.49, 0.64 |
-| redis | 64 KiB | 1.98, 1.17 | 1.41, 0.59 | 0.73, 1.24 | 0.72, 0.89 |
-| redis | 1 MiB | 1.58, 1.89 | 1.28, 1.71 | 1.93, 2.07 | 1.00, 1.95 |
+| mooncake | 64 KiB | 0.81, 0.74 | 0.41, 0.50 | 0.54, 0.69 | 0.25, 0.34 |
+| mooncake | 1 MiB | 0.99, 0.90 | 0.65, 0.63 | 0.89, 0.85 | 0.58, 0.63 |
+| redis | 64 KiB | 1.03, 1.24 | 0.59, 0.66 | 0.77, 0.87 | 0.56, 0.48 |
+| redis | 1 MiB | 1.82, 1.32 | 1.01, 1.12 | 1.94, 1.86 | 1.35, 1.31 |
 
 Every block is hashed once on demote and once on promote (keyed BLAKE3, 1.5-2.6 GiB/s on one
-thread here), on the companion's CPU, which the loopback engines' own transfers share on this
-machine; Mooncake also moves every block as two buffers (the block and its seal) where one
-contiguous block was one. The seals are now hashed on a small pool (BLAKE3 releases the GIL): the
-run in the table below has it.""",
+thread here, on a pool of as many threads as CPUs), on the companion's CPU, which the loopback
+engine's own transfers share on this machine (with TCP on loopback a transfer is CPU work too):
+256 MiB of 1 MiB blocks take about 65-130 ms to hash on two CPUs against 135 ms for Mooncake's
+raw get of them. Mooncake also moves every block as two buffers (the block and its seal) where
+one contiguous block was one. Not done yet: hashing one part of a batch while the next part
+transfers (with RDMA, which leaves the CPUs free, that would hide most of the cost).""",
     "policy": """`kvtierctl bench policy --trace FILE`: each Mooncake-format trace replayed, per policy and
 capacity, through a fresh daemon (`--policy NAME`, `PYTHONHASHSEED` fixed) whose region holds
 exactly that many one-page blocks: per request a lookup, a load of the hit prefix, a store of the
