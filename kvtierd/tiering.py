@@ -70,7 +70,9 @@ from .fence import Fence, Release, Writer
 from .histogram import Histogram
 from .index import Entry, Index, Namespace
 from .processes import Process, start_ticks
+from .tier.backend import check_settings
 from .tier.link import LinkBusy, LinkDown, Outcome, TierLink
+from .tier.seal import REASONS, load_key
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +201,9 @@ class Tiering:
         self.dropped: Counter = Counter()        # reason → blocks evicted that the tier does not hold
         self.errors: Counter = Counter()         # (op, code) → calls
         self.aborted: Counter = Counter()        # AbortCause value → promote jobs
+        self.rejected: Counter = Counter()       # seal.REASONS → promoted blocks whose seal failed
         self.latency = {op: Histogram() for op in OPS}
+        self._up: bool | None = None             # the tier's state last logged (None: not known yet)
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
@@ -271,6 +275,7 @@ class Tiering:
                 self._send_checks(now)
                 wait = TICK
         self._companion(now)
+        self._log_state()
         if self.link.state == "ready":
             self._demote_ahead(now)
             if now >= self._next_stats:
@@ -281,11 +286,33 @@ class Tiering:
                     pass
         return wait
 
+    def _log_state(self) -> None:
+        """Log the tier going down and coming up, once per change: down while no companion is
+        ready (it could not open its backend, died, was killed) or a breaker is open."""
+        state = self.link.state
+        if state in ("starting", "stopped"):
+            return
+        open_lanes = [lane for lane, g in self.companion.get("guards", {}).items() if g.get("state") == "open"]
+        up = state == "ready" and not open_lanes
+        if up == self._up:
+            return
+        if up:
+            log.info("second tier up: %s at %s", self.config.backend, self.config.address)
+        elif state != "ready":
+            log.warning("second tier down: %s at %s: the companion is %s (%s); serving from the region meanwhile",
+                        self.config.backend, self.config.address, state, self.link.last_error)
+        else:
+            log.warning("second tier down: %s at %s: breaker open on the %s lane (the companion's log, %s, says "
+                        "why); serving from the region meanwhile", self.config.backend, self.config.address,
+                        " and ".join(open_lanes), self.link.log_path)
+        self._up = up
+
     def _outcome(self, o: Outcome, now: float) -> None:
         ctx = o.context
         if isinstance(ctx, _Stats):
             if o.ok:
-                self.companion = {"guards": o.result.get("guards", {}), "counters": o.result.get("counters", {})}
+                self.companion = {"guards": o.result.get("guards", {}), "counters": o.result.get("counters", {}),
+                                  "info": o.result.get("info", {})}
             return
         if o.final:
             self.latency[o.op].observe(now - ctx.started)
@@ -554,6 +581,7 @@ class Tiering:
         job.open = False
         done = o.result.get("done", b"") if o.ok else b""
         done = done if len(done) == len(job.entries) else bytes(len(job.entries))
+        self.rejected.update({r: int(n) for r, n in o.result.get("rejected", {}).items() if r in REASONS})
         self.fence.settle(job.writer, job.pages)
         landed = [e for e, d in zip(job.entries, done) if d]
         lost = [e for e, d in zip(job.entries, done) if not d]
@@ -639,7 +667,8 @@ class Tiering:
         guards = self.companion.get("guards", {})
         return {
             "backend": self.config.backend, "address": self.config.address, "state": link.state, "pid": link.pid,
-            "last_error": str(link.last_error) if link.last_error else None, "engine": link.info,
+            "last_error": str(link.last_error) if link.last_error else None,
+            "engine": self.companion.get("info") or link.info,
             "restarts": max(0, link.counters["started"] - 1), "killed": link.counters["killed"],
             "inflight": len(link.inflight), "max_inflight": link.max_inflight,
             "demote": self.config.demote, "promote": self.config.promote,
@@ -650,6 +679,7 @@ class Tiering:
             "promoted_blocks": c["promoted_blocks"], "promoted_bytes": c["promoted_bytes"],
             "promoting_blocks": sum(len(j.entries) for j in self.promotes.values() if j.open),
             "promote_failed_blocks": c["promote_failed_blocks"], "promote_jobs": c["promote_jobs"],
+            "seal_rejected_blocks": {r: self.rejected[r] for r in REASONS},
             "promote_jobs_done": c["promote_jobs_done"], "promote_aborted": dict(self.aborted),
             "lookup_keys": {"hit": c["lookup_hit_keys"], "miss": c["lookup_miss_keys"]},
             "cleared_blocks": c["cleared_blocks"],
@@ -662,9 +692,30 @@ class Tiering:
 def check(config_values) -> None:
     """The second tier's settings, checked before the daemon touches the region (ValueError)."""
     c = config_values
-    if c.tier_backend != "off" and not c.tier_address:
+    if c.tier_backend == "off":
+        return
+    if not c.tier_address:
         raise ValueError(f"tier_backend {c.tier_backend} needs tier_address (--tier-address: the Mooncake master's "
-                         "HOST:PORT, or Valkey/Redis Cluster nodes HOST:PORT,HOST:PORT)")
+                         "HOST:PORT, Valkey/Redis Cluster nodes HOST:PORT,HOST:PORT, or the disk tier's directory)")
+    check_settings(c.tier_backend, c.tier_settings)
+
+
+def key_file(c, directory: str, name: str) -> str:
+    """The file of the key that seals the tier's blocks (``tier_key_file``), generated when absent:
+    by default in the disk tier's own directory (it lives as long as the blocks), else beside the
+    region (node-local: a warning says that other nodes' blocks will then fail their check)."""
+    path = c.tier_key_file
+    if not path and c.tier_backend == "disk":
+        os.makedirs(c.tier_address, mode=0o700, exist_ok=True)
+        path = os.path.join(c.tier_address, "seal.key")
+    elif not path:
+        path = os.path.join(directory, f"{name}.tier.key")
+        log.warning("tier_key_file is not set: blocks are sealed with a key of this node's own (%s); blocks other "
+                    "nodes demote will fail their check here. Give every node that shares the tier the same "
+                    "tier_key_file", path)
+    key = load_key(path, create=True)
+    log.info("second tier: blocks sealed with the key in %s (key id %s)", path, key.id_hex)
+    return path
 
 
 def build(config_values, region_path: str, data_offset: int, data_bytes: int, page_size: int, directory: str,
@@ -675,14 +726,13 @@ def build(config_values, region_path: str, data_offset: int, data_bytes: int, pa
     if c.tier_backend == "off":
         return None
     check(c)
-    where = {"mooncake": "master", "redis": "nodes"}[c.tier_backend]
-    settings = {where: c.tier_address, "timeout": c.tier_timeout, **c.tier_settings}
+    settings = {"address": c.tier_address, "timeout": c.tier_timeout, **c.tier_settings}
     socket_path = os.path.join(directory, f"{name}.tier.sock")
     link = TierLink(f"ipc://{socket_path}", region_path, data_offset, data_bytes, page_size, c.tier_backend, settings,
                     timeout=c.tier_timeout, data_timeout=c.tier_data_timeout, failures=c.tier_failures,
                     cooldown=c.tier_cooldown, max_inflight=c.tier_max_inflight, kill_after=c.tier_kill_after,
                     restart_backoff=c.tier_restart_backoff, log_path=os.path.join(directory, f"{name}.tier.log"),
-                    socket_mode=0o600)
+                    socket_mode=0o600, key_file=key_file(c, directory, name), owner=name)
     exclude = frozenset(filter(None, (m.strip() for m in c.tier_exclude.split(","))))
     return Tiering(index, fence, link, TierConfig(c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote,
                                                   c.tier_low_watermark, exclude, c.tier_cooldown))
