@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvtierd.tier.backend import Owner, TierRejected, open_backend, page_extents
-from kvtierd.tier.disk import CAUSES, DiskBackend
+from kvtierd.tier.disk import CAUSES, RUN_BYTES, DiskBackend
 from kvtierd.tier.diskformat import FORMAT_FILE, RECORD, checksums, name_digest
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tier.seal import SealKey
@@ -232,6 +232,25 @@ def test_a_block_claimed_for_another_namespace_or_key_fails_its_seal(disk, regio
             sealed = seals(ks, [key], region.memory, ext)
             assert b.get(ks.names([key]), ext, sealed) == [False]
             assert sealed.rejected()["mismatch"] == 1
+    finally:
+        b.close()
+
+
+def test_a_block_that_cannot_be_read_fails_alone_in_its_run(disk, region):
+    """Blocks in consecutive slots move as one I/O (RUN_BYTES); the data file cut short by hand
+    in the middle of a run: that run's I/O fails, then each of its blocks is read alone, so the
+    blocks before the cut land byte-exact and only those past it fail (io_error) and are dropped."""
+    assert RUN_BYTES // SLOT > 1
+    b = opened(disk.address, region)
+    try:
+        keys = keys_of("cut", 40)
+        assert store(b, region, NS, keys, blocks(40)) == [True] * 40
+        slots = [slot_of(b, NS, k) for k in keys]
+        cut = sorted(slots)[RUN_BYTES // SLOT // 2]          # inside the first run
+        os.truncate(os.path.join(disk.address, f"slots-{SLOT}.data"), cut * SLOT + 4096)
+        assert fetch_exact(b, region, NS, keys) == [slot < cut for slot in slots]
+        assert b.info()["errors"]["io_error"] == sum(slot >= cut for slot in slots)
+        assert b.exists(NS.names(keys)) == [slot < cut for slot in slots]      # dropped: never served
     finally:
         b.close()
 
