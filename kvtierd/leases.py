@@ -215,7 +215,7 @@ class Leases:
         assert sum(map(len, self._by_session.values())) == len(self._leases)
         assert self.keys == sum(lease.cost for lease in self._leases.values()) == sum(self._engine_keys.values())
         for slot, count in held.items():
-            assert self.index.holds(slot)[1] == count, f"entry {slot} lease count"
-        assert self.index.leased_entries == len(held)
+            assert self.index.holds.of(slot)[1] == count, f"entry {slot} lease count"
+        assert self.index.holds.leased == len(held)
         live = sum(1 for item in self._deadlines if item[2].live)
         assert live == len(self._leases), "a live lease without a deadline"

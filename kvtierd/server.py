@@ -313,11 +313,22 @@ class Server:
                 if isinstance(reply, Later):
                     reply.deliver_with(lambda r, to=identity, on=sock: self._send_later(on, to, r))
                     continue
-            sock.send_multipart([identity, P.encode(reply)], copy=False)
+            sock.send_multipart([identity, self._encode(reply)], copy=False)
 
     def _send_later(self, sock: zmq.Socket, identity: bytes, reply: dict) -> None:
         if sock in (self.sock, self.admin):       # not closed meanwhile (the daemon stopped)
-            sock.send_multipart([identity, P.encode(reply)], copy=False)
+            sock.send_multipart([identity, self._encode(reply)], copy=False)
+
+    def _encode(self, reply: dict) -> bytes:
+        """A reply's frame. One that does not encode (a bug: a value msgpack does not know) costs
+        its request only, as a handler's exception does, never the loop."""
+        try:
+            return P.encode(reply)
+        except Exception as exc:
+            log.exception("internal error encoding a reply")
+            self._count_error(ErrorCode.INTERNAL)
+            return P.encode(P.error_reply(reply.get("rid", 0) if isinstance(reply.get("rid"), int) else 0,
+                                          ErrorCode.INTERNAL, f"internal error: {_describe(exc)}"))
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, frame: bytes,

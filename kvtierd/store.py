@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 from .contract.namespace import NamespaceId
 from .contract.protocol import ErrorCode, RequestError
 from .contract.region_format import RegionView
+from .events import Gone
 from .fence import Fence, Release
 from .index import COUNTERS as INDEX_COUNTERS
 from .index import Index
@@ -253,7 +254,7 @@ class Store:
         no lease is held (leases die with their sessions). Returns how many entries were dropped."""
         assert not self.sessions, "drop_all with sessions attached"
         assert not len(self.leases), "drop_all with leases held"
-        dropped = self.index.evict(None, None)
+        dropped = self.index.evict(None, None, Gone.REGION_REPLACED)
         self.index.release_pages(self.fence.reset())
         return dropped
 

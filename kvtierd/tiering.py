@@ -66,6 +66,7 @@ import numpy as np
 from .contract.namespace import NamespaceId
 from .contract.protocol import PAGES_DTYPE, AbortCause, StoreOutcome
 from .contract.region_format import EntryState
+from .events import EntryEvents, Gone
 from .fence import Fence, Release, Writer
 from .histogram import Histogram
 from .index import Entry, Index, Namespace
@@ -170,7 +171,7 @@ class _Stats:
     started = 0.0
 
 
-class Tiering:
+class Tiering(EntryEvents):
     def __init__(self, index: Index, fence: Fence, link: TierLink, config: TierConfig,
                  clock: Callable[[], float] = time.monotonic):
         self.index = index
@@ -178,7 +179,8 @@ class Tiering:
         self.link = link
         self.config = config
         self.clock = clock
-        index.evicting = self._evicting
+        index.events.subscribe(self)          # what leaves the index: counted, forgotten
+        self.in_tier = np.zeros(index.geometry.entry_slots, bool)   # slot → the tier holds its block
         self.writer: Writer | None = None       # the companion's row in the fence
         self.writer_pid: int | None = None
         self.promotes: dict[int, Promote] = {}
@@ -192,7 +194,6 @@ class Tiering:
         self.demoting_blocks = 0
         self.demotes_off_until = 0.0
         self.checks_off_until = 0.0
-        self._dropping: str | None = None       # the reason of the evictions being made now
         self._next_stats = 0.0
         self.companion: dict = {}                # the companion's last stats (guards, counters, engine)
         self.counters: Counter = Counter()
@@ -323,8 +324,8 @@ class Tiering:
         those the tier holds)."""
         if not self.config.demote or now < self.demotes_off_until:
             return
-        pages = self.index.pages
-        short = math.ceil(self.config.low_watermark * pages.total) - pages.free_count - self.demoting_pages
+        index = self.index
+        short = math.ceil(self.config.low_watermark * index.total_pages) - index.free_pages - self.demoting_pages
         if short <= 0:
             return
         batches = int(self.link.max_inflight * DEMOTE_SHARE) - sum(
@@ -332,14 +333,14 @@ class Tiering:
         if batches <= 0:
             return
         free_now, chosen = [], {}
-        by_slot, room, fresh = self.index.by_slot, batches * DEMOTE_BATCH, self._fresh
-        for looked, slot in enumerate(self.index.policy.victims()):
-            entry = by_slot[slot]
+        room, fresh = batches * DEMOTE_BATCH, self._fresh
+        for looked, entry in enumerate(index.victims()):
+            slot = entry.slot
             if slot in fresh:
                 if self.index.ticks_of([entry])[0] == fresh[slot]:
                     continue                    # promoted for an engine that has not come back yet
                 del fresh[slot]
-            if entry.in_tier:
+            if self.in_tier[slot]:
                 free_now.append(entry)
             elif self.serves(entry.ns):
                 chosen.setdefault(entry.ns, []).append(entry)
@@ -349,7 +350,7 @@ class Tiering:
             short -= entry.ns.entry_pages
             if short <= 0 or room <= 0 or looked >= LOOK_LIMIT:
                 break
-        self.index.evict_entries(free_now)
+        index.free_ahead(free_now)
         for ns, entries in chosen.items():
             for i in range(0, len(entries), DEMOTE_BATCH):
                 if not self._demote(ns, entries[i:i + DEMOTE_BATCH], now):
@@ -381,39 +382,36 @@ class Tiering:
         free, failed = [], []
         for entry, took, same in zip(entries, done, untouched.tolist()):
             if took:
-                entry.in_tier = True
+                self.in_tier[entry.slot] = True
                 self.counters["demoted_blocks"] += 1
                 self.counters["demoted_bytes"] += ns.id.entry_bytes
-            if same and self.index.holds(entry.slot) == (0, 0) and entry.state is EntryState.READY:
+            if same:
                 (free if took else failed).append(entry)
-        self.index.evict_entries(free)
-        self._dropping = "failed"
-        try:
-            self.index.evict_entries(failed)
-        finally:
-            self._dropping = None
+        self.index.free_ahead(free)
+        self.dropped["failed"] += self.index.free_ahead(failed)
 
-    def _evicting(self, entries: list[Entry], counter: str) -> None:
-        """The index frees entries (``Index.evicting``): count those a store's room took that the
-        tier does not hold, by why the tier did not get them."""
+    def leaving(self, cause: Gone, slots: np.ndarray, keys: list[bytes], namespaces: np.ndarray) -> None:
+        """Entries leave the index: forget what was known of them; count those a store's room took
+        that the tier does not hold, by why the tier did not get them."""
         if self._fresh:
-            for entry in entries:
-                self._fresh.pop(entry.slot, None)
-        if counter != "evictions" or not self.config.demote:
+            for slot in slots.tolist():
+                self._fresh.pop(slot, None)
+        held = self.in_tier[slots]
+        self.in_tier[slots] = False
+        if cause is not Gone.EVICTED or not self.config.demote:
             return
-        lost = sum(1 for e in entries if not e.in_tier and self.serves(e.ns))
+        lost = sum(int(count) for ns_slot, count in zip(*np.unique(namespaces[~held], return_counts=True))
+                   if self.serves(self.index.ns.at(int(ns_slot))))
         if not lost:
             return
-        reason = self._dropping
-        if reason is None:
-            if self.link.state != "ready":
-                reason = "down"
-            elif self.clock() < self.demotes_off_until:
-                reason = "failed"
-            elif len(self.link.inflight) >= self.link.max_inflight:
-                reason = "busy"
-            else:
-                reason = "pressure"
+        if self.link.state != "ready":
+            reason = "down"
+        elif self.clock() < self.demotes_off_until:
+            reason = "failed"
+        elif len(self.link.inflight) >= self.link.max_inflight:
+            reason = "busy"
+        else:
+            reason = "pressure"
         self.dropped[reason] += lost
 
     # ------------------------------------------------------------------ promote
@@ -426,7 +424,7 @@ class Tiering:
         if now < self.checks_off_until or len(self.link.inflight) + len(self._to_check) >= self.link.max_inflight:
             return 0
         rest = keys[hits:]
-        found = list(map(ns.index.get, rest))
+        found = self.index.find(ns, rest)
         checking = self._checking.setdefault(ns.id, {})
         absent = self._absent.setdefault(ns.id, {})
         if (found.count(None) == len(found) and not any(map(checking.__contains__, rest))
@@ -436,7 +434,7 @@ class Tiering:
         pending, first_new, new = 0, None, []
         for key, entry in zip(rest, found):
             if entry is not None:
-                if entry.state is EntryState.READY or isinstance(entry.job, Promote):
+                if entry.state is EntryState.READY or isinstance(entry.write, Promote):
                     pending += 1
                     continue
                 break                           # an engine is storing it: not the tier's to promise
@@ -496,14 +494,15 @@ class Tiering:
         self.counters["lookup_miss_keys"] += len(present) - held
         until = now + ABSENT_SECONDS
         self._remember_absent(ns, [k for k, p in zip(ctx.keys, present) if not p], until)
+        if not self.index.live(ns):             # taken over meanwhile: its engines are gone
+            return
         run = []
-        for key, held_it in zip(ctx.keys, present):
+        for key, held_it, entry in zip(ctx.keys, present, self.index.find(ns, ctx.keys)):
             if not held_it:
                 break
-            entry = ns.index.get(key)
             if entry is None:
                 run.append(key)
-            elif not (entry.state is EntryState.READY or isinstance(entry.job, Promote)):
+            elif not (entry.state is EntryState.READY or isinstance(entry.write, Promote)):
                 break
         for i in range(0, len(run), PROMOTE_BATCH):
             self._promote(ns, run[i:i + PROMOTE_BATCH], now)
@@ -564,9 +563,8 @@ class Tiering:
             self._remember_absent(job.ns, list(map(_KEY, lost)), now + ABSENT_SECONDS)
             self.counters["promote_failed_blocks"] += len(lost)
         if landed:
-            for entry in landed:
-                entry.in_tier = True
             self.index.make_ready(landed)
+            self.in_tier[[e.slot for e in landed]] = True
             self._fresh.update(zip(map(attrgetter("slot"), landed), self.index.ticks_of(landed).tolist()))
             self.counters["promoted_blocks"] += len(landed)
             self.counters["promoted_bytes"] += len(landed) * job.ns.id.entry_bytes
@@ -598,8 +596,7 @@ class Tiering:
             reply("excluded" if namespaces else "removed", None if namespaces else 0)
             return
         for ns in served:                      # their entries' copies in the tier are going
-            for entry in ns.index.values():
-                entry.in_tier = False
+            self.in_tier[[e.slot for e in ns.index.values()]] = False
         batch = _ClearBatch(len(served), reply)
         now = self.clock()
         for ns in served:

@@ -369,7 +369,7 @@ class StoreMachine(RuleBasedStateMachine):
             len(ns.index) for ns in self.store.index.namespaces.values())
         index = self.store.index
         assert stats["entries_pinned"] == sum(
-            1 for ns in index.namespaces.values() for e in ns.index.values() if index.holds(e.slot)[0])
+            1 for ns in index.namespaces.values() for e in ns.index.values() if index.holds.of(e.slot)[0])
         if stats["pages_fenced"]:
             event("pages fenced")
         if stats["evictions"]:
