@@ -123,7 +123,7 @@ class Daemon:
             geo = self.region.geometry
             self.store.tiering = tiering.build(c, self.region.paths.region, geo.data_offset, geo.capacity_bytes,
                                                geo.page_size, self.region.paths.directory, c.name, self.store.index,
-                                               self.store.fence)
+                                               self.store.writes)
             if self.store.tiering is not None:
                 self.store.tiering.start()
                 log.info("second tier: %s at %s (demote %s, promote %s, low watermark %.2f); companion log %s",

@@ -70,8 +70,7 @@ _ABSENT = _Absent()
 _READY = bytes([EntryState.READY])
 
 # Monotonic counters the index keeps (Store.stats reports them with the job machine's).
-COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "store_written_keys", "store_present_keys",
-            "store_no_space_keys", "evictions", "operator_evictions")
+COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "evictions", "operator_evictions")
 # The counter each way of leaving counts in (an aborted write's entries were never READY: none).
 _COUNTED = {Gone.EVICTED: "evictions", Gone.AHEAD: "evictions", Gone.RECLAIMED: "evictions",
             Gone.CLEARED: "operator_evictions", Gone.REGION_REPLACED: "operator_evictions"}
@@ -289,19 +288,12 @@ class Index:
         self.holds.unlease(_slots(entries))
 
     # ------------------------------------------------------------------ store decisions
-    def decide_store(self, ns: Namespace, keys: list[bytes], write: Any) -> tuple[list[StoreOutcome], list[Entry]]:
-        """A store job's decision (``place``), counted. Returns (outcomes, new entries)."""
-        outcomes, entries, present = self.place(ns, keys, write)
-        self.counters["store_written_keys"] += len(entries)
-        self.counters["store_present_keys"] += present
-        self.counters["store_no_space_keys"] += len(keys) - len(entries) - present
-        return outcomes, entries
-
     def place(self, ns: Namespace, keys: list[bytes], write: Any) -> tuple[list[StoreOutcome], list[Entry], int]:
         """Per key: PRESENT (READY, or WRITING by another write: accessed and never evicted for
         this one), WRITE (a new WRITING entry with pages, written by ``write``), or NO_SPACE —
         after the first key that does not fit, every later new key. Returns (outcomes, new entries,
-        how many were present). A store job's decision, and a promote's from the second tier."""
+        how many were present). The decision of every write (``kvtierd.writes``): an engine's store
+        job, a promote from the second tier."""
         found = list(map(ns.index.get, keys))    # keys of a job are distinct (protocol)
         present = [e for e in found if e is not None]
         self.access([e for e in present if e.state is EntryState.READY])

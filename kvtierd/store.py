@@ -34,6 +34,7 @@ from .policy import DEFAULT as DEFAULT_POLICY
 from .policy import create as create_policy
 from .processes import Process
 from .sessions import Session, SessionEnd
+from .writes import Writes
 
 if TYPE_CHECKING:
     from .tiering import Tiering
@@ -77,8 +78,9 @@ class Store:
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
         self.fence = Fence(view, fence_grace, clock)
         self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums)
+        self.writes = Writes(self.index, self.fence)
         self.leases = Leases(self.index, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine, max_leased_keys)
-        self.jobs = Jobs(self.index, self.fence, self.leases, job_timeout, clock, checksums, **job_limits)
+        self.jobs = Jobs(self.index, self.writes, self.leases, job_timeout, clock, checksums, **job_limits)
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)
         self.tiering: Tiering | None = None     # the second tier, when one is configured
@@ -125,7 +127,7 @@ class Store:
                                f"pid {other.pid}); every rank attaches once")
         session_id, token = next(self._session_ids), secrets.randbits(62)
         try:
-            writer = (self.fence.add(session_id, token, process, engine_id, rank)
+            writer = (self.writes.add_writer(session_id, token, process, engine_id, rank)
                       if rank is not None and rank in engine.writers else None)
         except RequestError:
             if not engine.ranks and not engine.coordinators:
@@ -182,16 +184,16 @@ class Store:
             engine.ns.users -= 1
         if session.writer is not None:
             seen = self.clock() if last_seen is None else last_seen
-            self.index.release_pages(self.fence.detach(session.writer, PROOF_OF_END.get(cause), seen))
+            self.writes.writer_ended(session.writer, PROOF_OF_END.get(cause), seen)
 
     def reattached(self, session_id: int, token: int | None) -> None:
         """A hello names a session that is gone (dropped, or of the daemon before a restart) and its
         token: the pages its writer was fenced for are free (the client waited for its copies)."""
-        self.index.release_pages(self.fence.reattached(session_id, token))
+        self.writes.reattached(session_id, token)
 
     def writer_died(self, pidfd: int) -> None:
         """The pidfd of a detached writer's process became readable."""
-        self.index.release_pages(self.fence.died(pidfd))
+        self.writes.died(pidfd)
 
     # ------------------------------------------------------------------ operations
     def lookup(self, session: Session, keys: list[bytes]) -> int:
@@ -243,8 +245,7 @@ class Store:
     def expire(self) -> float | None:
         """Abort jobs past their deadline, end leases past theirs, release unwatchable writers past
         their grace. Returns the next deadline."""
-        pages, grace = self.fence.expire(self.clock())
-        self.index.release_pages(pages)
+        grace = self.writes.expire(self.clock())
         deadline = self.jobs.expire()
         return min(filter(None, (deadline, self.leases.expire(), grace)), default=None)
 
@@ -255,7 +256,7 @@ class Store:
         assert not self.sessions, "drop_all with sessions attached"
         assert not len(self.leases), "drop_all with leases held"
         dropped = self.index.evict(None, None, Gone.REGION_REPLACED)
-        self.index.release_pages(self.fence.reset())
+        self.writes.reset()
         return dropped
 
     def evict(self, namespace: str | None, count: int | None, force: bool = False) -> Eviction:
@@ -302,11 +303,7 @@ class Store:
         """Check the in-memory state against itself and the region's tables (tests)."""
         self.index.verify()
         self.leases.verify()
-        handed = self.jobs.handed()
-        if self.tiering is not None:
-            for row, pages in self.tiering.handed().items():
-                handed.setdefault(row, []).extend(pages)
-        self.fence.verify(handed)
+        self.writes.verify()
         engines = self.jobs.engines.values()
         for engine in engines:
             assert all(self.sessions.get(s.id) is s and s.engine is engine

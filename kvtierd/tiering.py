@@ -56,7 +56,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable
 
@@ -64,14 +64,16 @@ import msgpack
 import numpy as np
 
 from .contract.namespace import NamespaceId
-from .contract.protocol import PAGES_DTYPE, AbortCause, StoreOutcome
+from .contract.protocol import AbortCause, StoreOutcome
 from .contract.region_format import EntryState
 from .events import EntryEvents, Gone
-from .fence import Fence, Release, Writer
+from .fence import Release, Writer
 from .histogram import Histogram
-from .index import Entry, Index, Namespace
+from .index import Entry, Index
+from .namespaces import Namespace
 from .processes import Process, start_ticks
 from .tier.link import LinkBusy, LinkDown, Outcome, TierLink
+from .writes import Write, Writes, WriterKind
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +145,7 @@ class Promote:
     ns: Namespace
     writer: Writer
     started: float
-    entries: list = field(default_factory=list)
-    pages: np.ndarray | None = None
-    open: bool = True
+    write: Write | None = None              # its fenced write (kvtierd.writes)
     cause: AbortCause | None = None
     timed_out: bool = False
 
@@ -172,10 +172,10 @@ class _Stats:
 
 
 class Tiering(EntryEvents):
-    def __init__(self, index: Index, fence: Fence, link: TierLink, config: TierConfig,
+    def __init__(self, index: Index, writes: Writes, link: TierLink, config: TierConfig,
                  clock: Callable[[], float] = time.monotonic):
         self.index = index
-        self.fence = fence
+        self.writes = writes
         self.link = link
         self.config = config
         self.clock = clock
@@ -216,8 +216,8 @@ class Tiering(EntryEvents):
         self.promotes.clear()
         now = self.clock()
         for writer in writers:
-            if self.fence.writers.get(writer.row) is writer:
-                self.index.release_pages(self.fence.detach(writer, Release.DIED, now))
+            if self.writes.holds(writer):
+                self.writes.writer_ended(writer, Release.DIED, now)
         self.writer = self.writer_pid = None
 
     def data_replaced(self) -> None:
@@ -243,10 +243,10 @@ class Tiering(EntryEvents):
         pid = self.link.pid if self.link.state == "ready" else None
         if self.writer is not None and pid != self.writer_pid:
             for job in [j for j in self.promotes.values() if j.writer is self.writer]:
-                if job.open:
-                    self._abort(job, AbortCause.TIER_FAILED)
+                self._abort(job, AbortCause.TIER_FAILED)
+                self.writes.drop_writer(job.write, 0)   # reaped: no final outcome comes
                 self.promotes.pop(job.id, None)
-            self.index.release_pages(self.fence.detach(self.writer, Release.DIED, now))
+            self.writes.writer_ended(self.writer, Release.DIED, now)
             log.warning("tier companion pid %s is gone (%s); it is restarted in %.0fs", self.writer_pid,
                         self.link.last_error, self.link.restart_backoff)
             self.writer = self.writer_pid = None
@@ -254,7 +254,7 @@ class Tiering(EntryEvents):
             ticks = start_ticks(pid)
             if ticks is None:
                 return                          # it died just now: the link reaps it next
-            self.writer = self.fence.add(0, secrets.randbits(62), Process(pid, ticks), "kvtierd-tier", 0)
+            self.writer = self.writes.add_writer(0, secrets.randbits(62), Process(pid, ticks), "kvtierd-tier", 0)
             self.writer_pid = pid
             log.info("tier companion pid %d ready: %s", pid, self.link.info)
 
@@ -434,7 +434,7 @@ class Tiering(EntryEvents):
         pending, first_new, new = 0, None, []
         for key, entry in zip(rest, found):
             if entry is not None:
-                if entry.state is EntryState.READY or isinstance(entry.write, Promote):
+                if entry.state is EntryState.READY or entry.write.kind is WriterKind.TIER:
                     pending += 1
                     continue
                 break                           # an engine is storing it: not the tier's to promise
@@ -502,7 +502,7 @@ class Tiering(EntryEvents):
                 break
             if entry is None:
                 run.append(key)
-            elif not (entry.state is EntryState.READY or isinstance(entry.write, Promote)):
+            elif not (entry.state is EntryState.READY or entry.write.kind is WriterKind.TIER):
                 break
         for i in range(0, len(run), PROMOTE_BATCH):
             self._promote(ns, run[i:i + PROMOTE_BATCH], now)
@@ -517,26 +517,24 @@ class Tiering(EntryEvents):
                 del absent[key]
 
     def _promote(self, ns: Namespace, keys: list[bytes], now: float) -> None:
-        """A promote job for keys the tier holds: WRITING entries, pages fenced for the companion,
-        then the get."""
+        """A promote job for keys the tier holds: a fenced write (``kvtierd.writes``) whose writer
+        is the companion — WRITING entries, their pages fenced for it before the get names them."""
         writer = self.writer
         if writer is None or self.writer_pid != self.link.pid:
             return
         job = Promote(next(self._job_ids), ns, writer, now)
-        outcomes, entries, _ = self.index.place(ns, keys, job)
+        job.write, outcomes, _ = self.writes.begin(WriterKind.TIER, job.id, ns, keys)
         self._remember_absent(ns, [k for k, out in zip(keys, outcomes) if out is StoreOutcome.NO_SPACE],
                               now + ABSENT_SECONDS)
+        entries = job.write.entries
         if not entries:
             return
-        job.entries = entries
-        job.pages = np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE)
-        self.fence.hand(writer, job.pages)     # before the request names them
+        self.writes.hand(job.write, 0, writer)          # every shard (the tier holds whole entries), before the get
         try:
             self.link.submit("get", job, **self._fields(ns, entries))
         except (LinkBusy, LinkDown):
-            self.fence.settle(writer, job.pages)
-            self.index.abandon(entries)
-            self.index.release_pages(job.pages)
+            self.writes.settle(job.write, 0)                    # never sent: nothing landed
+            self.writes.complete(job.write, bytes(len(entries)))
             self._remember_absent(ns, keys, now + ABSENT_SECONDS)
             return
         self.promotes[job.id] = job
@@ -547,23 +545,19 @@ class Tiering(EntryEvents):
             self._abort(job, AbortCause.TIER_TIMEOUT)
             return
         self.promotes.pop(job.id, None)
-        if not job.open:                       # aborted earlier: the companion is done with the pages now
-            self.index.release_pages(self.fence.release_job(job.writer, job.id))
+        write = job.write
+        self.writes.settle(write, 0)           # the companion is done with the pages (aborted: they come back)
+        if not write.open:
             return
-        job.open = False
+        entries = list(write.entries)
         done = o.result.get("done", b"") if o.ok else b""
-        done = done if len(done) == len(job.entries) else bytes(len(job.entries))
-        self.fence.settle(job.writer, job.pages)
-        landed = [e for e, d in zip(job.entries, done) if d]
-        lost = [e for e, d in zip(job.entries, done) if not d]
+        done = done if len(done) == len(entries) else bytes(len(entries))
+        landed = self.writes.complete(write, done)
+        lost = [e.key for e, d in zip(entries, done) if not d]
         if lost:
-            pages = np.frombuffer(b"".join(map(_PAGES, lost)), PAGES_DTYPE)
-            self.index.abandon(lost)
-            self.index.release_pages(pages)
-            self._remember_absent(job.ns, list(map(_KEY, lost)), now + ABSENT_SECONDS)
+            self._remember_absent(job.ns, lost, now + ABSENT_SECONDS)
             self.counters["promote_failed_blocks"] += len(lost)
         if landed:
-            self.index.make_ready(landed)
             self.in_tier[[e.slot for e in landed]] = True
             self._fresh.update(zip(map(attrgetter("slot"), landed), self.index.ticks_of(landed).tolist()))
             self.counters["promoted_blocks"] += len(landed)
@@ -576,16 +570,16 @@ class Tiering(EntryEvents):
     def _abort(self, job: Promote, cause: AbortCause) -> None:
         """The job is over for the engine: its entries go at once; its pages stay fenced, parked
         under the companion's row, until the get's final outcome or the companion's death."""
-        if not job.open:
+        write = job.write
+        if not write.open:
             return
-        job.open = False
         job.cause = cause
-        self.index.abandon(job.entries)
-        self.fence.park(job.writer, job.id, job.pages)
-        self._remember_absent(job.ns, list(map(_KEY, job.entries)), self.clock() + ABSENT_SECONDS)
-        self.counters["promote_failed_blocks"] += len(job.entries)
+        keys = list(map(_KEY, write.entries))
+        self.writes.abort(write)
+        self._remember_absent(job.ns, keys, self.clock() + ABSENT_SECONDS)
+        self.counters["promote_failed_blocks"] += len(keys)
         self.aborted[cause.value] += 1
-        log.info("promote job %d (%d blocks) aborted: %s", job.id, len(job.entries), cause.value)
+        log.info("promote job %d (%d blocks) aborted: %s", job.id, len(keys), cause.value)
 
     # ------------------------------------------------------------------ clear
     def clear(self, namespaces: list[Namespace], reply: Callable[[str, int | None], None]) -> None:
@@ -622,14 +616,6 @@ class Tiering(EntryEvents):
             batch.reply("failed" if batch.failed else "removed", batch.removed)
 
     # ------------------------------------------------------------------ what is going on
-    def handed(self) -> dict[int, list[np.ndarray]]:
-        """Writer row → pages of open promote jobs (``Fence.verify``)."""
-        out: dict[int, list[np.ndarray]] = {}
-        for job in self.promotes.values():
-            if job.open:
-                out.setdefault(job.writer.row, []).append(job.pages)
-        return out
-
     def stats(self) -> dict:
         link = self.link
         c = self.counters
@@ -645,7 +631,7 @@ class Tiering(EntryEvents):
             "demoting_blocks": self.demoting_blocks,
             "demote_dropped_blocks": {r: self.dropped[r] for r in ("busy", "down", "failed", "pressure")},
             "promoted_blocks": c["promoted_blocks"], "promoted_bytes": c["promoted_bytes"],
-            "promoting_blocks": sum(len(j.entries) for j in self.promotes.values() if j.open),
+            "promoting_blocks": sum(len(j.write.entries) for j in self.promotes.values() if j.write.open),
             "promote_failed_blocks": c["promote_failed_blocks"], "promote_jobs": c["promote_jobs"],
             "promote_jobs_done": c["promote_jobs_done"], "promote_aborted": dict(self.aborted),
             "lookup_keys": {"hit": c["lookup_hit_keys"], "miss": c["lookup_miss_keys"]},
@@ -657,7 +643,7 @@ class Tiering(EntryEvents):
 
 
 def build(config_values, region_path: str, data_offset: int, data_bytes: int, page_size: int, directory: str,
-          name: str, index: Index, fence: Fence) -> Tiering | None:
+          name: str, index: Index, writes: Writes) -> Tiering | None:
     """The daemon's ``Tiering`` from its settings (None when ``tier_backend`` is off). The companion's
     socket (mode 0600) and log live beside the region: ``<dir>/<name>.tier.sock``, ``.tier.log``."""
     c = config_values
@@ -675,5 +661,5 @@ def build(config_values, region_path: str, data_offset: int, data_bytes: int, pa
                     restart_backoff=c.tier_restart_backoff, log_path=os.path.join(directory, f"{name}.tier.log"),
                     socket_mode=0o600)
     exclude = frozenset(filter(None, (m.strip() for m in c.tier_exclude.split(","))))
-    return Tiering(index, fence, link, TierConfig(c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote,
+    return Tiering(index, writes, link, TierConfig(c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote,
                                                   c.tier_low_watermark, exclude, c.tier_cooldown))

@@ -153,7 +153,7 @@ class TierEnv(Env):
     def __init__(self, num_pages: int = 32, companion: bool = False, ns_slots: int | None = None, **config):
         super().__init__(num_pages, ns_slots=ns_slots)
         self.link = MemoryCompanion(self.view) if companion else ScriptedLink()
-        self.tier = Tiering(self.store.index, self.store.fence, self.link,
+        self.tier = Tiering(self.store.index, self.store.writes, self.link,
                             TierConfig("scripted", "nowhere", **{"low_watermark": 0.25, "cooldown": 5.0, **config}),
                             clock=self.clock)
         self.store.tiering = self.tier
