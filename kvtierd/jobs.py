@@ -43,19 +43,15 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 
+from .attachments import Engine, Session, SessionEnd
 from .contract.namespace import Sharding
 from .contract.protocol import AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
 from .histogram import Histogram
 from .index import Index
-from .namespaces import Namespace
-from .sessions import Session, SessionEnd
+from .leases import Leases
 from .writes import Write, Writes, WriterKind
-
-if TYPE_CHECKING:
-    from .leases import Leases
 
 log = logging.getLogger(__name__)
 
@@ -64,35 +60,6 @@ log = logging.getLogger(__name__)
 COUNTERS = ("store_written_keys", "store_present_keys", "store_no_space_keys", "store_aborted_keys",
             "store_jobs_done", "load_hit_keys", "load_miss_keys", "load_jobs_done", "bytes_written",
             "bytes_saved_dedup")
-
-
-_ENGINE_SERIALS = itertools.count(1)
-
-
-@dataclass(eq=False)
-class Engine:
-    """An attached engine: its sessions by role and its jobs."""
-
-    id: str
-    world_size: int
-    ns: Namespace
-    ranks: dict[int, Session] = field(default_factory=dict)
-    coordinators: set = field(default_factory=set)
-    jobs: dict[int, "Job"] = field(default_factory=dict)
-    # Who may attach more sessions to it: the uid its first session came from (None without a
-    # socket, as in unit tests) and the digest of the secret that session presented, if any.
-    uid: int | None = None
-    secret: bytes | None = None
-    open_keys: int = 0                  # keys (+1 per job) of its open jobs
-    # Its tombstones are keyed by this serial, not the id: they go with the engine, since a
-    # restarted engine (new sessions, same id) may count job ids from 0 again.
-    serial: int = field(default_factory=lambda: next(_ENGINE_SERIALS))
-
-    @property
-    def writers(self) -> frozenset[int]:
-        if self.ns.id.sharding is Sharding.REPLICATED:
-            return frozenset({0})
-        return frozenset(range(self.world_size))
 
 
 @dataclass(eq=False)
@@ -123,9 +90,10 @@ class Job:
 
 
 class Jobs:
-    def __init__(self, index: Index, writes: Writes, leases: "Leases", job_timeout: float = 30.0, clock=time.monotonic,
-                 checksums: bool = False, max_job_keys: int = 1 << 20, max_job_keys_per_engine: int = 1 << 18,
-                 max_tombstones: int = 1 << 17):
+    def __init__(self, index: Index, writes: Writes, leases: Leases, engines: dict[str, Engine],
+                 job_timeout: float = 30.0, clock=time.monotonic, checksums: bool = False, max_job_keys: int = 1 << 20,
+                 max_job_keys_per_engine: int = 1 << 18, max_tombstones: int = 1 << 17):
+        """``engines``: the attached engines by id (``Attachments.engines``), whose jobs these are."""
         self.index = index
         self.writes = writes
         self.leases = leases
@@ -135,7 +103,7 @@ class Jobs:
         self.max_job_keys = max_job_keys
         self.max_job_keys_per_engine = max_job_keys_per_engine
         self.max_tombstones = max_tombstones
-        self.engines: dict[str, Engine] = {}
+        self.engines = engines
         self.open_keys = 0                # keys (+1 per job) of every open job
         # Finished and aborted jobs, oldest first: (engine serial, job id) → (kind, state, cause),
         # the value one shared tuple per combination.
@@ -394,13 +362,11 @@ class Jobs:
                 self._drop_if_settled(job)
 
     def engine_gone(self, engine: Engine) -> None:
-        """The engine's last session ended: its open jobs abort, and it is forgotten (its writers'
-        fenced pages are the fence's; its tombstones, keyed by its serial, are never matched again
-        and age out)."""
+        """The engine's last session ended: its open jobs abort (its writers' fenced pages are the
+        fence's; its tombstones, keyed by its serial, are never matched again and age out)."""
         for job in list(engine.jobs.values()):
             if job.state is JobState.OPEN:
                 self._abort(job, AbortCause.ENGINE_LEFT)
-        del self.engines[engine.id]
 
     # ------------------------------------------------------------------ deadlines
     def _push_deadline(self, deadline: float, engine_id: str, job_id: int) -> None:
@@ -455,7 +421,6 @@ class Jobs:
 
     def stats(self) -> dict:
         return {
-            "engines": len(self.engines),
             "open_jobs": self.open_jobs(),
             "open_job_keys": self.open_keys,
             "tombstones": len(self.tombstones),

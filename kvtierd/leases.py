@@ -38,9 +38,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+from .attachments import Engine, Session
 from .index import Entry, Index
-from .jobs import Engine
-from .sessions import Session
 
 MIN_TTL = 0.01          # seconds: the shortest lease granted, whatever the lookup asked for
 

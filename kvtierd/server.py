@@ -65,7 +65,8 @@ from .histogram import Histogram
 from .peers import Conn, Connections
 from .processes import Process, start_ticks
 from .region import Region
-from .sessions import Session, SessionEnd, SessionRegistry
+from .attachments import Session, SessionEnd
+from .sessions import SessionRegistry
 from .store import Store
 from .systemd import Notifier
 
@@ -516,11 +517,9 @@ class Server:
 
     def stats(self) -> P.StatsReply:
         """Everything kvtierctl stats and the metrics endpoint show (loop thread only)."""
-        roles = Counter("coordinator" if s.rank is None else "rank" for s in self.store.sessions.values())
         return P.StatsReply(
             **self.store.stats(),
             namespace_list=self.store.namespace_stats(),
-            session_roles={"rank": roles["rank"], "coordinator": roles["coordinator"]},
             requests=dict(self.requests),
             errors=dict(self.errors),
             latency={op: h.snapshot() for op, h in self.latency.items() if h.count},
@@ -547,15 +546,7 @@ class Server:
 
     # ------------------------------------------------------------------ admin ops
     def _clients(self, msg: dict) -> P.ClientsReply:
-        now = time.monotonic()
-        clients = []
-        for s in self.store.sessions.values():
-            leases, leased_keys = self.store.leases.of_session(s)
-            clients.append({"session": s.id, "engine": s.engine.id, "role": s.role, "rank": s.rank, "pid": s.pid,
-                            "world_size": s.engine.world_size, "namespace": s.engine.ns.id.name(),
-                            "watched": self.sessions.watched(s), "attached_seconds": now - s.attached_at,
-                            "leases": leases, "leased_keys": leased_keys})
-        return P.ClientsReply(clients)
+        return P.ClientsReply(self.store.clients(self.sessions.watched, time.monotonic()))
 
     def _evict(self, msg: dict) -> P.EvictReply:
         # Local only: the second tier keeps its copies (a later lookup promotes them again).

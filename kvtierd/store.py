@@ -12,28 +12,23 @@ typed code, having changed nothing it should not have.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import itertools
-import secrets
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from .attachments import Attachments, Session, SessionEnd
 from .contract.namespace import NamespaceId
-from .contract.protocol import ErrorCode, RequestError
 from .contract.region_format import RegionView
 from .events import Gone
 from .fence import Fence, Release
 from .index import COUNTERS as INDEX_COUNTERS
 from .index import Index
 from .jobs import COUNTERS as JOB_COUNTERS
-from .jobs import Engine, Jobs
+from .jobs import Jobs
 from .leases import Leases
 from .policy import DEFAULT as DEFAULT_POLICY
 from .policy import create as create_policy
 from .processes import Process
-from .sessions import Session, SessionEnd
 from .writes import Writes
 
 if TYPE_CHECKING:
@@ -80,9 +75,9 @@ class Store:
         self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums)
         self.writes = Writes(self.index, self.fence)
         self.leases = Leases(self.index, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine, max_leased_keys)
-        self.jobs = Jobs(self.index, self.writes, self.leases, job_timeout, clock, checksums, **job_limits)
-        self.sessions: dict[int, Session] = {}
-        self._session_ids = itertools.count(1)
+        self.attachments = Attachments()
+        self.jobs = Jobs(self.index, self.writes, self.leases, self.attachments.engines, job_timeout, clock, checksums,
+                         **job_limits)
         self.tiering: Tiering | None = None     # the second tier, when one is configured
 
     @property
@@ -104,84 +99,31 @@ class Store:
         """A new session of ``engine_id`` (a rank, or the coordinator when ``rank`` is None); the
         engine's first session fixes its world size and namespace, which later ones must match,
         and who may join it (``may_join``). A writer rank gets a row in the fence's writer table."""
-        if rank is not None and rank >= world_size:   # before anything is created for the engine
-            raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
-        engines = self.jobs.engines
-        engine = engines.get(engine_id)
-        if engine is None:
-            engine = Engine(engine_id, world_size, self.index.namespace(ns_id), uid=process.uid,
-                            secret=_digest(secret))
-            engine.ns.users += 1
-            engines[engine_id] = engine
-        else:
-            self.may_join(engine_id, process, secret)
-        if engine.world_size != world_size or engine.ns.id != ns_id:
-            raise RequestError(ErrorCode.LAYOUT_MISMATCH,
-                               f"engine {engine_id!r} is attached with world size {engine.world_size} and namespace "
-                               f"{engine.ns.id.name()}; this session asks for world size {world_size} and "
-                               f"{ns_id.name()}")
-        if rank is not None and rank in engine.ranks:
-            other = engine.ranks[rank]
-            raise RequestError(ErrorCode.LAYOUT_MISMATCH,
-                               f"engine {engine_id!r} rank {rank} is already attached (session {other.id}, "
-                               f"pid {other.pid}); every rank attaches once")
-        session_id, token = next(self._session_ids), secrets.randbits(62)
-        try:
-            writer = (self.writes.add_writer(session_id, token, process, engine_id, rank)
-                      if rank is not None and rank in engine.writers else None)
-        except RequestError:
-            if not engine.ranks and not engine.coordinators:
-                self.jobs.engine_gone(engine)
-                engine.ns.users -= 1
-            raise
-        session = Session(session_id, engine, rank, token, process, writer)
-        if rank is None:
-            engine.coordinators.add(session)
-        else:
-            engine.ranks[rank] = session
-        self.sessions[session.id] = session
-        return session
+        return self.attachments.attach(engine_id, rank, world_size, ns_id, process, secret, self.index.namespace,
+                                       self.writes.add_writer)
 
     def may_join(self, engine_id: str, process: Process, secret: bytes | None) -> None:
         """Raise FORBIDDEN unless a session of ``process`` presenting ``secret`` may join engine
-        ``engine_id`` (if attached): it must come from the uid of the engine's first session (the
-        peer's, as the kernel reports it) and present the same secret (or none, if the first had
-        none). A process taking over its own orphaned rank passes this first, like any other."""
-        engine = self.jobs.engines.get(engine_id)
-        if engine is None:
-            return
-        if engine.uid != process.uid:
-            raise RequestError(ErrorCode.FORBIDDEN, f"engine {engine_id!r} is attached from uid {engine.uid}; a "
-                                                    f"session from uid {process.uid} cannot join it (choose another "
-                                                    "engine id)")
-        digest = _digest(secret)
-        if not hmac.compare_digest(engine.secret or b"", digest or b""):
-            raise RequestError(ErrorCode.FORBIDDEN, f"engine {engine_id!r} was attached with "
-                               f"{'a secret' if engine.secret else 'no secret'} and this session presents "
-                               f"{'another' if digest else 'none'}: every session of an engine presents the same "
-                               "one (Client(engine_secret=...), KVTIER_ENGINE_SECRET)")
+        ``engine_id`` (``Attachments.may_join``)."""
+        self.attachments.may_join(engine_id, process, secret)
 
     def rank_holder(self, engine_id: str, rank: int | None) -> Session | None:
         """The session attached as ``rank`` of ``engine_id``, if any."""
-        engine = self.jobs.engines.get(engine_id)
-        return None if engine is None or rank is None else engine.ranks.get(rank)
+        return self.attachments.rank_holder(engine_id, rank)
 
     def detach(self, session: Session, cause: SessionEnd = SessionEnd.LEFT, last_seen: float | None = None) -> None:
         """End a session (bye, death, heartbeat loss, or daemon stop). Jobs that still wait for
         this rank abort; the pages its writer may still copy into stay fenced unless ``cause``
         proves it cannot (``PROOF_OF_END``). ``last_seen``: its last proof of life (default now)."""
-        if self.sessions.pop(session.id, None) is None:
+        if not self.attachments.leave(session):
             return
         self.leases.session_gone(session)
         engine = session.engine
-        if session.rank is None:
-            engine.coordinators.discard(session)
-        else:
-            engine.ranks.pop(session.rank, None)
+        if session.rank is not None:
             self.jobs.rank_gone(engine, session.rank, cause)
-        if not engine.ranks and not engine.coordinators:
+        if not engine.sessions:
             self.jobs.engine_gone(engine)
-            engine.ns.users -= 1
+            self.attachments.forget(engine)
         if session.writer is not None:
             seen = self.clock() if last_seen is None else last_seen
             self.writes.writer_ended(session.writer, PROOF_OF_END.get(cause), seen)
@@ -253,7 +195,7 @@ class Store:
         """Drop every entry and every writer's fence: the data file holding their pages is gone
         (``Fence.reset``). Call with no session attached: no job is open, nothing is pinned, and
         no lease is held (leases die with their sessions). Returns how many entries were dropped."""
-        assert not self.sessions, "drop_all with sessions attached"
+        assert not self.attachments.sessions, "drop_all with sessions attached"
         assert not len(self.leases), "drop_all with leases held"
         dropped = self.index.evict(None, None, Gone.REGION_REPLACED)
         self.writes.reset()
@@ -294,34 +236,38 @@ class Store:
         counters.update({name: jobs.counters[name] for name in JOB_COUNTERS})
         tier = self.tiering.stats() if self.tiering is not None else {"backend": "off"}
         return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.fence.stats(),
-                "sessions": len(self.sessions), **counters, "tier": tier}
+                "engines": len(self.attachments.engines), "sessions": len(self.attachments.sessions),
+                "session_roles": self.attachments.roles(), **counters, "tier": tier}
 
     def namespace_stats(self) -> list[dict]:
         return self.index.namespace_stats()
+
+    def clients(self, watched: Callable[[Session], bool], now: float) -> list[dict]:
+        """Every session, as ``kvtierctl clients`` shows it (``watched``: the registry's word on
+        whether a pidfd watches it)."""
+        out = []
+        for s in self.attachments.sessions.values():
+            leases, leased_keys = self.leases.of_session(s)
+            out.append({"session": s.id, "engine": s.engine.id, "role": s.role, "rank": s.rank, "pid": s.pid,
+                        "world_size": s.engine.world_size, "namespace": s.engine.ns.id.name(),
+                        "watched": watched(s), "attached_seconds": now - s.attached_at,
+                        "leases": leases, "leased_keys": leased_keys})
+        return out
 
     def verify(self) -> None:
         """Check the in-memory state against itself and the region's tables (tests)."""
         self.index.verify()
         self.leases.verify()
         self.writes.verify()
-        engines = self.jobs.engines.values()
-        for engine in engines:
-            assert all(self.sessions.get(s.id) is s and s.engine is engine
-                       for s in [*engine.ranks.values(), *engine.coordinators])
-        for ns in self.index.namespaces.values():
-            assert ns.users == sum(1 for e in engines if e.ns is ns), f"namespace {ns.slot} user count"
-        assert len(self.sessions) == sum(len(e.ranks) + len(e.coordinators) for e in self.jobs.engines.values())
+        self.attachments.verify(list(self.index.namespaces.values()))
 
     def shutdown(self) -> None:
         """Abort every open job and persist the access clock. Pages a writer may still copy into
         stay fenced in the region's tables, for the next daemon to recover."""
-        for session in list(self.sessions.values()):
+        for session in list(self.attachments.sessions.values()):
             self.detach(session, SessionEnd.DAEMON_STOPPED)
         if self.tiering is not None:
             self.tiering.close()
         self.fence.close()
         self.index.persist_tick()
 
-
-def _digest(secret: bytes | None) -> bytes | None:
-    return None if secret is None else hashlib.sha256(secret).digest()

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 from kvtierd import config
+from kvtierd.attachments import Attachments, SessionEnd
 from kvtierd.contract import protocol as P
-from kvtierd.histogram import Histogram
-from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
 from kvtierd.fence import Reason, Release
+from kvtierd.histogram import Histogram
 from kvtierd.leases import LeaseEnd
+from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
 from kvtierd.policy import POLICIES, create
-from kvtierd.sessions import SessionEnd
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,10 +55,8 @@ def abort_causes() -> set[str]:
 
 
 def session_roles() -> set[str]:
-    server = (ROOT / "kvtierd" / "server.py").read_text()
-    m = re.search(r'session_roles=\{(.*?)\}', server)
-    assert m, "server.py no longer builds session_roles: update session_roles()"
-    return set(re.findall(r'"(\w+)":', m.group(1)))
+    """Every `role` label value of kvtierd_sessions: the keys of ``Attachments.roles``."""
+    return set(Attachments().roles())
 
 
 def pin_results() -> set[str]:

@@ -14,9 +14,9 @@ import random
 import numpy as np
 import pytest
 
+from kvtierd.attachments import SessionEnd
 from kvtierd.contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
 from kvtierd.contract.region_format import NS_SLOTS
-from kvtierd.sessions import SessionEnd
 from kvtierd.tier.backend import TierTimeout
 
 from .store_env import err, keys, lay

@@ -329,7 +329,7 @@ def test_the_check_goes_out_after_the_reply(tenv):
 def test_the_data_file_replaced_ends_what_the_companion_had_and_restarts_it(tenv):
     # Server._replace_data: sessions end, then the tier (its companion maps the old file), then
     # Store.drop_all, whose Fence.reset needs no writer attached.
-    from kvtierd.sessions import SessionEnd
+    from kvtierd.attachments import SessionEnd
     (s,) = tenv.engine("e")
     tenv.put([s], 1, keys("k", 4))
     tenv.lookup(s, keys("t", 2) + keys("u", 2))
