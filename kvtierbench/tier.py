@@ -53,8 +53,7 @@ import numpy as np
 
 from kvtierd.tier.backend import open_backend
 from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
-from kvtierd.tier.keys import Keyspace
-from kvtierd.tiering import identity
+from kvtierd.tier.keys import Keyspace, identity
 
 from .harness import (DATA_PAGE, FULL, QUICK, BlockBench, Context, MiB, bench_daemon, bench_namespace, make_keys, pct,
                       region_size, say, target)

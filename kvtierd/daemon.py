@@ -15,12 +15,12 @@ import resource
 import sys
 import time
 
-from . import tiering
 from .config import Config, format_size
 from .region import Region, RegionError
 from .server import Server
 from .store import Store
 from .systemd import Notifier
+from .tiering.tier import build as build_tier
 
 log = logging.getLogger("kvtierd")
 
@@ -99,13 +99,15 @@ class Daemon:
         self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
                                   recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress,
                                   huge=c.hugepages)
+        self.store = None
         try:
+            tier = build_tier(c, self.region.paths, self.region.geometry)
             self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
                                fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
                                max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
                                lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
                                max_leased_keys_per_engine=c.max_leased_keys_per_engine,
-                               max_leased_keys=c.max_leased_keys)
+                               max_leased_keys=c.max_leased_keys, tier=tier)
             # The recovered index (up to millions of entries) lives as long as the daemon: keep it
             # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
             gc.freeze()
@@ -120,15 +122,7 @@ class Daemon:
                     log.info("region rebuilt: new generation %x (clients remap on re-attach)",
                              self.region.new_generation())
             log.info("eviction policy: %s", c.policy)
-            geo = self.region.geometry
-            self.store.tiering = tiering.build(c, self.region.paths.region, geo.data_offset, geo.capacity_bytes,
-                                               geo.page_size, self.region.paths.directory, c.name, self.store.index,
-                                               self.store.writes)
-            if self.store.tiering is not None:
-                self.store.tiering.start()
-                log.info("second tier: %s at %s (demote %s, promote %s, low watermark %.2f); companion log %s",
-                         c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote, c.tier_low_watermark,
-                         self.store.tiering.link.log_path)
+            self.store.tier.start()
             self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
                                  drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
                                  region_check_interval=c.region_check_interval, max_connections=max_connections,
@@ -140,8 +134,8 @@ class Daemon:
                 self.server.close()
                 raise
         except BaseException:
-            if getattr(self, "store", None) is not None and self.store.tiering is not None:
-                self.store.tiering.close()
+            if self.store is not None:
+                self.store.tier.close()
             self.region.close(clean=False)
             raise
         self.metrics_server = None
@@ -152,8 +146,7 @@ class Daemon:
                     c.metrics_address, lambda: self.server.call_in_loop(self.server.stats), c.metrics_cache_seconds)
             except ValueError:
                 self.server.close()
-                if self.store.tiering is not None:
-                    self.store.tiering.close()
+                self.store.tier.close()
                 self.region.close(clean=False)
                 raise
             self.server.metrics_address = bound

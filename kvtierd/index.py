@@ -217,6 +217,10 @@ class Index:
         slots = _slots(entries)
         return bool(len(slots)) and bool(((self._states[slots] != EntryState.READY) | self.holds.held(slots)).any())
 
+    def namespace_at(self, slot: int) -> Namespace:
+        """The namespace recorded in table slot ``slot``."""
+        return self.ns.at(slot)
+
     def live(self, ns: Namespace) -> bool:
         """Whether ``ns`` is still in the table (a namespace taken over is not, even if its id comes back)."""
         return self.ns.get(ns.id) is ns

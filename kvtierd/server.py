@@ -35,9 +35,9 @@ every entry goes (its bytes went with the file), the tier companion is killed an
 on the new file, the fence is reset (the pages it named went too), and clients re-attach to the
 new file under a new generation.
 
-With a second tier (``Store.tiering``), the companion's socket is in the poller too, and the
-loop hands the tier its replies and its turn (``Tiering.pump``) at every wake-up and at least
-every 100 ms; an admin ``clear`` is answered once the tier said how it went (``Later``).
+The second tier (``Store.tier``, ``kvtierd.tiering``; ``NoTier`` without one) has its sockets in
+the poller, and the loop gives it its turn (``Tier.pump``) at every wake-up and at least as
+often as it asks; an admin ``clear`` is answered once the tier said how it went (``Later``).
 
 Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
 requests of jobs already open are still served, and the loop ends when no job is open any more
@@ -131,9 +131,9 @@ class Server:
         self.admin: zmq.Socket | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
-        self.tiering = store.tiering
-        if self.tiering is not None:
-            self.poller.register(self.tiering.link.socket, zmq.POLLIN)
+        self.tier = store.tier
+        for sock in self.tier.sockets():
+            self.poller.register(sock, zmq.POLLIN)
         watch = lambda fd: self.poller.register(fd, zmq.POLLIN)  # noqa: E731
         self.sessions = SessionRegistry(store.detach, heartbeat_timeout, watch=watch, unwatch=self.poller.unregister,
                                         clock=store.clock, fence=store.fence, max_sessions=max_sessions,
@@ -229,10 +229,10 @@ class Server:
         next_region_check = time.monotonic() + self.region_check_interval
         next_sweep = time.monotonic() + 0.5
         drain_deadline = None
-        tiering = self.tiering
+        tier = self.tier
         while True:
             now = time.monotonic()
-            next_tier = now + tiering.pump(now) if tiering is not None else None
+            next_tier = now + tier.pump(now)
             if self.stopping:
                 if drain_deadline is None:
                     drain_deadline = now + self.drain_timeout
@@ -552,7 +552,7 @@ class Server:
         # Local only: the second tier keeps its copies (a later lookup promotes them again).
         done = self.store.evict(msg.get("namespace"), msg["count"])
         return P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases,
-                            "off" if self.tiering is None else "local", None)
+                            self.tier.local_evict, None)
 
     def _clear(self, msg: dict) -> Later:
         """Every evictable entry of the namespace(s) goes (leased ones too with ``force``); then the
@@ -566,7 +566,7 @@ class Server:
     def _replace_data(self) -> None:
         """The data file was truncated under the daemon: its blocks are gone. End every session
         (their jobs abort, their pins drop), kill and restart the tier companion (it maps the old
-        file too; its promote jobs abort and its writer row goes: ``Tiering.data_replaced``), drop
+        file too; its promote jobs abort and its writer row goes: ``Tier.data_replaced``), drop
         every entry, reset the fence (the pages it named are gone; a writer still copying copies
         into its mapping of the old file), and serve a
         fresh data file under a new generation; clients re-attach and remap. The daemon never
@@ -574,8 +574,7 @@ class Server:
         log.critical("region file %s was truncated (a member of the client group can do that): its cached "
                      "blocks are gone; ending every session and replacing it", self.region.paths.region)
         self.sessions.close(SessionEnd.REGION_REPLACED)
-        if self.tiering is not None:      # the companion maps the old file too: it is restarted on the new one
-            self.tiering.data_replaced()
+        self.tier.data_replaced()         # the companion maps the old file too: it is restarted on the new one
         dropped = self.store.drop_all()
         generation = self.region.replace_data()
         log.warning("region file replaced: %d entries dropped, new generation %x", dropped, generation)
@@ -597,8 +596,8 @@ class Server:
             except FileNotFoundError:
                 pass
         self.sock = self.admin = None
-        if self.tiering is not None:
-            self.poller.unregister(self.tiering.link.socket)
+        for sock in self.tier.sockets():
+            self.poller.unregister(sock)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         while self._calls:   # nobody will run these any more

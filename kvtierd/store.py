@@ -1,9 +1,9 @@
-"""The daemon's state, as the server sees it: engines and sessions attach and detach, and the
-operations run on the entry index (``kvtierd.index``), the job machine (``kvtierd.jobs``), the
-leases (``kvtierd.leases``) and the writer fence (``kvtierd.fence``): whatever pages the fence
-releases go back to the index here. With a second tier (``tiering``, set by the daemon's wiring:
-``kvtierd.tiering``), lookups also report the keys being promoted from it, and namespace clears
-reach it.
+"""The daemon's state, as the server sees it: engines and sessions attach and detach
+(``kvtierd.attachments``), and the operations run on the entry index (``kvtierd.index``), the
+job machine (``kvtierd.jobs``), the leases (``kvtierd.leases``) and the fenced writes
+(``kvtierd.writes``, over the writer fence ``kvtierd.fence``). The second tier is built with
+the store (``tier``: a factory from ``kvtierd.tiering``; ``NoTier`` when there is none): lookups
+also report the keys being promoted from it, and namespace clears reach it.
 
 No sockets and no threads: the server's single loop calls these methods one request at a time,
 so nothing here locks. Every method either returns a result or raises ``RequestError`` with a
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from .attachments import Attachments, Session, SessionEnd
 from .contract.namespace import NamespaceId
 from .contract.region_format import RegionView
-from .events import Gone
+from .events import Events, Gone
 from .fence import Fence, Release
 from .index import COUNTERS as INDEX_COUNTERS
 from .index import Index
@@ -29,10 +29,8 @@ from .leases import Leases
 from .policy import DEFAULT as DEFAULT_POLICY
 from .policy import create as create_policy
 from .processes import Process
+from .tiering.interface import TierFactory, no_tier
 from .writes import Writes
-
-if TYPE_CHECKING:
-    from .tiering import Tiering
 
 # How a session's end bears on its writer's fenced pages: these ends prove the writer cannot
 # write any more (the client waits for its copies before bye and before re-attaching; a dead
@@ -68,17 +66,19 @@ class Store:
     def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
                  checksums: bool = False, policy: str = DEFAULT_POLICY, fence_grace: float = 600.0,
                  lease_ttl: float = 5.0, max_lease_ttl: float = 60.0, max_leased_keys_per_engine: int = 1 << 18,
-                 max_leased_keys: int = 1 << 20, **job_limits: int):
-        """``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
+                 max_leased_keys: int = 1 << 20, tier: TierFactory = no_tier, **job_limits: int):
+        """``tier``: builds the second tier (``kvtierd.tiering``; none by default). ``job_limits``:
+        max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
         self.fence = Fence(view, fence_grace, clock)
-        self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums)
+        events = Events()
+        self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums, events=events)
         self.writes = Writes(self.index, self.fence)
         self.leases = Leases(self.index, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine, max_leased_keys)
         self.attachments = Attachments()
         self.jobs = Jobs(self.index, self.writes, self.leases, self.attachments.engines, job_timeout, clock, checksums,
                          **job_limits)
-        self.tiering: Tiering | None = None     # the second tier, when one is configured
+        self.tier = tier(self.index, self.writes, events, clock)
 
     @property
     def recovered(self) -> dict[str, int]:
@@ -160,9 +160,7 @@ class Store:
     def pending(self, session: Session, keys: list[bytes], hits: int) -> int:
         """How many keys after the ``hits`` READY ones are being promoted from the second tier
         (0 without one); starts the promotion of those not asked about yet. Never waits."""
-        if self.tiering is None:
-            return 0
-        return self.tiering.pending(session.engine.ns, keys, hits)
+        return self.tier.pending(session.engine.ns, keys, hits)
 
     def store(self, session: Session, job_id: int, keys: list[bytes], chain: bool = True,
               cold_tail: int = 0) -> tuple[list[int], list[bytes]]:
@@ -214,11 +212,8 @@ class Store:
         """Remove the blocks of the namespace named ``namespace`` (None: of every namespace the
         region knows) from the second tier; ``reply(tier, removed)`` once it answered (at once
         when there is none: "off")."""
-        if self.tiering is None:
-            reply("off", None)
-            return
-        self.tiering.clear([ns for ns in self.index.namespaces.values()
-                            if namespace is None or ns.id.name() == namespace], reply)
+        self.tier.clear([ns for ns in self.index.namespaces.values() if namespace is None or ns.id.name() == namespace],
+                        reply)
 
     # ------------------------------------------------------------------ what is going on
     def open_jobs(self) -> int:
@@ -234,7 +229,7 @@ class Store:
         index, jobs = self.index, self.jobs
         counters = {name: index.counters[name] for name in INDEX_COUNTERS}
         counters.update({name: jobs.counters[name] for name in JOB_COUNTERS})
-        tier = self.tiering.stats() if self.tiering is not None else {"backend": "off"}
+        tier = self.tier.stats()
         return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.fence.stats(),
                 "engines": len(self.attachments.engines), "sessions": len(self.attachments.sessions),
                 "session_roles": self.attachments.roles(), **counters, "tier": tier}
@@ -266,8 +261,7 @@ class Store:
         stay fenced in the region's tables, for the next daemon to recover."""
         for session in list(self.attachments.sessions.values()):
             self.detach(session, SessionEnd.DAEMON_STOPPED)
-        if self.tiering is not None:
-            self.tiering.close()
+        self.tier.close()
         self.fence.close()
         self.index.persist_tick()
 

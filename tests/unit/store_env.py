@@ -68,10 +68,11 @@ def pages(p: bytes) -> list[int]:
 
 
 class Env:
-    def __init__(self, num_pages: int = 64, policy: str = DEFAULT_POLICY, ns_slots: int | None = None):
+    def __init__(self, num_pages: int = 64, policy: str = DEFAULT_POLICY, ns_slots: int | None = None, **store):
+        """``store``: more of ``Store``'s arguments (a ``tier`` factory)."""
         self.clock = FakeClock()
         self.view = make_view(num_pages, ns_slots)
-        self.store = Store(self.view, job_timeout=TIMEOUT, clock=self.clock, policy=policy)
+        self.store = Store(self.view, job_timeout=TIMEOUT, clock=self.clock, policy=policy, **store)
 
     def ranks(self, engine: str, world_size: int, layout: NamespaceId) -> list:
         return [self.store.attach(engine, r, world_size, layout) for r in range(world_size)]

@@ -70,11 +70,11 @@ def policy_segments() -> set[str]:
 
 
 def tier_snapshot() -> dict:
-    """``Tiering.stats`` with every label value the second tier can emit."""
+    """``CompanionTier.stats`` with every label value the second tier can emit."""
     from kvtierd.tier.backend import ERRORS
     from kvtierd.tier.link import LinkBusy
     from kvtierd.tier.service import LANES
-    from kvtierd.tiering import OPS
+    from kvtierd.tiering.companion import OPS
     hist = Histogram()
     hist.observe(1e-3)
     codes = [*ERRORS, LinkBusy.code]

@@ -9,6 +9,7 @@ content, so a page handed to two owners at once cannot pass.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 
 import numpy as np
@@ -221,7 +222,7 @@ class World:
         link = self.link
         if link.state != "ready":
             if self.rng.random() < 0.3:                 # restarted
-                link.state, link.pid = "ready", __import__("os").getpid()
+                link.state, link.pid = "ready", os.getpid()
             return
         if self.rng.random() < 0.02:
             link.die()

@@ -16,7 +16,8 @@ import pytest
 
 from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome, encode
 from kvtierd.tier.backend import TierTimeout, TierUnavailable
-from kvtierd.tiering import ABSENT_SECONDS, CHECK_DELAY, PATIENCE, identity
+from kvtierd.tier.keys import identity
+from kvtierd.tiering.promote import ABSENT_SECONDS, CHECK_DELAY, PATIENCE
 
 from .store_env import keys
 from .tier_env import TierEnv
@@ -54,7 +55,7 @@ def test_victims_are_demoted_before_their_pages_are_reused_then_freed(tenv):
     tenv.pump()
     # The first was looked up meanwhile (used: it stays); the other was not: freed, and in the tier.
     assert tenv.ready(s, victims[0]) and not tenv.ready(s, victims[1])
-    assert tenv.tier.in_tier[s.engine.ns.index[victims[0]].slot]
+    assert tenv.tier.copies.held[s.engine.ns.index[victims[0]].slot]
     stats = tenv.tier.stats()
     assert stats["demoted_blocks"] == 2 and stats["demoted_bytes"] == 2 * 4096
     assert stats["demoting_blocks"] == len(tenv.link.last("put")[1]["keys"])     # the next pass is under way
@@ -64,7 +65,7 @@ def test_a_block_the_tier_holds_is_freed_without_a_second_put(tenv):
     (s,) = tenv.engine("e")
     tenv.put([s], 1, keys("k", 26))
     for entry in s.engine.ns.index.values():
-        tenv.tier.in_tier[entry.slot] = True    # promoted, or demoted before
+        tenv.tier.copies.held[entry.slot] = True    # promoted, or demoted before
     tenv.pump()
     assert [op for _, op, _ in tenv.link.sent] == ["stats"]             # no put
     assert tenv.store.index.pages.free_count == 8                       # the reserve, freed ahead of need
@@ -185,7 +186,7 @@ def test_a_miss_is_checked_then_promoted_and_reported_pending_until_ready(tenv):
     assert get["keys"] == keys("t", 4)                       # the leading run the tier holds
     assert tenv.tier.stats()["promoting_blocks"] == 4 and tenv.stats()["pages_fenced"] == 0
     fence = tenv.store.fence
-    row = tenv.tier.writer.row
+    row = tenv.tier.companion.writer.row
     assert sorted(np.flatnonzero(fence.table == row).tolist()) == sorted(
         np.frombuffer(get["pages"], PAGES_DTYPE).tolist())  # fenced for the companion before it was asked
     assert tenv.lookup(s, ks) == (2, 4)                      # promoting; "absent" ends the run
@@ -195,7 +196,7 @@ def test_a_miss_is_checked_then_promoted_and_reported_pending_until_ready(tenv):
     tenv.link.answer(rid, done=b"\x01\x01\x01\x01")
     tenv.pump()
     assert tenv.lookup(s, ks) == (6, 0)                      # "absent" is remembered: no new check
-    assert all(tenv.tier.in_tier[s.engine.ns.index[k].slot] for k in keys("t", 4))
+    assert all(tenv.tier.copies.held[s.engine.ns.index[k].slot] for k in keys("t", 4))
     assert not (fence.table == row).any()
     stats = tenv.tier.stats()
     assert stats["promoted_blocks"] == 4 and stats["lookup_keys"] == {"hit": 6, "miss": 1}
@@ -234,16 +235,16 @@ def test_the_companion_gone_mid_promote_releases_the_pages_and_a_new_one_gets_a_
     rid, _ = tenv.link.last("exists")
     tenv.link.answer(rid, present=b"\x01\x01")
     tenv.pump()
-    first_row = tenv.tier.writer.row
+    first_row = tenv.tier.companion.writer.row
     tenv.link.die()
     tenv.pump()
-    assert tenv.tier.writer is None and tenv.stats()["pages_fenced"] == 0
+    assert tenv.tier.companion.writer is None and tenv.stats()["pages_fenced"] == 0
     assert not tenv.ready(s, b"t0") and tenv.tier.stats()["promote_failed_blocks"] == 2
     assert tenv.lookup(s, keys("t", 2)) == (0, 0)             # no companion: nothing checked
     tenv.link.state, tenv.link.pid = "ready", os.getpid()
     tenv.pump()
-    assert tenv.tier.writer is not None and tenv.store.fence.writers[tenv.tier.writer.row] is tenv.tier.writer
-    assert first_row not in tenv.store.fence.writers or tenv.tier.writer.row == first_row
+    assert tenv.tier.companion.writer is not None and tenv.store.fence.writers[tenv.tier.companion.writer.row] is tenv.tier.companion.writer
+    assert first_row not in tenv.store.fence.writers or tenv.tier.companion.writer.row == first_row
 
 
 def test_a_failed_or_slow_check_costs_lookups_nothing(tenv):
@@ -269,12 +270,12 @@ def test_clear_reaches_the_tier_and_says_how_it_went(tenv):
     (s,) = tenv.engine("e")
     tenv.put([s], 1, keys("k", 2))
     for entry in s.engine.ns.index.values():
-        tenv.tier.in_tier[entry.slot] = True
+        tenv.tier.copies.held[entry.slot] = True
     replies = []
     tenv.store.clear_tier(s.engine.ns.id.name(), lambda tier, n: replies.append((tier, n)))
     rid, fields = tenv.link.last("clear")
     assert fields == {"ns": identity(s.engine.ns.id)} and replies == []
-    assert not any(tenv.tier.in_tier[e.slot] for e in s.engine.ns.index.values())     # their copies are going
+    assert not any(tenv.tier.copies.held[e.slot] for e in s.engine.ns.index.values())     # their copies are going
     tenv.link.answer(rid, removed=5)
     tenv.pump()
     assert replies == [("removed", 5)] and tenv.tier.stats()["cleared_blocks"] == 5
@@ -344,15 +345,15 @@ def test_the_data_file_replaced_ends_what_the_companion_had_and_restarts_it(tenv
     tenv.link.answer(rid, present=b"\x01\x01")
     tenv.pump()                                              # and another one in flight
     assert tenv.stats()["pages_fenced"] == 4 and tenv.tier.stats()["promoting_blocks"] == 2
-    row = tenv.tier.writer.row
+    row = tenv.tier.companion.writer.row
     tenv.store.detach(s, SessionEnd.REGION_REPLACED)
     tenv.link.kill = tenv.link.die
     tenv.tier.data_replaced()
-    assert tenv.tier.writer is None and not tenv.tier.promotes
+    assert tenv.tier.companion.writer is None and not tenv.tier.promotes.jobs
     assert not (tenv.store.fence.table == row).any()
     assert tenv.store.drop_all() == 4                        # Fence.reset: nothing attached
-    assert tenv.tier.link.restart_at == tenv.clock()        # restarted at the loop's next turn
+    assert tenv.link.restart_at == tenv.clock()        # restarted at the loop's next turn
     assert tenv.tier.stats()["promote_failed_blocks"] == 6 and tenv.stats()["pages_fenced"] == 0
     tenv.link.state, tenv.link.pid = "ready", os.getpid()    # the new companion, on the new file
     tenv.pump()
-    assert tenv.tier.writer is not None and tenv.store.fence.writers[tenv.tier.writer.row] is tenv.tier.writer
+    assert tenv.tier.companion.writer is not None and tenv.store.fence.writers[tenv.tier.companion.writer.row] is tenv.tier.companion.writer

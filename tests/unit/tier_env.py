@@ -22,7 +22,10 @@ from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome
 from kvtierd.contract.region_format import EntryState
 from kvtierd.tier.backend import TierUnavailable
 from kvtierd.tier.link import LinkBusy, LinkDown, Outcome, Request
-from kvtierd.tiering import CHECK_DELAY, TierConfig, Tiering, identity
+from kvtierd.tier.keys import identity
+from kvtierd.tiering.interface import TierConfig
+from kvtierd.tiering.promote import CHECK_DELAY
+from kvtierd.tiering.tier import CompanionTier
 
 from .store_env import PAGE, Env
 
@@ -151,12 +154,13 @@ class TierEnv(Env):
     a ``MemoryCompanion``, else a ``ScriptedLink``)."""
 
     def __init__(self, num_pages: int = 32, companion: bool = False, ns_slots: int | None = None, **config):
-        super().__init__(num_pages, ns_slots=ns_slots)
-        self.link = MemoryCompanion(self.view) if companion else ScriptedLink()
-        self.tier = Tiering(self.store.index, self.store.writes, self.link,
-                            TierConfig("scripted", "nowhere", **{"low_watermark": 0.25, "cooldown": 5.0, **config}),
-                            clock=self.clock)
-        self.store.tiering = self.tier
+        config = TierConfig("scripted", "nowhere", **{"low_watermark": 0.25, "cooldown": 5.0, **config})
+
+        def tier(index, writes, events, clock) -> CompanionTier:
+            self.link = MemoryCompanion(index.view) if companion else ScriptedLink()
+            return CompanionTier(index, writes, events, self.link, config, clock)
+        super().__init__(num_pages, ns_slots=ns_slots, tier=tier)
+        self.tier = self.store.tier
         self.pump()
 
     def pump(self) -> None:
