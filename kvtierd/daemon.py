@@ -101,27 +101,7 @@ class Daemon:
                                   huge=c.hugepages)
         self.store = None
         try:
-            tier = build_tier(c, self.region.paths, self.region.geometry)
-            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
-                               fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
-                               max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
-                               lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
-                               max_leased_keys_per_engine=c.max_leased_keys_per_engine,
-                               max_leased_keys=c.max_leased_keys, tier=tier)
-            # The recovered index (up to millions of entries) lives as long as the daemon: keep it
-            # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
-            gc.freeze()
-            rec = self.store.recovered
-            if self.region.adopted:
-                log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
-                         "damaged discarded, %d pages fenced for writers not proven gone", self.region.paths.region,
-                         "clean" if self.region.was_clean else "unclean", rec["ready"],
-                         rec["writing_discarded"], rec["corrupt_discarded"], rec["pages_fenced"])
-                if rec["writing_discarded"] or rec["corrupt_discarded"]:
-                    # The tables were rebuilt: page numbers a client held may mean other entries now.
-                    log.info("region rebuilt: new generation %x (clients remap on re-attach)",
-                             self.region.new_generation())
-            log.info("eviction policy: %s", c.policy)
+            self.store = self._open_store(c)
             self.store.tier.start()
             self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
                                  drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
@@ -162,6 +142,30 @@ class Daemon:
         self.notifier.notify(READY=1, STATUS=f"serving {self.server.socket_path}: {geo.num_pages} pages of "
                                              f"{format_size(geo.page_size)}, pinned={self.region.pinned}, "
                                              f"{backing.describe()}")
+
+    def _open_store(self, c: Config) -> Store:
+        """The store over the region (its index recovered from the tables) and its second tier."""
+        store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
+                      fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
+                      max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
+                      lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
+                      max_leased_keys_per_engine=c.max_leased_keys_per_engine, max_leased_keys=c.max_leased_keys,
+                      tier=build_tier(c, self.region.paths, self.region.geometry))
+        # The recovered index (up to millions of entries) lives as long as the daemon: keep it
+        # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
+        gc.freeze()
+        rec = store.recovered
+        if self.region.adopted:
+            log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
+                     "damaged discarded, %d pages fenced for writers not proven gone", self.region.paths.region,
+                     "clean" if self.region.was_clean else "unclean", rec["ready"],
+                     rec["writing_discarded"], rec["corrupt_discarded"], rec["pages_fenced"])
+            if rec["writing_discarded"] or rec["corrupt_discarded"]:
+                # The tables were rebuilt: page numbers a client held may mean other entries now.
+                log.info("region rebuilt: new generation %x (clients remap on re-attach)",
+                         self.region.new_generation())
+        log.info("eviction policy: %s", c.policy)
+        return store
 
     def run(self) -> None:
         self.server.install_signal_handlers()

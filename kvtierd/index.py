@@ -2,25 +2,21 @@
 clock, and recovery from the region's tables. No sockets, no threads, no jobs.
 
 An entry is one cached block of one namespace (``kvtierd.namespaces``). It is WRITING from the
-moment a write (``kvtierd.writes``: an engine's store job, a promote from the second tier) is
-given its pages until the write completes (``make_ready``), then READY: visible to lookup and
-load, and evictable unless a hold keeps it (``kvtierd.holds``: a load's or a demote's pin, a
-lease). Its record in the region's entry table mirrors it; READY is the last byte written there,
-FREE the first (invariant 1: a restarted daemon never takes a half-written record for a ready one).
+moment a write (``kvtierd.writes``: a store job, a promote) is given its pages until the write
+completes (``make_ready``), then READY: visible to lookup and load, and evictable unless a hold
+keeps it (``kvtierd.holds``: a load's or a demote's pin, a lease). Its record in the region's
+entry table mirrors it; READY is the last byte written there, FREE the first (invariant 1).
 
-Page ownership (invariant 12). A page is free, held by an entry, or fenced (``kvtierd.fence``):
-held by no entry, but kept from everyone until the writer that was handed it is proven unable to
-write. Everything that frees entries — eviction for room, the second tier's frees ahead of need,
-operator evictions, a namespace's takeover, the region's replacement, a write's abort — goes
-through one method (``_free``), which refuses any entry that a writer may still write (WRITING:
-only its own write frees it) or a reader may still read (held); the namespace takeover only takes
-a namespace nothing of which is held or written. The fence's pages come back only through the
-writes (``release_pages``).
+Page ownership (invariant 12). A page is free, held by an entry, or fenced (``kvtierd.fence``).
+Everything that frees entries — eviction for room, the tier's frees ahead of need, operator
+evictions, a namespace's takeover, the region's replacement, a write's abort — goes through
+``_free``, which refuses an entry a writer may still write (WRITING: only its write frees it) or
+a reader may still read (held); a takeover only takes a namespace nothing of which is held or
+written. Fenced pages come back only through the writes (``release_pages``).
 
-Eviction: the policy (``kvtierd.policy``) holds exactly the READY entries that nothing holds, and
+Eviction: the policy (``kvtierd.policy``) holds exactly the READY entries nothing holds and
 chooses among them, across all namespaces (``victims``); the index frees what it chooses
-(invariants 2 and 10). What happens to entries is told to the index's ``Events`` (``kvtierd.events``):
-READY, and leaving with a cause.
+(invariants 2 and 10). The index tells its ``Events`` (``kvtierd.events``) what becomes of entries.
 
 Per-key work is done in C-level passes (map over attribute getters, NumPy fancy indexing of the
 entry table) rather than Python loops: a job carries up to thousands of keys, and the daemon's
@@ -53,21 +49,12 @@ log = logging.getLogger(__name__)
 
 _SLOT = attrgetter("slot")
 _KEY = attrgetter("key")
-_STATE = attrgetter("state")
 _PAGES = attrgetter("pages")
 
 
 def _slots(entries: list) -> np.ndarray:
     return np.fromiter(map(_SLOT, entries), np.intp, len(entries))
 
-
-class _Absent:
-    """Stands in for a key the index does not hold, so that a state can be read for every key."""
-    state = EntryState.FREE
-
-
-_ABSENT = _Absent()
-_READY = bytes([EntryState.READY])
 
 # Monotonic counters the index keeps (Store.stats reports them with the job machine's).
 COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "evictions", "operator_evictions")
@@ -232,23 +219,10 @@ class Index:
     def lookup(self, ns: Namespace, keys: list[bytes]) -> list[Entry]:
         """The entries of the leading keys that are READY, counted as looked up. The caller
         accesses them (they are about to be used), or leases them (``lease``)."""
-        hits = self.ready_prefix(ns, keys)
+        hits = ns.ready(keys)
         self.counters["lookup_hit_keys"] += len(hits)
         self.counters["lookup_miss_keys"] += len(keys) - len(hits)
         return hits
-
-    @staticmethod
-    def ready_prefix(ns: Namespace, keys: list[bytes]) -> list[Entry]:
-        """The entries of the leading keys that are in the namespace and READY."""
-        entries = list(map(ns.index.get, keys, repeat(_ABSENT)))
-        states = bytes(map(_STATE, entries))               # one byte per key
-        hits = len(states) - len(states.lstrip(_READY))
-        return entries if hits == len(entries) else entries[:hits]
-
-    @staticmethod
-    def find(ns: Namespace, keys: list[bytes]) -> list[Entry | None]:
-        """The entry of each key in the namespace (READY or WRITING), or None."""
-        return list(map(ns.index.get, keys))
 
     def access(self, entries: list[Entry]) -> None:
         """The entries were just used: the policy hears it, and they get a new tick."""

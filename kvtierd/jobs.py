@@ -278,7 +278,7 @@ class Jobs:
         """
         job, new = self._job(session, job_id, JobKind.LOAD, keys)
         if new:
-            job.entries = self.index.ready_prefix(job.engine.ns, keys)
+            job.entries = job.engine.ns.ready(keys)
             self.index.pin(job.entries)
             if lease is not None:
                 self.leases.consume(job.engine, lease)

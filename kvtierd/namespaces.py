@@ -11,6 +11,7 @@ writer or reader may still touch).
 from __future__ import annotations
 
 import logging
+from itertools import repeat
 from operator import attrgetter
 from typing import Iterator
 
@@ -25,6 +26,16 @@ from .recovery import RegionScan
 log = logging.getLogger(__name__)
 
 _PAGES = attrgetter("pages")
+_STATE = attrgetter("state")
+_READY = bytes([EntryState.READY])
+
+
+class _Absent:
+    """Stands in for a key the namespace does not hold, so that a state can be read for every key."""
+    state = EntryState.FREE
+
+
+_ABSENT = _Absent()
 
 
 class Namespace:
@@ -47,6 +58,17 @@ class Namespace:
         self.record = np.zeros(1, ENTRY_DTYPE)
         self.record[["state", "ns", "page_count", "length"]] = (EntryState.WRITING, slot, self.entry_pages,
                                                                  ns_id.entry_bytes)
+
+    def ready(self, keys: list[bytes]) -> list:
+        """The entries of the leading keys that are READY (a C-level pass over the keys)."""
+        entries = list(map(self.index.get, keys, repeat(_ABSENT)))
+        states = bytes(map(_STATE, entries))               # one byte per key
+        hits = len(states) - len(states.lstrip(_READY))
+        return entries if hits == len(entries) else entries[:hits]
+
+    def find(self, keys: list[bytes]) -> list:
+        """The entry of each key (READY or WRITING), or None."""
+        return list(map(self.index.get, keys))
 
     def pages_for(self, entries: list, rank: int | None) -> list[bytes]:
         """The pages ``rank`` copies of each entry, in order: the whole chain of a replicated

@@ -109,7 +109,7 @@ class Promotes:
         if now < self.off_until or len(self._to_check) >= self.companion.room():
             return 0
         rest = keys[hits:]
-        found = self.index.find(ns, rest)
+        found = ns.find(rest)
         checking = self._checking.setdefault(ns.id, {})
         absent = self._absent.setdefault(ns.id, {})
         if (found.count(None) == len(found) and not any(map(checking.__contains__, rest))
@@ -187,7 +187,7 @@ class Promotes:
         if not self.index.live(ns):             # taken over meanwhile: its engines are gone
             return
         run = []
-        for key, held_it, entry in zip(ctx.keys, present, self.index.find(ns, ctx.keys)):
+        for key, held_it, entry in zip(ctx.keys, present, ns.find(ctx.keys)):
             if not held_it:
                 break
             if entry is None:
