@@ -104,10 +104,9 @@ class Writes:
 
     def complete(self, write: Write, landed: bytes | None = None, sums: list[list[int]] | None = None,
                  chain: bool = True, cold: int = 0) -> list[Entry]:
-        """Every writer settled and every vote is in: the entries (those whose ``landed`` byte is
-        not 0, or all) become READY, with the writers' ``sums`` and the policy's hints; the others
-        go, with their pages. Returns the entries made READY."""
-        assert not write.handed, "a write completes after its writers settled"
+        """Every vote is in (the writers' after they settled): the entries (those whose ``landed``
+        byte is not 0, or all) become READY, with the writers' ``sums`` and the policy's hints; the
+        others go, with their pages. Returns the entries made READY."""
         self._close(write)
         if landed is None:
             ready, lost = write.entries, []
