@@ -54,7 +54,6 @@ class Later:
             send(self.reply)
 
 
-
 class Handlers:
     """The ops' handlers: ``client`` (op → handler of (identity, session, msg); hello apart, as
     it needs the connection) and ``admin`` (op → handler of msg)."""
@@ -67,7 +66,6 @@ class Handlers:
         self.heartbeat_timeout = heartbeat_timeout
         self._stopping = stopping           # the daemon drains
         self._listening = listening         # its sockets are bound (not so in unit tests)
-        self._stats_reply = stats
         self.client: dict[str, Callable[[bytes, Session | None, dict], P.Reply]] = {
             "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
             "store": self._store, "commit": self._commit, "load": self._load, "unlease": self._unlease,
