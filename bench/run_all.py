@@ -254,7 +254,8 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
            f"The run took {result['seconds'] / 60:.1f} minutes ({'--quick' if result['quick'] else 'full plan'}).",
            "## Targets", targets_text(result), MISSES]
     titles = {"control": "Control plane", "data": "CPU data plane", "capacity": "Capacity and traffic",
-              "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis",
+              "eviction": "Eviction under pressure", "recovery": "Recovery",
+              "restart": "Restart under running engines", "redis": "Peer: Redis",
               "attach": "Client attach and first touch (4 KiB vs 2 MiB pages)",
               "policy": "Eviction policy: hit rate against Belady, cost against LRU",
               "tier": "Second tier: demote and promote against the engine's raw put/get, the lookup-miss check"}
@@ -383,6 +384,15 @@ entry. Against the same store jobs into the same region while it still had room.
     "recovery": """The daemon holding N entries is stopped (SIGTERM) and started again: process start to the socket
 answering a ping. `Store()` is the store's recovery alone (scan of the tables + index build),
 timed in the bench process on the stopped daemon's region.""",
+    "restart": """kvtierd restarted under 8 running engines, planned (SIGTERM, then a new daemon on the same
+region, as `systemctl restart` and an upgrade do) and after a crash (SIGKILL). Each engine is a
+process with a link thread and its coordinator session (the vLLM plugin's scheduler side, with
+`kvtier_retry_s` 600 s, so only its watch of the socket path can bring it back in time) and a TP=1
+rank session, which the engine calls once its link is up again. "Serving" is the new daemon's
+first answer to a ping sent the moment its socket is bound; "links up" and "ranks attached" are
+when the last engine's link was up again and its rank's first lookup answered (it re-attached on
+the way), medians over the rounds; "worst" the worst of either in any round. Floor: a fresh
+client attaching the moment the daemon serves.""",
     "redis": """A real `redis-server` (Debian package) on loopback, no persistence, driven by redis-py, stores and
 loads the same blocks from the same KV-cache memory as kvtierd's client does.""",
     "attach": """What a client pays to start using the region. Attach + populate: `Client(...)` (hello, mapping the
@@ -454,7 +464,9 @@ of the device copiers (the CUDA kernel of csrc/ and the torch fallback) against 
 contiguous `cudaMemcpyAsync` of the same bytes into the same pinned region (the link's ceiling),
 for DeepSeek-V3 MLA and a Llama-70B-like GQA shard; and cudaHostRegister of a client's mapping per
 GiB with 4 KiB vs 2 MiB pages, unpopulated and populated first (issue 15). They were **not run**
-for this page: no GPU device was lent to this task, so there are no GPU figures here."""
+for this page: no GPU device was lent to this task, so there are no GPU figures here. `make
+gpu-check OUT=dir` runs them with the GPU tests in one command ([cuda.md](cuda.md), "The GPU
+check"); its `gpu_bench/gpu_bench.md` is the table that belongs here."""
 
 
 def main() -> int:

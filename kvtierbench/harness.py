@@ -1,7 +1,8 @@
 """What the bench sections share: the plan of a run, key streams, machine facts, targets and
-ratios, the daemons they start (``kvtierd.launcher.DaemonProcess``), a rank copying blocks
-through the client (``BlockBench``), a rank storing at the protocol level (``RankChannel``), and
-the full region that eviction fills and recovery restarts."""
+ratios, the daemons they start (``kvtierd.launcher.DaemonProcess``) and the stop of their worker
+processes (``stop_processes``), a rank copying blocks through the client (``BlockBench``), a rank
+storing at the protocol level (``RankChannel``), and the full region that eviction fills and
+recovery restarts."""
 
 from __future__ import annotations
 
@@ -133,13 +134,19 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+# The bench's regions are sized to its working set and one engine loads all of it in one job: the
+# shares of the region an engine may hold out of eviction (kvtierd.holds, there for a node shared
+# by engines) would cut its loads, so its daemons let one engine hold the whole region.
+HOLD_ALL = ("--max-held-share-per-engine", "1", "--max-held-share-per-namespace", "1", "--max-held-share", "1")
+
+
 def bench_daemon(directory: str, size: int, page_size: int, *flags: str, job_timeout: float = 120.0) -> DaemonProcess:
     """A kvtierd for the bench in ``directory``, unpinned and without metrics, with more ``flags``
     (not started: ``start()`` returns the seconds from process start to serving)."""
     os.makedirs(directory, exist_ok=True)
     return DaemonProcess(directory, "--size", str(size), "--page-size", str(page_size), "--pin", "off",
                          "--metrics-address", "off", "--job-timeout", str(job_timeout), "--log-level", "info",
-                         *flags, start_timeout=300.0, call_timeout=60.0)
+                         *HOLD_ALL, *flags, start_timeout=300.0, call_timeout=60.0)
 
 
 def region_size(pages: int, page_size: int) -> int:
@@ -271,6 +278,20 @@ class RankChannel:
 
     def close(self) -> None:
         self.client.close()
+
+
+def stop_processes(workers: list, stop_message, timeout: float) -> None:
+    """Tell each worker process (``(process, its pipe)``) to stop, wait ``timeout`` for it, kill it
+    if it is still there."""
+    for _, conn in workers:
+        try:
+            conn.send(stop_message)
+        except OSError:
+            pass
+    for proc, _ in workers:
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
 
 
 def big_region(ctx: Context) -> DaemonProcess:

@@ -11,8 +11,8 @@ row records, and whether a pid claimed in the daemon's own PID namespace is true
 A hello naming an earlier session and its token replaces it (its writer's pages are free: the
 client waited for its copies); a process taking its own orphaned rank back ends the orphan.
 
-While the daemon drains, new sessions and new jobs are refused with SHUTTING_DOWN; requests of
-jobs already open are served.
+While the daemon drains, new sessions, new jobs and new leases (a lease promises a load, a new
+job) are refused with SHUTTING_DOWN; requests of jobs already open are served.
 """
 
 from __future__ import annotations
@@ -159,6 +159,8 @@ class Handlers:
         if "lease" not in msg:
             hits = self.store.lookup(session, keys)
             return P.LookupReply(hits, None, 0, 0, self.store.pending(session, keys, hits))
+        if self._stopping():      # a lease promises a load, a new job, which a stopping daemon refuses
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new leases")
         ttl = msg["ttl_ms"] / 1000 if "ttl_ms" in msg else None
         found = self.store.lease(session, msg["lease"], keys, ttl)
         return P.LookupReply(found.hits, found.lease, found.leased, round(found.ttl * 1000),

@@ -39,10 +39,9 @@ from .contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcom
 from .contract.region_format import ENTRY_DTYPE, TICK_LIMIT, EntryState, RegionView, entry_checksum, entry_record_sums
 from .events import EntryEvents, Events, Gone
 from .fence import Fence
-from .holds import Holds
+from .holds import Holder, Holds
 from .namespaces import Namespace, Namespaces
 from .pages import FreeStack
-from .policy import Policy
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -76,18 +75,19 @@ class Entry:
 
 
 class Index:
-    def __init__(self, view: RegionView, policy: Policy, fence: Fence, verify_checksums: bool = False,
+    def __init__(self, view: RegionView, holds: Holds, fence: Fence, verify_checksums: bool = False,
                  events: EntryEvents | None = None):
+        """``holds``: the entries' holds, over the eviction policy (``holds.policy``)."""
         self.view = view
         self.fence = fence
         self.geometry = view.geometry
         self.page_size = view.geometry.page_size
-        self.policy = policy
+        self.policy = holds.policy
         self.events = events if events is not None else Events()
         self.ns = Namespaces(view, self.page_size, verify_checksums)
         self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
         self.entry_count = {EntryState.WRITING: 0, EntryState.READY: 0}
-        self.holds = Holds(self.geometry.entry_slots, policy)
+        self.holds = holds
         self.checksums = verify_checksums         # entries carry data checksums (their namespaces' flag)
         self.tick = 0                             # the access clock (recovery orders by it)
         self.counters: Counter = Counter()
@@ -241,29 +241,29 @@ class Index:
         return self._ticks[_slots(entries)].copy()
 
     # ------------------------------------------------------------------ holds
-    def pin(self, entries: list[Entry], access: bool = True) -> None:
-        """A load (or a demote to the second tier) reads the (distinct, READY) entries: those held
-        by nothing else leave the policy; all get a new tick, unless the pin is no access (a
-        demote reads them for the daemon itself)."""
+    def pin(self, entries: list[Entry], holder: Holder | None = None, access: bool = True) -> None:
+        """A load of ``holder`` (or, holder None, a demote to the second tier) reads the (distinct,
+        READY) entries: those held by nothing else leave the policy; all get a new tick, unless the
+        pin is no access (a demote reads them for the daemon itself)."""
         slots = _slots(entries)
-        self.holds.pin(slots)
+        self.holds.pin(slots, holder)
         if len(slots) and access:   # pinned: out of the policy until released; only the tick moves
             self.stamp(slots)
 
-    def unpin(self, entries: list[Entry]) -> None:
-        self.holds.unpin(_slots(entries))
+    def unpin(self, entries: list[Entry], holder: Holder | None = None) -> None:
+        self.holds.unpin(_slots(entries), holder)
 
-    def lease(self, entries: list[Entry]) -> None:
-        """A lease holds the (distinct, READY) entries: those held by nothing else leave the
-        policy, as a pin's do; all get a new tick (just looked up: they are not accessed in the
-        policy first, since they leave it)."""
+    def lease(self, entries: list[Entry], holder: Holder) -> None:
+        """A lease of ``holder`` holds the (distinct, READY) entries: those held by nothing else
+        leave the policy, as a pin's do; all get a new tick (just looked up: they are not accessed
+        in the policy first, since they leave it)."""
         slots = _slots(entries)
-        self.holds.lease(slots)
+        self.holds.lease(slots, holder)
         if len(slots):
             self.stamp(slots)
 
-    def unlease(self, entries: list[Entry]) -> None:
-        self.holds.unlease(_slots(entries))
+    def unlease(self, entries: list[Entry], holder: Holder) -> None:
+        self.holds.unlease(_slots(entries), holder)
 
     # ------------------------------------------------------------------ store decisions
     def place(self, ns: Namespace, keys: list[bytes], write: Any) -> tuple[list[StoreOutcome], list[Entry], int]:

@@ -44,11 +44,11 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-
 from .attachments import Engine, Session, SessionEnd
 from .contract.namespace import Sharding
 from .contract.protocol import AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
 from .histogram import Histogram
+from .holds import Holds
 from .index import Index
 from .leases import Leases
 from .writes import Write, Writes, WriterKind
@@ -90,13 +90,15 @@ class Job:
 
 
 class Jobs:
-    def __init__(self, index: Index, writes: Writes, leases: Leases, engines: dict[str, Engine],
+    def __init__(self, index: Index, writes: Writes, leases: Leases, holds: Holds, engines: dict[str, Engine],
                  job_timeout: float = 30.0, clock=time.monotonic, checksums: bool = False, max_job_keys: int = 1 << 20,
                  max_job_keys_per_engine: int = 1 << 18, max_tombstones: int = 1 << 17):
-        """``engines``: the attached engines by id (``Attachments.engines``), whose jobs these are."""
+        """``engines``: the attached engines by id (``Attachments.engines``), whose jobs these are;
+        ``holds``: what a load may pin of the region (``Holds.fit``)."""
         self.index = index
         self.writes = writes
         self.leases = leases
+        self.holds = holds
         self.job_timeout = job_timeout
         self.clock = clock
         self.checksums = checksums        # keep writers' checksums of their shards
@@ -125,7 +127,7 @@ class Jobs:
         job = engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
             if job is not None:     # aborted, a writer's pages still fenced: the id stays taken
-                self._refuse_aborted(job.kind, job_id, job.cause)   # (its tombstone may be gone)
+                self._refuse_settled(job.kind, job.state, job.cause, job_id)   # (its tombstone may be gone)
             self._refuse_finished(engine, job_id)
             cost = self._admit(engine, len(keys))
             now = self.clock()
@@ -157,23 +159,22 @@ class Jobs:
 
     def _refuse_finished(self, engine: Engine, job_id: int) -> None:
         tomb = self.tombstones.get((engine.serial, job_id))
-        if tomb is None:
-            return
-        kind, state, cause = tomb
-        if state is JobState.ABORTED:
-            self._refuse_aborted(kind, job_id, cause)
-        raise RequestError(ErrorCode.CONFLICT, f"{kind.value} job {job_id} already finished; job ids are not reused")
+        if tomb is not None:
+            self._refuse_settled(*tomb, job_id)
 
     @staticmethod
-    def _refuse_aborted(kind: JobKind, job_id: int, cause: AbortCause) -> None:
-        code = ErrorCode.TIMEOUT if cause is AbortCause.TIMEOUT else ErrorCode.ABORTED
-        raise RequestError(code, f"{kind.value} job {job_id} was aborted ({cause.value})")
+    def _refuse_settled(kind: JobKind, state: JobState, cause: AbortCause | None, job_id: int) -> None:
+        """The precise error for a request naming a job that is no longer open."""
+        if state is JobState.ABORTED:
+            code = ErrorCode.TIMEOUT if cause is AbortCause.TIMEOUT else ErrorCode.ABORTED
+            raise RequestError(code, f"{kind.value} job {job_id} was aborted ({cause.value})")
+        raise RequestError(ErrorCode.CONFLICT, f"{kind.value} job {job_id} already finished; job ids are not reused")
 
     def _open_job(self, session: Session, job_id: int, kind: JobKind) -> Job:
         job = session.engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
             if job is not None:
-                self._refuse_aborted(job.kind, job_id, job.cause)
+                self._refuse_settled(job.kind, job.state, job.cause, job_id)
             self._refuse_finished(session.engine, job_id)
             raise RequestError(ErrorCode.UNKNOWN_JOB, f"no job {job_id} for engine {session.engine.id!r}")
         if job.kind is not kind:
@@ -210,7 +211,13 @@ class Jobs:
         if rank is None:
             return job.outcomes, []
         job.seen.add(rank)
-        if rank in job.engine.writers:      # fenced for this writer before the reply hands them out
+        if rank in job.engine.writers:
+            if rank in job.done_ranks:
+                # Its commit settled its pages: handing them again would fence READY pages for it
+                # and keep the job past its end, waiting for a second commit (issue 26 A).
+                raise RequestError(ErrorCode.CONFLICT, f"rank {rank} already committed store job {job_id}: a writer "
+                                                       "stores a job once, then commits it once")
+            # fenced for this writer before the reply hands them out
             return job.outcomes, self.writes.hand(job.write, rank, session.writer, rank)
         self._vote(job, rank)
         return job.outcomes, []
@@ -223,7 +230,7 @@ class Jobs:
         if job.state is JobState.ABORTED:       # a writer acknowledging an aborted job's copy (a late final)
             self.writes.settle(job.write, rank)
             self._drop_if_settled(job)
-            self._refuse_aborted(job.kind, job_id, job.cause)
+            self._refuse_settled(job.kind, job.state, job.cause, job_id)
         if rank not in job.seen:
             raise RequestError(ErrorCode.CONFLICT, f"rank {rank} commits store job {job_id} before storing it")
         if ok and checksums is None and self.checksums and rank in job.engine.writers:
@@ -272,14 +279,18 @@ class Jobs:
              ) -> tuple[int, list[bytes]]:
         """Open or join a load job. Returns (hits, this rank's pages per hit key).
 
-        The first request pins the READY prefix of ``keys``; they stay pinned until every rank
-        released the job (or it is aborted). It also consumes ``lease``, after pinning (later
-        requests of the job ignore it).
+        The first request pins the READY prefix of ``keys`` — as much of it as the engine may
+        hold (``kvtierd.holds``; the rest are misses); they stay pinned until every rank released
+        the job (or it is aborted). It also consumes ``lease``, after pinning (later requests of
+        the job ignore it); the lease's pages count as room, so a load of leased keys is whole.
         """
         job, new = self._job(session, job_id, JobKind.LOAD, keys)
         if new:
-            job.entries = job.engine.ns.ready(keys)
-            self.index.pin(job.entries)
+            engine = job.engine
+            ready = engine.ns.ready(keys)
+            returned = self.leases.pages_of(engine, lease) if lease is not None else 0
+            job.entries = ready[:self.holds.fit(engine, len(ready), returned)]
+            self.index.pin(job.entries, engine)
             if lease is not None:
                 self.leases.consume(job.engine, lease)
             self.counters["load_hit_keys"] += len(job.entries)
@@ -303,7 +314,7 @@ class Jobs:
             self._finish(job, JobState.DONE)
 
     def _unpin(self, job: Job) -> None:
-        self.index.unpin(job.entries)
+        self.index.unpin(job.entries, job.engine)
         job.entries = []
 
     # ------------------------------------------------------------------ abort and finish
@@ -422,8 +433,25 @@ class Jobs:
     def stats(self) -> dict:
         return {
             "open_jobs": self.open_jobs(),
+            "jobs_held": sum(len(e.jobs) for e in self.engines.values()),
             "open_job_keys": self.open_keys,
             "tombstones": len(self.tombstones),
             "aborted_jobs": dict(self.aborted),
             "vote_wait": self.vote_wait.snapshot(),
         }
+
+    def held(self) -> Counter:
+        """Engine → the pages its load jobs' pins hold (``Holds.verify_holders``)."""
+        held: Counter = Counter()
+        for engine in self.engines.values():
+            for job in engine.jobs.values():
+                if job.kind is JobKind.LOAD:
+                    held[engine] += len(job.entries) * engine.ns.entry_pages
+        return held
+
+    def verify(self) -> None:
+        """No settled job left in an engine's table: only open ones, and aborted store jobs that
+        wait for a writer's commit (tests, ``Store.verify``)."""
+        for engine in self.engines.values():
+            assert all(job.state is JobState.OPEN or (job.state is JobState.ABORTED and job.handed)
+                       for job in engine.jobs.values()), f"engine {engine.id!r} holds a settled job"

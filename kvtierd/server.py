@@ -38,7 +38,8 @@ The second tier (``Store.tier``, ``kvtierd.tiering``; ``NoTier`` without one) ha
 the poller, and the loop gives it its turn (``Tier.pump``) at every wake-up and at least as
 often as it asks; an admin ``clear`` is answered once the tier said how it went (``Later``).
 
-Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
+Stopping (SIGTERM/SIGINT) drains: new jobs, new sessions and new leases (a lease promises a load,
+a new job) are refused with SHUTTING_DOWN (clients then wait for the daemon that follows),
 requests of jobs already open are still served, and the loop ends when no job is open any more
 (store copies in flight and loads) or ``drain_timeout`` passed, whichever comes first. Pages a
 writer may still copy into stay fenced in the region for the next daemon.
@@ -59,6 +60,7 @@ import zmq
 
 from .attachments import SessionEnd
 from .contract import protocol as P
+from .contract.paths import check_socket_path
 from .contract.protocol import ErrorCode, RequestError
 from .handlers import Handlers, Later
 from .histogram import Histogram
@@ -76,7 +78,6 @@ BURST = 256
 # peer's replies (ROUTER_MANDATORY off) instead of growing the daemon's memory: 60,000 unread
 # stats replies took an unbounded daemon from 56 to 163 MiB. The peer only hurts itself.
 REPLY_QUEUE_PER_PEER = 1000
-MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
 PRESSURE_LOG_SECONDS = 10.0    # how often eviction pressure is reported in the log
 
 
@@ -132,15 +133,13 @@ class Server:
     def listen(self) -> None:
         """Bind the client and admin sockets: from now on clients can connect."""
         self.sock = self._bind(self.socket_path, 0o117, self.gid, self.connections)   # 0660, client group
-        self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
         self.poller.register(self.connections.monitor, zmq.POLLIN)
         self.poller.register(self.sock, zmq.POLLIN)
+        self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
         self.poller.register(self.admin, zmq.POLLIN)
 
     def _bind(self, path: str, umask: int, gid: int | None, connections: Connections | None = None) -> zmq.Socket:
-        if len(path.encode()) > MAX_SOCKET_PATH:
-            raise ValueError(f"socket path {path} is {len(path)} bytes; ipc paths are limited to "
-                             f"{MAX_SOCKET_PATH}. Choose a shorter --dir or --name")
+        check_socket_path(path)
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         if connections is not None:
             connections.watch(sock)
@@ -417,13 +416,16 @@ class Server:
     def close(self) -> None:
         """End every session, close the sockets (when bound) and the wake pipe."""
         self.sessions.close()
+        registered = {sock for sock, _ in self.poller.sockets}    # a failed listen registered only some
         if self.connections.monitor is not None:
-            self.poller.unregister(self.connections.monitor)
+            if self.connections.monitor in registered:
+                self.poller.unregister(self.connections.monitor)
             self.connections.close()
         for sock, path in ((self.sock, self.socket_path), (self.admin, self.admin_socket_path)):
             if sock is None:
                 continue
-            self.poller.unregister(sock)
+            if sock in registered:
+                self.poller.unregister(sock)
             sock.close(linger=0)
             try:
                 os.unlink(path)

@@ -63,6 +63,14 @@ _CANNOT_WATCH = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 DISCONNECT_GRACE = 1.0     # seconds a watched session outlives its connection, for its pidfd to tell a death
 
 
+def readable(fd: int) -> bool:
+    """Whether ``fd`` (a pidfd: its process died) is readable now, without waiting. poll, not
+    select: select() takes no descriptor past 1,023, and the daemon holds thousands (issue 26 C)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class SessionRegistry:
     """ZMQ identity ↔ session, tokens, pidfds and heartbeats of the attached sessions.
 
@@ -203,7 +211,7 @@ class SessionRegistry:
         for link in list(self._by_conn.get(conn.serial, ())):
             if link.pidfd is None:
                 self.end(link.session, SessionEnd.DISCONNECTED)
-            elif select.select([link.pidfd], [], [], 0)[0]:
+            elif readable(link.pidfd):
                 self.died(link.pidfd)
             else:
                 self._by_identity.pop(link.identity, None)

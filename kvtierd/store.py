@@ -18,9 +18,10 @@ from typing import Callable
 
 from .attachments import Attachments, Session, SessionEnd
 from .contract.namespace import NamespaceId
-from .contract.region_format import RegionView
+from .contract.region_format import WRITER_SLOTS, RegionView
 from .events import Events, Gone
 from .fence import Fence, Release
+from .holds import Holds
 from .index import COUNTERS as INDEX_COUNTERS
 from .index import Index
 from .jobs import COUNTERS as JOB_COUNTERS
@@ -66,18 +67,25 @@ class Store:
     def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
                  checksums: bool = False, policy: str = DEFAULT_POLICY, fence_grace: float = 600.0,
                  lease_ttl: float = 5.0, max_lease_ttl: float = 60.0, max_leased_keys_per_engine: int = 1 << 18,
-                 max_leased_keys: int = 1 << 20, tier: TierFactory = no_tier, **job_limits: int):
-        """``tier``: builds the second tier (``kvtierd.tiering``; none by default). ``job_limits``:
-        max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
+                 max_leased_keys: int = 1 << 20, max_writer_rows: int = WRITER_SLOTS,
+                 max_writer_rows_per_peer: int = 256, held_shares: tuple[float, float, float] = (0.25, 0.4, 0.75),
+                 tier: TierFactory = no_tier, **job_limits: int):
+        """``held_shares``: the shares of the region one engine, one namespace and all engines may
+        hold out of eviction (``holds.Holds``). ``max_writer_rows(_per_peer)``: the writer table's
+        bounds (``fence.Fence``). ``tier``: builds the second tier (``kvtierd.tiering``; none by
+        default). ``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
-        self.fence = Fence(view, fence_grace, clock)
+        self.fence = Fence(view, fence_grace, clock, max_writer_rows, max_writer_rows_per_peer)
+        geometry = view.geometry
+        self.holds = Holds(geometry.entry_slots, geometry.num_pages, create_policy(policy), held_shares)
         events = Events()
-        self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums, events=events)
+        self.index = Index(view, self.holds, self.fence, verify_checksums=checksums, events=events)
         self.writes = Writes(self.index, self.fence)
-        self.leases = Leases(self.index, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine, max_leased_keys)
+        self.leases = Leases(self.index, self.holds, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine,
+                             max_leased_keys)
         self.attachments = Attachments()
-        self.jobs = Jobs(self.index, self.writes, self.leases, self.attachments.engines, job_timeout, clock, checksums,
-                         **job_limits)
+        self.jobs = Jobs(self.index, self.writes, self.leases, self.holds, self.attachments.engines, job_timeout,
+                         clock, checksums, **job_limits)
         self.tier = tier(self.index, self.writes, events, clock)
 
     @property
@@ -230,7 +238,7 @@ class Store:
         counters = {name: index.counters[name] for name in INDEX_COUNTERS}
         counters.update({name: jobs.counters[name] for name in JOB_COUNTERS})
         tier = self.tier.stats()
-        return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.fence.stats(),
+        return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.holds.stats(), **self.fence.stats(),
                 "engines": len(self.attachments.engines), "sessions": len(self.attachments.sessions),
                 "session_roles": self.attachments.roles(), **counters, "tier": tier}
 
@@ -253,6 +261,8 @@ class Store:
         """Check the in-memory state against itself and the region's tables (tests)."""
         self.index.verify()
         self.leases.verify()
+        self.holds.verify_holders(self.leases.held() + self.jobs.held())
+        self.jobs.verify()
         self.writes.verify()
         self.attachments.verify(list(self.index.namespaces.values()))
 

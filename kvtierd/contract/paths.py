@@ -18,12 +18,23 @@ $XDG_RUNTIME_DIR/kvtierd, else /tmp/kvtierd-<uid>; the default name is ``kvtierd
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
+import stat
 from dataclasses import dataclass
 
 DEFAULT_NAME = "kvtierd"
 SOCKET_SUFFIX = ".sock"
 ADMIN_SOCKET_SUFFIX = ".admin.sock"
+MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
+
+
+def check_socket_path(path: str) -> None:
+    """ValueError naming the settings when ``path`` is too long for a unix socket."""
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise ValueError(f"socket path {path} is {len(path.encode())} bytes; ipc paths are limited to "
+                         f"{MAX_SOCKET_PATH}. Choose a shorter dir or name (settings dir, name)")
 
 
 def default_directory() -> str:
@@ -48,10 +59,60 @@ def default_socket() -> str:
     return DaemonPaths(default_directory()).socket
 
 
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def access_problem(path: str, write: bool = False) -> str | None:
+    """Why this process may not open ``path`` (a socket, or with ``write`` False a file to read)
+    of a daemon's directory, in words that name the fix; None when it may, or when it is missing.
+
+    The directory (2750) admits the daemon's user and its client group; the admin socket and the
+    metadata file (0600) the daemon's user alone (and root)."""
+    directory = os.path.dirname(path) or "."
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        try:
+            group = _group(os.stat(directory).st_gid)
+        except OSError:
+            group = "the daemon's client group"
+        return (f"permission denied: {directory} admits only the daemon's user and the members of group {group}; "
+                f"add this user to it (usermod -aG {group} USER, then log in again)")
+    if os.access(path, os.W_OK if write else os.R_OK):
+        return None
+    owner = _user(st.st_uid)
+    if stat.S_IMODE(st.st_mode) & 0o077 == 0:
+        what = "the admin socket" if path.endswith(ADMIN_SOCKET_SUFFIX) else os.path.basename(path)
+        return (f"permission denied: {what} ({path}) is the daemon user's ({owner}) alone; run this as {owner} "
+                f"(sudo -u {owner} kvtierctl ...) or as root")
+    group = _group(st.st_gid)
+    return (f"permission denied: {path} is open to its owner {owner} and group {group} only; add this user to "
+            f"{group} (usermod -aG {group} USER, then log in again)")
+
+
 @dataclass(frozen=True)
 class DaemonPaths:
     directory: str
     name: str = DEFAULT_NAME
+
+    @classmethod
+    def of_socket(cls, socket: str) -> DaemonPaths:
+        """The paths of the daemon that serves the client socket ``socket`` (<dir>/<name>.sock)."""
+        directory, base = os.path.split(os.path.abspath(socket))
+        return cls(directory, base.removesuffix(SOCKET_SUFFIX))
 
     def _path(self, suffix: str) -> str:
         return os.path.join(self.directory, self.name + suffix)

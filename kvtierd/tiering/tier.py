@@ -171,14 +171,19 @@ class CompanionTier(Tier):
                 "cleared_blocks": self.cleared}
 
 
+def check(c) -> None:
+    """The second tier's settings, checked before the daemon touches the region (ValueError)."""
+    if c.tier_backend != "off" and not c.tier_address:
+        raise ValueError(f"tier_backend {c.tier_backend} needs tier_address (--tier-address: the Mooncake master's "
+                         "HOST:PORT, or Valkey/Redis Cluster nodes HOST:PORT,HOST:PORT)")
+
+
 def build(c, paths: DaemonPaths, geometry: Geometry) -> TierFactory:
     """The factory of the daemon's tier from its settings (``no_tier`` when ``tier_backend`` is
     off). The companion's socket (mode 0600) and log live beside the region (``DaemonPaths``)."""
+    check(c)
     if c.tier_backend == "off":
         return no_tier
-    if not c.tier_address:
-        raise ValueError(f"tier_backend {c.tier_backend} needs tier_address (--tier-address: the Mooncake master's "
-                         "HOST:PORT, or Valkey/Redis Cluster nodes HOST:PORT,HOST:PORT)")
     where = {"mooncake": "master", "redis": "nodes"}[c.tier_backend]
     settings = {where: c.tier_address, "timeout": c.tier_timeout, **c.tier_settings}
     exclude = frozenset(filter(None, (m.strip() for m in c.tier_exclude.split(","))))

@@ -179,6 +179,20 @@ def test_version_and_stopping(d):
                   namespace=NS.to_wire())["code"] == ErrorCode.SHUTTING_DOWN
 
 
+def test_a_stopping_daemon_grants_no_lease_it_could_not_honour(d):
+    """A lease promises a load, which would be a new job, which a stopping daemon refuses: so it
+    refuses the lease (SHUTTING_DOWN: the engine re-attaches to the daemon that follows) rather
+    than report a hit whose load then fails. Plain lookups are still answered."""
+    d.hello()
+    d.ok("store", job=1, keys=KEYS)
+    d.ok("commit", job=1, ok=True)
+    assert d.ok("lookup", keys=KEYS, lease=1)["hits"] == len(KEYS)
+    d.server.request_stop()
+    assert d.call("lookup", keys=KEYS, lease=2)["code"] == ErrorCode.SHUTTING_DOWN
+    assert d.call("lookup", keys=KEYS, lease=1)["code"] == ErrorCode.SHUTTING_DOWN   # nor a renewal
+    assert d.ok("lookup", keys=KEYS)["hits"] == len(KEYS)
+
+
 def test_rehello_and_replacing_a_lost_session(d):
     first = P.HelloReply.from_wire(d.hello())
     again = P.HelloReply.from_wire(d.hello())                 # the same socket: the old session ends

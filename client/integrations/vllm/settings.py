@@ -3,9 +3,8 @@
 - **Settings.** ``KvtierSettings`` reads and checks the ``kvtier_*`` keys of
   ``kv_connector_extra_config`` (docs/vllm.md describes each); a misspelt ``kvtier_*`` key is an
   error, not ignored.
-- **Keys.** vLLM's ``OffloadKey`` (block hash ‖ 4-byte group index, 36 bytes with sha256) is the
-  kvtier key as is; a key longer than kvtierd's limit is shortened to sha256(hash) ‖ group index
-  (``kvtier_key``).
+- **Keys.** vLLM's ``OffloadKey`` is the kvtier key as is, shortened past kvtierd's limit
+  (``kvtier.integrations.offload.keys``).
 - **Namespaces.** ``namespace_id`` builds the engine's ``NamespaceId`` (model, KV dtype, tokens
   per block, bytes per block per rank, sharding). The model part is ``<model name>@<fingerprint>``
   (``identity``: what determines the KV bytes, weights included) with vLLM's KV-cache memory
@@ -21,9 +20,8 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
@@ -65,28 +63,6 @@ class KvtierSettings:
         if values.get("copier", "auto") not in COPIERS:
             raise ValueError(f"kvtier_copier must be one of {', '.join(COPIERS)}, got {values['copier']!r}")
         return cls(**values)
-
-
-# Keys per kvtier request: a vLLM transfer or lookup with more keys is split.
-PART_KEYS = min(4096, P.MAX_KEYS_PER_REQUEST)
-
-
-def kvtier_key(key: bytes) -> bytes:
-    """The kvtier key of a vLLM OffloadKey: the key itself when it fits kvtierd's limit, else
-    sha256(block hash) ‖ group index (4 bytes), which keeps keys of different groups apart."""
-    key = bytes(key)
-    if len(key) <= P.MAX_KEY_BYTES:
-        return key
-    return hashlib.sha256(key[:-4]).digest() + key[-4:]
-
-
-def kvtier_keys(keys: Iterable[bytes]) -> list[bytes]:
-    """``kvtier_key`` of every key; vLLM's sha256 keys (36 bytes) pass as they are, checked in one
-    C-level pass (this runs on the scheduler thread for thousands of keys per request)."""
-    keys = list(keys)
-    if keys and max(map(len, keys)) > P.MAX_KEY_BYTES:
-        return [kvtier_key(k) for k in keys]
-    return keys
 
 
 def namespace_id(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None) -> NamespaceId:
