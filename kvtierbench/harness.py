@@ -56,6 +56,7 @@ class Plan:
     tier_reps: int                        # tier: measured repetitions (after one warm-up)
     tier_lookup_batches: int              # tier: lookups timed per key count
     tier_lookup_keys: tuple[int, ...]     # tier: keys per lookup
+    tier_restart_blocks: int              # tier (disk): blocks on disk when a daemon restarts
 
 
 FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4, 16), duration=0.5,
@@ -64,12 +65,13 @@ FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4,
             attach_block=2 * MiB, attach_blocks=16, attach_reps=24,
             capacities=(0.02, 0.05, 0.1, 0.2), generated_requests=3000, cost_entries=65536,
             cost_batches=(1, 16, 256), cost_slices=9, tier_blocks=256, tier_block_sizes=(64 << 10, MiB), tier_reps=5,
-            tier_lookup_batches=200, tier_lookup_keys=(1, 256))
+            tier_lookup_batches=200, tier_lookup_keys=(1, 256), tier_restart_blocks=1_000_000)
 QUICK = Plan(control_region=64 * MiB, batches=(1, 256, 1024), clients=(1, 4), duration=0.1, block_sizes=(MiB,),
              blocks_per_job=(64,), reps=2, tp=(1, 2, 4, 8), budget=16 * MiB, capacity_block=256 << 10,
              entries=20_000, eviction_batches=(1024,), redis_blocks=16, attach_block=MiB, attach_blocks=4,
              attach_reps=4, capacities=(0.05, 0.2), generated_requests=300, cost_entries=4096, cost_batches=(16,), cost_slices=2,
-             tier_blocks=32, tier_block_sizes=(256 << 10,), tier_reps=2, tier_lookup_batches=10, tier_lookup_keys=(256,))
+             tier_blocks=32, tier_block_sizes=(256 << 10,), tier_reps=2, tier_lookup_batches=10, tier_lookup_keys=(256,),
+             tier_restart_blocks=20_000)
 
 CONTROL_PAGE = 4096                # control/eviction/recovery: 4 KiB pages, one-page blocks
 DATA_PAGE = 64 << 10               # data/capacity/redis: the default page size

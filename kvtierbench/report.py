@@ -57,6 +57,17 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row 
                     ("local p50 us", "local_p50_us", "{:.0f}"), ("miss x local", "miss_vs_local", "{:.2f}"),
                     ("miss p99 us", "miss_p99_us", "{:.0f}"), ("local p99 us", "local_p99_us", "{:.0f}"),
                     ("tier answered p50 us", "answered_p50_us", "{:.0f}")],
+    "tier disk lookup": [("blocks", "blocks", "{}"), ("block KiB", "block_bytes", "KiB"),
+                         ("N keys on disk us", "lookup_pending_us", "{:.0f}"), ("N keys local us", "lookup_local_us",
+                                                                               "{:.0f}"),
+                         ("x local", "lookup_pending_vs_local", "{:.2f}"),
+                         ("1 key on disk p50 us", "lookup1_pending_p50_us", "{:.0f}"),
+                         ("1 key local p50 us", "lookup1_local_p50_us", "{:.0f}"),
+                         ("x local", "lookup1_pending_vs_local", "{:.2f}")],
+    "tier disk restart": [("blocks on disk", "blocks", "{:,}"), ("daemon serving s", "daemon_serving_s", "{:.2f}"),
+                          ("companion ready s", "companion_ready_s", "{:.2f}"),
+                          ("first disk block READY s", "first_block_ready_s", "{:.2f}"),
+                          ("index load s", "companion_load_s", "{:.2f}")],
     "policy cost": [("op", "op", "{}"), ("B", "keys", "{}"), ("policy", "policy", "{}"),
                     ("CPU ns/key", "cpu_ns_per_key", "{:,.0f}"), ("x LRU", "x_lru", "{:.2f}")],
 }
@@ -93,7 +104,8 @@ def format_results(result: dict) -> str:
             continue
         lines += table(section["rows"], COLUMNS[name])
         for title, rows in section.get("more", {}).items():
-            lines += ["", f"== {name}: {title}", *table(rows, COLUMNS[f"{name} {title}"])]
+            if rows:
+                lines += ["", f"== {name}: {title}", *table(rows, COLUMNS[f"{name} {title}"])]
         lines += [f"note: {n}" for n in section["notes"]]
         targets += section["targets"]
     if targets:

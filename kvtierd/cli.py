@@ -168,7 +168,9 @@ def fetch_stats(args: argparse.Namespace) -> dict:
 # What `kvtierctl status` shows of the second tier (protocol.StatsReply.tier; all of it: stats).
 TIER_STATUS_FIELDS = ("backend", "address", "state", "pid", "last_error", "breaker", "inflight", "restarts",
                       "demoted_blocks", "demoting_blocks", "demote_dropped_blocks", "promoted_blocks",
-                      "promoting_blocks", "promote_failed_blocks", "lookup_keys")
+                      "promoting_blocks", "promote_failed_blocks", "seal_rejected_blocks", "lookup_keys")
+# What it shows of the disk tier's own state (the companion's latest stats), as disk_<name>.
+DISK_STATUS_FIELDS = ("direct", "writable", "blocks", "used_bytes", "capacity_bytes", "errors")
 
 
 def tier_status(tier: dict) -> dict:
@@ -177,6 +179,10 @@ def tier_status(tier: dict) -> dict:
         return {"backend": "off"}
     out = {name: tier[name] for name in TIER_STATUS_FIELDS if name in tier}
     out["errors"] = sum(e["calls"] for e in tier.get("errors", []))
+    engine = tier.get("engine", {})
+    out["seal_key_id"] = engine.get("seal_key_id")
+    if engine.get("engine") == "disk":
+        out.update({f"disk_{name}": engine[name] for name in DISK_STATUS_FIELDS if name in engine})
     return {k: " ".join(f"{a}:{b}" for a, b in sorted(v.items())) if isinstance(v, dict) else v
             for k, v in out.items()}
 

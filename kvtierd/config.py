@@ -227,14 +227,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefault_threads", "int", "4", "Threads that prefault the region at start.", lo=1, hi=256),
     Setting("log_level", "choice", "info", "Log level.", choices=("debug", "info", "warning", "error")),
     # The second tier (docs/tier.md, docs/operations.md): off unless a backend is named.
-    Setting("tier_backend", "choice", "off", "Second tier behind the region: off, mooncake (Mooncake Store) or redis "
-            "(Valkey/Redis Cluster). Evicted blocks are demoted to it and lookup misses promoted from it, through a "
-            "companion process the daemon owns.", choices=("off", "mooncake", "redis")),
-    Setting("tier_address", "str", "", "Where the second tier is: the Mooncake master's HOST:PORT, or Valkey/Redis "
-            "Cluster nodes as HOST:PORT,HOST:PORT (seeds)."),
+    Setting("tier_backend", "choice", "off", "Second tier behind the region: off, mooncake (Mooncake Store), redis "
+            "(Valkey/Redis Cluster) or disk (the node's own disk: slab files in a local directory, kept across "
+            "restarts and reboots). Evicted blocks are demoted to it and lookup misses promoted from it, through a "
+            "companion process the daemon owns.", choices=("off", "mooncake", "redis", "disk")),
+    Setting("tier_address", "str", "", "Where the second tier is: the Mooncake master's HOST:PORT, Valkey/Redis "
+            "Cluster nodes as HOST:PORT,HOST:PORT (seeds), or the disk tier's directory on a local filesystem."),
     Setting("tier_settings", "json", "{}", "The backend's further settings as a JSON object (a TOML inline table in "
-            "the config file), e.g. {\"protocol\": \"tcp\", \"device\": \"\"} for Mooncake or {\"ttl_s\": 3600} for "
-            "Redis; docs/operations.md lists them."),
+            "the config file), e.g. {\"protocol\": \"tcp\", \"device\": \"\"} for Mooncake, {\"ttl_s\": 3600} for "
+            "Redis, {\"capacity\": \"2TiB\"} for disk; docs/operations.md lists them. A key "
+            "the backend does not take is an error at start."),
+    Setting("tier_key_file", "str", "", "File of the key (64 hex digits, mode 0600) that seals every block in the "
+            "second tier, checked before a promoted block becomes READY; generated when the file does not exist. "
+            "Give every node that shares a tier the same key. Default: <tier_address>/seal.key for disk, else "
+            "<dir>/<name>.tier.key (node-local: other nodes' blocks then fail their check)."),
     Setting("tier_timeout", "float", "0.5", "Seconds an existence check, remove or clear may take in the second tier "
             "before it counts as failed.", lo=0.01, hi=600),
     Setting("tier_data_timeout", "float", "10", "Seconds a batch of block transfers (demote or promote) may take "

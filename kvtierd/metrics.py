@@ -28,13 +28,16 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 from .contract.protocol import REQUESTS, AbortCause, ErrorCode, JobKind, StatsReply
-from .fence import Reason, Release
+from .fence import ROW_CAPS, Reason, Release
 from .histogram import Histogram
+from .holds import CAPS as HOLD_CAPS
 from .leases import LeaseEnd
 from .peers import Cap
 from .policy import policy_class
 from .tier.backend import ERRORS as TIER_ERRORS
+from .tier.disk import CAUSES as DISK_ERROR_CAUSES
 from .tier.link import LinkBusy
+from .tier.seal import REASONS as SEAL_REASONS
 from .tiering.companion import OPS as TIER_OPS
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,10 @@ LABEL_VALUES: dict[str, Callable[[StatsReply], Iterable[str]]] = {
     "errors": lambda s: [c.name for c in ErrorCode],
     "policy_entries": lambda s: policy_class(s.policy).segments,
     "policy_evictions": lambda s: policy_class(s.policy).segments,
+    "writer_rows_refused": lambda s: ROW_CAPS,
+    "hold_capped_keys": lambda s: HOLD_CAPS,
+    "tier_seal_rejected_blocks": lambda s: SEAL_REASONS,
+    "tier_disk_errors": lambda s: DISK_ERROR_CAUSES,
 }
 TIER_ERROR_CODES = (*TIER_ERRORS, LinkBusy.code)
 
@@ -236,6 +243,19 @@ def tier_families(t: dict, gauge, counter, labelled) -> Iterator[Metric]:
     yield errors
     yield _histogram("kvtierd_tier_call_seconds", "Time from a tier request to its answer, by op.", "op",
                      _every_op(TIER_OPS, t["call_seconds"]))
+    yield labelled(CounterMetricFamily, "tier_seal_rejected_blocks", "Promoted blocks dropped because their seal "
+                   "failed, by why: mismatch (bytes, namespace or key not the ones sealed: planted, foreign, "
+                   "damaged or torn), other_key (sealed with another tier_key_file's key).", "reason",
+                   t["seal_rejected_blocks"])
+    disk = t["engine"] if t["engine"].get("engine") == "disk" else None
+    if disk is not None and "errors" in disk:
+        yield labelled(GaugeMetricFamily, "tier_disk_bytes", "The disk tier's bytes: used (by its blocks), "
+                       "allocated (preallocated on the filesystem), capacity (its setting).", "kind",
+                       {kind: disk[f"{kind}_bytes"] for kind in ("used", "allocated", "capacity")})
+        yield gauge("tier_disk_blocks", "Blocks the disk tier holds.", disk["blocks"])
+        yield labelled(CounterMetricFamily, "tier_disk_errors", "The disk tier's failures by cause (since its "
+                       "companion started): no_space, io_error, read_only, full (capacity or free floor reached, "
+                       "nothing to evict), slow (an I/O past tier_timeout), other.", "cause", disk["errors"])
 
 
 class CachedPage:

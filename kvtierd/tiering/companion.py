@@ -44,12 +44,15 @@ class _Stats:
 
 
 class Companion:
-    def __init__(self, link: TierLink, writes: Writes):
+    def __init__(self, link: TierLink, writes: Writes, where: str = ""):
+        """``where``: the tier, as the log names it (its backend at its address)."""
         self.link = link
         self.writes = writes
+        self.where = where
         self.writer: Writer | None = None       # its row in the fence, while it is ready
         self.writer_pid: int | None = None
-        self.reported: dict = {}                # its last stats (guards, counters)
+        self.reported: dict = {}                # its last stats (guards, counters, its backend's info)
+        self._up: bool | None = None            # the tier's state last logged (None: not known yet)
         self.errors: Counter = Counter()         # (op, code) → calls
         self.latency = {op: Histogram() for op in OPS}
         self._identities: dict[NamespaceId, bytes] = {}
@@ -125,7 +128,8 @@ class Companion:
         for o in self.link.collect(now):
             if isinstance(o.context, _Stats):
                 if o.ok:
-                    self.reported = {"guards": o.result.get("guards", {}), "counters": o.result.get("counters", {})}
+                    self.reported = {"guards": o.result.get("guards", {}), "counters": o.result.get("counters", {}),
+                                     "info": o.result.get("info", {})}
                 continue
             self.observe(o, now)
             out.append(o)
@@ -139,6 +143,26 @@ class Companion:
             self.errors[(o.op, o.error.code if o.error else "failed")] += 1
         if not o.final:
             ctx.timed_out = True
+
+    def log_state(self) -> None:
+        """Log the tier going down and coming up, once per change: down while no companion is
+        ready (it could not open its backend, died, was killed) or a breaker is open."""
+        state = self.link.state
+        if state in ("starting", "stopped"):
+            return
+        open_lanes = [lane for lane, g in self.reported.get("guards", {}).items() if g.get("state") == "open"]
+        up = state == "ready" and not open_lanes
+        if up == self._up:
+            return
+        if up:
+            log.info("second tier up: %s", self.where)
+        elif state != "ready":
+            log.warning("second tier down: %s: the companion is %s (%s); serving from the region meanwhile",
+                        self.where, state, self.link.last_error)
+        else:
+            log.warning("second tier down: %s: breaker open on the %s lane (the companion's log, %s, says why); "
+                        "serving from the region meanwhile", self.where, " and ".join(open_lanes), self.link.log_path)
+        self._up = up
 
     def ask_stats(self, now: float) -> None:
         """Ask for its stats every STATS_EVERY seconds (its breakers' state)."""
@@ -167,7 +191,7 @@ class Companion:
         guards = self.reported.get("guards", {})
         return {
             "state": link.state, "pid": link.pid, "last_error": str(link.last_error) if link.last_error else None,
-            "engine": link.info, "restarts": max(0, link.counters["started"] - 1), "killed": link.counters["killed"],
+            "engine": self.reported.get("info") or link.info, "restarts": max(0, link.counters["started"] - 1), "killed": link.counters["killed"],
             "inflight": len(link.inflight), "max_inflight": link.max_inflight,
             "errors": [{"op": op, "code": code, "calls": n} for (op, code), n in sorted(self.errors.items())],
             "call_seconds": {op: h.snapshot() for op, h in self.latency.items() if h.count},

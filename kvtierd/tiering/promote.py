@@ -13,7 +13,8 @@ fenced write (``kvtierd.writes``, ``WriterKind.TIER``) whose writer is the compa
 entries with pages (made room for through the policy, as a store's), the pages fenced for the
 companion's writer row before the ``get`` names them. On the get's final outcome the write
 settles and completes: keys whose bytes landed whole become READY (READY last, invariant 1),
-known to be in the tier; the others are freed. Past its deadline the job aborts at once (the
+known to be in the tier; the others are freed — among them blocks whose seal the companion found
+wrong (issue 26 G, invariant 14: counted by reason, ``seal_rejected_blocks``). Past its deadline the job aborts at once (the
 entries go, the engine sees a miss) but its pages stay fenced, parked under the companion's row,
 until the get's final outcome or the companion's death (invariant 9). A check older than
 ``PATIENCE`` seconds no longer counts as pending, and after a failed check lookups check nothing
@@ -36,6 +37,7 @@ from ..fence import Writer
 from ..index import Index
 from ..namespaces import Namespace
 from ..tier.link import LinkBusy, LinkDown, Outcome
+from ..tier.seal import REASONS
 from ..writes import Write, Writes, WriterKind
 from .companion import Companion
 from .demote import Copies
@@ -98,6 +100,7 @@ class Promotes:
         self.off_until = 0.0                     # checks paused after a failed one
         self.counters: Counter = Counter()
         self.aborted: Counter = Counter()        # AbortCause value → promote jobs
+        self.rejected: Counter = Counter()       # seal.REASONS → promoted blocks whose seal failed
 
     # ------------------------------------------------------------------ lookups
     def pending(self, ns: Namespace, keys: list[bytes], hits: int) -> int:
@@ -246,6 +249,8 @@ class Promotes:
         entries = list(write.entries)
         done = o.result.get("done", b"") if o.ok else b""
         done = done if len(done) == len(entries) else bytes(len(entries))
+        # Blocks whose seal failed (issue 26 G) did not land: the companion says why.
+        self.rejected.update({r: int(n) for r, n in o.result.get("rejected", {}).items() if r in REASONS})
         landed = self.writes.complete(write, done)
         lost = [e.key for e, d in zip(entries, done) if not d]
         if lost:
@@ -287,4 +292,5 @@ class Promotes:
                 "promoting_blocks": sum(len(j.write.entries) for j in self.jobs.values() if j.write.open),
                 "promote_failed_blocks": c["promote_failed_blocks"], "promote_jobs": c["promote_jobs"],
                 "promote_jobs_done": c["promote_jobs_done"], "promote_aborted": dict(self.aborted),
+                "seal_rejected_blocks": {r: self.rejected[r] for r in REASONS},
                 "lookup_keys": {"hit": c["lookup_hit_keys"], "miss": c["lookup_miss_keys"]}}

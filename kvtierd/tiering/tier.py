@@ -17,6 +17,7 @@ entry is stored whole, its shards back to back.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,7 +26,9 @@ from ..contract.region_format import Geometry
 from ..events import Events
 from ..index import Index
 from ..namespaces import Namespace
+from ..tier.backend import check_settings
 from ..tier.link import LinkBusy, LinkDown, Outcome, TierLink
+from ..tier.seal import load_key
 from ..writes import Writes
 from .companion import Companion
 from .demote import Copies, Demotes, Put
@@ -58,7 +61,7 @@ class CompanionTier(Tier):
                  clock: Callable[[], float]):
         self.config = config
         self.clock = clock
-        self.companion = Companion(link, writes)
+        self.companion = Companion(link, writes, f"{config.backend} at {config.address}")
         copies = Copies(index.geometry.entry_slots)
         self.copies = copies
         self.demotes = Demotes(index, self.companion, config, copies, clock)
@@ -117,6 +120,7 @@ class CompanionTier(Tier):
         self._apply(now)
         due = self.promotes.send_checks(now)
         self._follow(now)
+        self.companion.log_state()
         self.demotes.ahead(now)
         self.companion.ask_stats(now)
         return TICK if due is None else min(TICK, due - now)
@@ -172,20 +176,43 @@ class CompanionTier(Tier):
 
 
 def check(c) -> None:
-    """The second tier's settings, checked before the daemon touches the region (ValueError)."""
-    if c.tier_backend != "off" and not c.tier_address:
+    """The second tier's settings, checked before the daemon touches the region (ValueError): an
+    address, and no ``tier_settings`` key its backend does not take."""
+    if c.tier_backend == "off":
+        return
+    if not c.tier_address:
         raise ValueError(f"tier_backend {c.tier_backend} needs tier_address (--tier-address: the Mooncake master's "
-                         "HOST:PORT, or Valkey/Redis Cluster nodes HOST:PORT,HOST:PORT)")
+                         "HOST:PORT, Valkey/Redis Cluster nodes HOST:PORT,HOST:PORT, or the disk tier's directory)")
+    check_settings(c.tier_backend, c.tier_settings)
+
+
+def key_file(c, paths: DaemonPaths) -> str:
+    """The file of the key that seals the tier's blocks (``tier_key_file``), generated when absent:
+    by default in the disk tier's own directory (it lives as long as the blocks), else beside the
+    region (node-local: a warning says that other nodes' blocks will then fail their check)."""
+    path = c.tier_key_file
+    if not path and c.tier_backend == "disk":
+        os.makedirs(c.tier_address, mode=0o700, exist_ok=True)
+        path = os.path.join(c.tier_address, "seal.key")
+    elif not path:
+        path = paths.tier_key
+        log.warning("tier_key_file is not set: blocks are sealed with a key of this node's own (%s); blocks other "
+                    "nodes demote will fail their check here. Give every node that shares the tier the same "
+                    "tier_key_file", path)
+    key = load_key(path, create=True)
+    log.info("second tier: blocks sealed with the key in %s (key id %s)", path, key.id_hex)
+    return path
 
 
 def build(c, paths: DaemonPaths, geometry: Geometry) -> TierFactory:
     """The factory of the daemon's tier from its settings (``no_tier`` when ``tier_backend`` is
-    off). The companion's socket (mode 0600) and log live beside the region (``DaemonPaths``)."""
+    off). The companion's socket (mode 0600) and log live beside the region (``DaemonPaths``); the
+    seal key is loaded (or generated) now, so that a bad one stops the start."""
     check(c)
     if c.tier_backend == "off":
         return no_tier
-    where = {"mooncake": "master", "redis": "nodes"}[c.tier_backend]
-    settings = {where: c.tier_address, "timeout": c.tier_timeout, **c.tier_settings}
+    settings = {"address": c.tier_address, "timeout": c.tier_timeout, **c.tier_settings}
+    seal_key = key_file(c, paths)
     exclude = frozenset(filter(None, (m.strip() for m in c.tier_exclude.split(","))))
     config = TierConfig(c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote, c.tier_low_watermark, exclude,
                         c.tier_cooldown)
@@ -195,6 +222,7 @@ def build(c, paths: DaemonPaths, geometry: Geometry) -> TierFactory:
                         geometry.page_size, c.tier_backend, settings, timeout=c.tier_timeout,
                         data_timeout=c.tier_data_timeout, failures=c.tier_failures, cooldown=c.tier_cooldown,
                         max_inflight=c.tier_max_inflight, kill_after=c.tier_kill_after,
-                        restart_backoff=c.tier_restart_backoff, log_path=paths.tier_log, socket_mode=0o600)
+                        restart_backoff=c.tier_restart_backoff, log_path=paths.tier_log, socket_mode=0o600,
+                        key_file=seal_key, owner=paths.name)
         return CompanionTier(index, writes, events, link, config, clock)
     return make

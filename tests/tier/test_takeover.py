@@ -27,7 +27,8 @@ from tests.integration.ranks import RankProcess, all_call
 from tests.integration.test_faults import wait_for
 from tests.integration.test_tp_roundtrip import keys_for
 
-from .test_nodes import BIG, catch_promote, connect, nodes, region_check, store, tier_stats  # noqa: F401
+from .daemons import BIG, connect, region_check, store, tier_stats
+from .test_nodes import catch_promote, nodes  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
 

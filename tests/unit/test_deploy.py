@@ -73,18 +73,22 @@ def policy_segments() -> set[str]:
 def tier_snapshot() -> dict:
     """``CompanionTier.stats`` with every label value the second tier can emit."""
     from kvtierd.tier.backend import ERRORS
+    from kvtierd.tier.disk import CAUSES
     from kvtierd.tier.link import LinkBusy
+    from kvtierd.tier.seal import REASONS
     from kvtierd.tier.service import LANES
     from kvtierd.tiering.companion import OPS
     hist = Histogram()
     hist.observe(1e-3)
     codes = [*ERRORS, LinkBusy.code]
-    return {"backend": "mooncake", "address": "127.0.0.1:50051", "state": "ready", "pid": 7, "last_error": None,
-            "engine": {}, "restarts": 1, "killed": 0, "inflight": 2, "max_inflight": 64, "demote": True,
+    disk = {"engine": "disk", "used_bytes": 1, "allocated_bytes": 2, "capacity_bytes": 3, "blocks": 1,
+            "errors": {cause: 1 for cause in CAUSES}}
+    return {"backend": "disk", "address": "/var/lib/kvtierd/tier", "state": "ready", "pid": 7, "last_error": None,
+            "engine": disk, "restarts": 1, "killed": 0, "inflight": 2, "max_inflight": 64, "demote": True,
             "promote": True, "exclude": [], "low_watermark": 0.05, "demoted_blocks": 3, "demoted_bytes": 30,
             "demoting_blocks": 1, "demote_dropped_blocks": {r: 1 for r in ("busy", "down", "failed", "pressure")},
             "promoted_blocks": 4, "promoted_bytes": 40, "promoting_blocks": 1, "promote_failed_blocks": 1,
-            "promote_jobs": 2, "promote_jobs_done": 1,
+            "promote_jobs": 2, "promote_jobs_done": 1, "seal_rejected_blocks": {r: 1 for r in REASONS},
             "promote_aborted": {c: 1 for c in ("tier_failed", "tier_timeout")},
             "lookup_keys": {"hit": 5, "miss": 6}, "cleared_blocks": 2,
             "errors": [{"op": op, "code": code, "calls": 1} for op in OPS for code in codes],
