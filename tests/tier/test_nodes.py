@@ -28,6 +28,7 @@ import time
 import numpy as np
 import pytest
 
+from kvtierbench.harness import HOLD_ALL
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.tier.backend import open_backend, page_extents
 from kvtierd.tier.keys import Keyspace, identity
@@ -57,7 +58,10 @@ def tier(request):
 @pytest.fixture
 def nodes(tier, tmp_path):
     """Factory: nodes(*extra_args, size=..., engine=...) → a ready daemon whose second tier is
-    ``tier``'s engine (or the one given), all sealing with one key (as a fleet's nodes do)."""
+    ``tier``'s engine (or the one given), all sealing with one key (as a fleet's nodes do). Their
+    regions are sized to the tests' working sets, and one engine loads two fifths of one in a single
+    job: like the bench's daemons, they let one engine hold the whole region (the shares of
+    kvtierd.holds would cut those loads; tests/unit/test_holds.py and test_composition.py test them)."""
     kind, shared = tier
     started = []
     key = write_key_file(str(tmp_path))
@@ -66,7 +70,7 @@ def nodes(tier, tmp_path):
         engine = engine or shared
         d = new_daemon("--tier-backend", kind, "--tier-address", engine.address, "--tier-low-watermark",
                        str(low_watermark), "--tier-timeout", "0.5", "--tier-cooldown", "1",
-                       "--tier-restart-backoff", "0.5", "--tier-key-file", key, *args, size=size)
+                       "--tier-restart-backoff", "0.5", "--tier-key-file", key, *HOLD_ALL, *args, size=size)
         started.append(d)
         d.start()
         wait_ready(d)
