@@ -33,6 +33,7 @@ from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluste
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tier.seal import SealKey, Sealer, Seals
 
+from .cgroups import CgroupUnavailable, Freezer, Throttle
 from .mounts import Mount, MountUnavailable
 
 NETWORKED = ("mooncake", "redis")        # engines shared by several nodes
@@ -219,3 +220,33 @@ def mount():
     yield make
     for m in made:
         m.close()
+
+
+@pytest.fixture
+def throttle():
+    """Factory: throttle(device, bps) → a blkio group (``cgroups.Throttle``) slowing the device
+    for its members, removed at teardown; the test skips, saying why, where it cannot be made."""
+    made: list[Throttle] = []
+
+    def make(device: str, bps: int) -> Throttle:
+        try:
+            made.append(Throttle(device, bps))
+        except CgroupUnavailable as exc:
+            pytest.skip(f"cannot throttle a disk here: {exc}")
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.close()
+
+
+@pytest.fixture
+def freezer():
+    """A freezer group (``cgroups.Freezer``), thawed and removed at teardown; the test skips,
+    saying why, where it cannot be made."""
+    try:
+        group = Freezer()
+    except CgroupUnavailable as exc:
+        pytest.skip(f"cannot freeze a process here: {exc}")
+    yield group
+    group.close()
