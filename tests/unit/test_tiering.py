@@ -247,6 +247,33 @@ def test_the_companion_gone_mid_promote_releases_the_pages_and_a_new_one_gets_a_
     assert first_row not in tenv.store.fence.writers or tenv.tier.companion.writer.row == first_row
 
 
+def test_a_killed_companion_keeps_its_row_and_pages_until_it_is_reaped(tenv):
+    """Killed for not answering but not gone yet (stuck in the kernel on a hung disk): the link
+    says ``killed`` and ends nothing; its row and the pages of its promote stay fenced, whatever
+    the loop does meanwhile, and come back only once it is reaped."""
+    (s,) = tenv.engine("e")
+    tenv.lookup(s, keys("t", 3))
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01\x01\x01")
+    tenv.pump()
+    rid, get = tenv.link.last("get")
+    pages = np.frombuffer(get["pages"], PAGES_DTYPE)
+    tenv.link.answer(rid, ok=False, final=False, error=TierTimeout("late"))
+    row = tenv.tier.companion.writer.row
+    tenv.link.state = "killed"                               # SIGKILLed, not reaped: same pid
+    for _ in range(3):
+        tenv.pump()
+    assert tenv.tier.companion.writer.row == row and row in tenv.store.fence.writers
+    assert tenv.stats()["pages_fenced"] == 3 and (tenv.store.fence.table[pages] == row).all()
+    (w,) = tenv.engine("w")
+    tenv.put([w], 1, keys("f", 40))                          # the region fills: no store gets them
+    got = {p for e in w.engine.ns.index.values() for p in np.frombuffer(e.pages, PAGES_DTYPE).tolist()}
+    assert not got & set(pages.tolist())
+    tenv.link.die()                                          # reaped
+    tenv.pump()
+    assert tenv.tier.companion.writer is None and tenv.stats()["pages_fenced"] == 0
+
+
 def test_a_failed_or_slow_check_costs_lookups_nothing(tenv):
     (s,) = tenv.engine("e")
     assert tenv.lookup(s, keys("a", 2)) == (0, 2)
@@ -347,13 +374,13 @@ def test_the_data_file_replaced_ends_what_the_companion_had_and_restarts_it(tenv
     assert tenv.stats()["pages_fenced"] == 4 and tenv.tier.stats()["promoting_blocks"] == 2
     row = tenv.tier.companion.writer.row
     tenv.store.detach(s, SessionEnd.REGION_REPLACED)
-    tenv.link.kill = tenv.link.die
-    tenv.tier.data_replaced()
+    tenv.tier.data_replaced()                                # the companion killed, not reaped yet
     assert tenv.tier.companion.writer is None and not tenv.tier.promotes.jobs
-    assert not (tenv.store.fence.table == row).any()
     assert tenv.store.drop_all() == 4                        # Fence.reset: nothing attached
-    assert tenv.link.restart_at == tenv.clock()        # restarted at the loop's next turn
+    assert not (tenv.store.fence.table == row).any() and row not in tenv.store.fence.writers
     assert tenv.tier.stats()["promote_failed_blocks"] == 6 and tenv.stats()["pages_fenced"] == 0
+    tenv.link.die()                                          # reaped: the link starts the next one
+    tenv.pump()
     tenv.link.state, tenv.link.pid = "ready", os.getpid()    # the new companion, on the new file
     tenv.pump()
     assert tenv.tier.companion.writer is not None and tenv.store.fence.writers[tenv.tier.companion.writer.row] is tenv.tier.companion.writer
