@@ -47,7 +47,7 @@ import re
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from operator import itemgetter
 from typing import Iterator, Sequence
 
@@ -264,11 +264,14 @@ class DiskBackend(Backend):
 
     def _streams(self, fn, tasks: list) -> list:
         """``fn`` of each task, the tasks cut into ``io_threads`` contiguous shares, each done in
-        order by one I/O thread: as many sequential streams as threads."""
+        order by one I/O thread: as many sequential streams as threads. Returns (or raises) only
+        once every stream has ended: the call's answer is the proof that none of its I/O still
+        touches the region's pages."""
         share = max(1, -(-len(tasks) // self.io_threads))
-        parts = self.pool.map(lambda first: [fn(task) for task in tasks[first:first + share]],
-                              range(0, len(tasks), share))
-        return [result for part in parts for result in part]
+        parts = [self.pool.submit(lambda first=first: [fn(task) for task in tasks[first:first + share]])
+                 for first in range(0, len(tasks), share)]
+        wait(parts)
+        return [result for part in parts for result in part.result()]
 
     def _move(self, slab: Slab, run: list[tuple[int, int]], blocks: Sequence[Block],
               write: bool) -> list[str | None]:

@@ -99,3 +99,28 @@ def test_seals_made_and_checked_on_the_threads_keep_each_block_its_own():
     checked = seal_of(memory, blocks, keys=keys)
     assert list(checked.checking(enumerate(serial))) == [i not in (3, 17, 30) for i in range(32)]
     assert checked.rejected() == {"mismatch": 3, "other_key": 0}
+
+
+def test_a_corrupted_part_fails_alone_and_seals_stay_bound_to_their_blocks_across_parts():
+    """A batch sealed by pipeline parts (``parts``, as a put does) and checked part by part
+    (``checking``, as a get does while the next part transfers): a part whose bytes changed after
+    sealing (a torn transfer) fails, every block of it, while the other parts hold; seals moved
+    one part over (each block given the seal of the block at its place in the next part: values
+    stored under other keys) fail; so do the right seals checked for another namespace."""
+    data = np.random.default_rng(11).integers(0, 256, 16 << 20, dtype=np.uint8)
+    memory = memoryview(data)
+    blocks = [[(i * (64 << 10), 64 << 10)] for i in range(256)]
+    keys = [b"k%d" % i for i in range(256)]
+    ranges = pipeline(blocks, 1024)
+    assert len(ranges) == 4
+    sealed = [s for _, part in seal_of(memory, blocks, keys=keys).parts(ranges) for s in part]
+    torn = ranges[2]
+    data[torn.start * (64 << 10):torn.stop * (64 << 10):4096] ^= 0xFF      # a byte of each of its pages
+    checked = seal_of(memory, blocks, keys=keys)
+    held = [ok for part in ranges for ok in list(checked.checking((i, sealed[i]) for i in part))]
+    assert held == [i not in torn for i in range(256)]
+    assert checked.rejected() == {"mismatch": len(torn), "other_key": 0}
+    shifted = seal_of(memory, blocks, keys=keys)
+    assert not any(shifted.checking((i, sealed[i + len(ranges[0])]) for i in ranges[0]))
+    other = seal_of(memory, blocks, keys=keys, identity=b"other-ns")
+    assert not any(other.checking((i, sealed[i]) for i in ranges[0]))
