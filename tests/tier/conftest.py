@@ -204,40 +204,42 @@ def restart_engine(kind: str, e) -> None:
         e.wait_ok()
 
 
+class Made:
+    """A fixture's factory: ``kind(*args)`` made, kept and closed at teardown (``close``); the test
+    skips, saying ``why`` and the reason, where it cannot be made (``unavailable``)."""
+
+    def __init__(self, kind, unavailable: type[Exception], why: str):
+        self.kind, self.unavailable, self.why = kind, unavailable, why
+        self.made: list = []
+
+    def __call__(self, *args):
+        try:
+            self.made.append(self.kind(*args))
+        except self.unavailable as exc:
+            pytest.skip(f"{self.why}: {exc}")
+        return self.made[-1]
+
+    def close(self) -> None:
+        for m in self.made:
+            m.close()
+
+
 @pytest.fixture
 def mount():
     """Factory: mount(kind, size_mib) → a real small filesystem (``mounts.Mount``), unmounted at
     teardown; the test skips, saying why, where mounting is not allowed."""
-    made: list[Mount] = []
-
-    def make(kind: str, size_mib: int) -> Mount:
-        try:
-            made.append(Mount(kind, size_mib))
-        except MountUnavailable as exc:
-            pytest.skip(f"cannot mount a test filesystem here: {exc}")
-        return made[-1]
-
-    yield make
-    for m in made:
-        m.close()
+    made = Made(Mount, MountUnavailable, "cannot mount a test filesystem here")
+    yield made
+    made.close()
 
 
 @pytest.fixture
 def throttle():
     """Factory: throttle(device, bps) → a blkio group (``cgroups.Throttle``) slowing the device
     for its members, removed at teardown; the test skips, saying why, where it cannot be made."""
-    made: list[Throttle] = []
-
-    def make(device: str, bps: int) -> Throttle:
-        try:
-            made.append(Throttle(device, bps))
-        except CgroupUnavailable as exc:
-            pytest.skip(f"cannot throttle a disk here: {exc}")
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.close()
+    made = Made(Throttle, CgroupUnavailable, "cannot throttle a disk here")
+    yield made
+    made.close()
 
 
 @pytest.fixture

@@ -204,15 +204,20 @@ def test_a_miss_is_checked_then_promoted_and_reported_pending_until_ready(tenv):
     assert tenv.lookup(s, ks) == (6, 3)                      # checked again once forgotten
 
 
+def promoting(tenv, s, ks: list[bytes]) -> tuple[int, np.ndarray]:
+    """A miss of ``ks`` the tier holds, checked and sent to it as a get: the get's id and pages."""
+    tenv.lookup(s, ks)
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01" * len(ks))
+    tenv.pump()
+    rid, get = tenv.link.last("get")
+    return rid, np.frombuffer(get["pages"], PAGES_DTYPE)
+
+
 def test_a_promote_past_its_deadline_is_a_miss_and_its_pages_stay_fenced_until_the_end(tenv):
     (s,) = tenv.engine("e")
     ks = keys("t", 3)
-    tenv.lookup(s, ks)
-    rid, _ = tenv.link.last("exists")
-    tenv.link.answer(rid, present=b"\x01\x01\x01")
-    tenv.pump()
-    rid, get = tenv.link.last("get")
-    pages = np.frombuffer(get["pages"], PAGES_DTYPE)
+    rid, pages = promoting(tenv, s, ks)
     tenv.link.answer(rid, ok=False, final=False, error=TierTimeout("late"))
     tenv.pump()
     assert tenv.lookup(s, ks) == (0, 0)                      # aborted: gone, and not asked again soon
@@ -252,12 +257,7 @@ def test_a_killed_companion_keeps_its_row_and_pages_until_it_is_reaped(tenv):
     says ``killed`` and ends nothing; its row and the pages of its promote stay fenced, whatever
     the loop does meanwhile, and come back only once it is reaped."""
     (s,) = tenv.engine("e")
-    tenv.lookup(s, keys("t", 3))
-    rid, _ = tenv.link.last("exists")
-    tenv.link.answer(rid, present=b"\x01\x01\x01")
-    tenv.pump()
-    rid, get = tenv.link.last("get")
-    pages = np.frombuffer(get["pages"], PAGES_DTYPE)
+    rid, pages = promoting(tenv, s, keys("t", 3))
     tenv.link.answer(rid, ok=False, final=False, error=TierTimeout("late"))
     row = tenv.tier.companion.writer.row
     tenv.link.state = "killed"                               # SIGKILLed, not reaped: same pid
