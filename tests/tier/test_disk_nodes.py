@@ -14,6 +14,7 @@ its key, so a torn, foreign or mixed block cannot pass ``load_exact``.
 | a read-only disk: promotes from it still work, demotes are refused and counted | test_a_read_only_disk_serves_promotes_and_refuses_demotes |
 | a slow disk (a cgroup v1 blkio throttle at 512 KiB/s): slow I/Os counted, logged once; the node serves from RAM meanwhile; the slow blocks come back exact | test_a_slow_disk_is_counted_logged_once_and_the_node_keeps_serving |
 | a companion that cannot die (a cgroup v1 freezer) killed mid-demote: the daemon answers and serves meanwhile, the pages stay pinned until it is reaped | test_a_companion_that_cannot_die_keeps_its_pages_and_the_daemon_serving |
+| the daemon stopped (SIGTERM) while its companion cannot die: it exits cleanly after a bounded wait | test_a_daemon_stops_while_its_companion_cannot_die |
 """
 
 from __future__ import annotations
@@ -346,3 +347,17 @@ def test_a_companion_that_cannot_die_keeps_its_pages_and_the_daemon_serving(disk
     wait_for(lambda: tier_stats(a)["demoting_blocks"] == 0, 30, "the new companion's demotes to end")
     assert tier_stats(a)["demoted_blocks"] and a.stats()["pages_fenced"] == 0 and region_check(a)["ok"]
     serves_from_ram(ra, 2000)
+
+
+def test_a_daemon_stops_while_its_companion_cannot_die(disk, disk_nodes, freezer):
+    """SIGTERM with the companion frozen (it cannot die until thawed): the daemon asks it to stop,
+    kills it, waits a bounded time and exits cleanly; the companion is left to die when it can.
+    (A blocking reap kept the daemon from exiting until the thaw.)"""
+    a = disk_nodes(disk.address)
+    pid = tier_stats(a)["pid"]
+    freezer.add(pid)
+    freezer.freeze()
+    assert a.stop(timeout=30) == 0, a.log()[-3000:]
+    assert process_state(pid) != "Z", "the companion died: the freezer did not hold it"
+    freezer.thaw()
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or process_state(pid) == "Z", 30, "the companion to die")
