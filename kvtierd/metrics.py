@@ -27,7 +27,9 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
-from .contract.protocol import REQUESTS, AbortCause, ErrorCode, JobKind, StatsReply
+from .contract.codes import AbortCause, ErrorCode, JobKind
+from .contract.protocol import REQUESTS
+from .contract.replies import StatsReply
 from .fence import ROW_CAPS, Reason, Release
 from .histogram import Histogram
 from .holds import CAPS as HOLD_CAPS

@@ -48,7 +48,8 @@ import numpy as np
 from . import hugepages
 from .contract.mapping import Mapping, mlock_refusal
 from .contract.paths import DaemonPaths
-from .contract.region_format import HEADER_BYTES, DataHeader, FormatError, Geometry, RegionView, read_geometry
+from .contract.region_format import HEADER_BYTES, FormatError, Geometry, read_geometry
+from .contract.region_view import DataHeader, RegionView
 
 log = logging.getLogger(__name__)
 

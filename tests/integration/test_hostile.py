@@ -259,7 +259,7 @@ def test_identity_a_secret_is_all_or_nothing_for_an_engine(daemon):
 def region_tables(daemon):
     """The stopped daemon's tables and pages, writable: (view, close)."""
     from kvtierd.contract.mapping import Mapping
-    from kvtierd.contract.region_format import RegionView
+    from kvtierd.contract.region_view import RegionView
     meta, data = Mapping.of_file(daemon.paths.meta), Mapping.of_file(daemon.region)
     view = RegionView(meta.buffer, data.buffer)
 
