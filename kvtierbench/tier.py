@@ -2,7 +2,7 @@
 engine's own raw put/get of the same blocks in the same run; and the lookup-miss latency the
 tier check adds, against a local lookup of the same keys.
 
-Per engine (a real one on loopback, started and stopped here: ``kvtierd.tier.engines``) and block
+Per engine (a real one on loopback, started and stopped here: ``kvtierbench.tierservers``) and block
 size S, N blocks per repetition, median of ``reps`` after a warm-up, fresh keys every time, the
 raw floor and the daemons taking turns at going first:
 
@@ -47,13 +47,13 @@ import time
 import numpy as np
 
 from kvtierd.tier.backend import Owner, open_backend
-from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
 from kvtierd.tier.keys import Keyspace, identity
 
 from . import disktier
 from .tiernode import demote_x, promote_x
 from .harness import (DATA_PAGE, FULL, QUICK, BlockBench, Context, MiB, bench_daemon, bench_namespace, make_keys, pct,
                       region_size, say, target)
+from .tierservers import MooncakeCluster, RedisCluster, ServerUnavailable
 
 ENGINES = ("mooncake", "redis", "disk")
 OWNER = Owner("kvtierbench", "")          # the raw floors' own clients: no directory to claim
@@ -337,7 +337,7 @@ def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
                 notes.append(version)
                 continue
             got, lat, version = engine_rows(ctx, kind)
-        except (EngineUnavailable, ImportError) as exc:
+        except (ServerUnavailable, ImportError) as exc:
             skipped.append(f"{kind}: {exc}")
             say(f"tier: {kind} skipped: {exc}")
             continue
