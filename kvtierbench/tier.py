@@ -65,11 +65,11 @@ IDLE = 0.003
 
 
 class Buffer:
-    """The raw floor's memory: 2N blocks of S in /dev/shm, mapped here (registered with Mooncake)."""
+    """The raw floor's memory: 2N blocks of S in the bench's directory (/dev/shm unless --workdir
+    moves it), mapped here (registered with Mooncake)."""
 
-    def __init__(self, size: int):
-        self.dir = tempfile.mkdtemp(prefix="kvtbench-tier-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
-                                    else None)
+    def __init__(self, size: int, base: str):
+        self.dir = tempfile.mkdtemp(prefix="raw-", dir=base)
         path = os.path.join(self.dir, "raw")
         with open(path, "wb") as f:
             f.truncate(size)
@@ -271,7 +271,7 @@ def engine_rows(ctx: Context, kind: str) -> tuple[list[dict], list[dict], str]:
     segment = max(512 * MiB, 4 * n * biggest)
     engine = (MooncakeCluster(segment_bytes=segment) if kind == "mooncake"
               else RedisCluster(maxmemory=f"{segment // MiB}mb"))
-    buffer = Buffer(2 * n * biggest)
+    buffer = Buffer(2 * n * biggest, ctx.workdir)
     raw = None
     rows = []
     try:
