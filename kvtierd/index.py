@@ -69,10 +69,7 @@ class Entry:
     __slots__ = ("slot", "ns", "key", "state", "pages", "write")
 
     def __init__(self, slot: int, ns: Namespace, key: bytes, state: EntryState, pages: bytes, write=None):
-        self.slot = slot
-        self.ns = ns
-        self.key = key
-        self.state = state
+        self.slot, self.ns, self.key, self.state = slot, ns, key, state
         self.pages = pages      # the whole chain, PAGES_DTYPE bytes (sent to clients as slices)
         self.write = write      # the write (kvtierd.writes) writing it (WRITING only)
 
