@@ -33,8 +33,9 @@ kill the daemon. docs/design.md has the alternatives weighed.
 An entry (one cached block of one namespace) owns ``page_count`` pages, not necessarily
 contiguous: ``first_page`` and then ``chain[page]`` until CHAIN_END. Its logical bytes are the
 concatenation of its pages' bytes (the tail of the last page is unused). In a sharded namespace
-the chain holds ``world_size`` equal runs of ``pages_per_shard`` pages, rank r's shard being
-run r. There is one entry slot per page because every entry takes at least one page.
+the chain holds one run of ``pages_per_shard`` pages per shard (``NamespaceId.shards``: the world
+size, or the ranks of its node slice), the shard of a rank being the run at its place among them.
+There is one entry slot per page because every entry takes at least one page.
 
 Entry ``state`` is written last when an entry becomes READY, and first when it is freed, so a
 reader of the table (a restarted daemon, ``kvtierctl check``) never takes a half-written record
@@ -153,7 +154,11 @@ NS_DTYPE = np.dtype([
     ("record_sum", "<u8"),      # record_sums over the record (this field zero); never 0 when in use
     ("flags", "<u4"),           # NS_CHECKSUMS
     ("_pad3", "<u4"),
-    ("_reserved", "V184"),
+    # A sharded namespace's node slice (NamespaceId.node_ranks) as a mask: bit r for rank r; 0 for
+    # the whole world. Carved from the reserved bytes: a record written before it reads 0, the
+    # identity it always had, so format 2 stands.
+    ("node_ranks", "<u8"),
+    ("_reserved", "V176"),
 ])
 
 ENTRY_DTYPE = np.dtype([
@@ -287,6 +292,8 @@ def namespace_record(ns: NamespaceId, flags: int = 0) -> np.void:
         value = getattr(ns, f.name)
         if isinstance(value, Sharding):
             rec[f.name] = _SHARDING_CODES[value]
+        elif isinstance(value, tuple):              # node_ranks
+            rec[f.name] = sum(1 << r for r in value)
         else:
             rec[f.name] = value.encode() if isinstance(value, str) else value
     rec["flags"] = flags
@@ -301,6 +308,9 @@ def namespace_from_record(rec: np.void) -> NamespaceId:
         raw = rec[f.name]
         if f.type == "Sharding":
             values[f.name] = _SHARDING_OF_CODE[int(raw)]
+        elif f.name == "node_ranks":
+            mask = int(raw)
+            values[f.name] = tuple(r for r in range(mask.bit_length()) if mask >> r & 1)
         else:
             values[f.name] = bytes(raw).decode() if f.type == "str" else int(raw)
     return NamespaceId(**values)
