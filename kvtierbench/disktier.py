@@ -44,7 +44,7 @@ from kvtierd.tier.diskformat import ALIGN, block_records, claim
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tier.seal import SealKey, Sealer
 from kvtierd.tier.slabs import Slab
-from kvtierd.tiering import identity
+from kvtierd.tier.keys import identity
 
 from .harness import (DATA_PAGE, BlockBench, Context, bench_daemon, bench_namespace, make_keys, pct, region_size, say,
                       target)

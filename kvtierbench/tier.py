@@ -48,8 +48,7 @@ import numpy as np
 
 from kvtierd.tier.backend import Owner, open_backend
 from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
-from kvtierd.tier.keys import Keyspace
-from kvtierd.tiering import identity
+from kvtierd.tier.keys import Keyspace, identity
 
 from . import disktier
 from .tiernode import demote_x, promote_x

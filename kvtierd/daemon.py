@@ -15,7 +15,6 @@ import resource
 import sys
 import time
 
-from . import tiering
 from .config import Config, format_size
 from .contract.paths import DaemonPaths, check_socket_path
 from .contract.region_format import WRITER_SLOTS
@@ -24,6 +23,8 @@ from .region import Region, RegionError
 from .server import Server
 from .store import Store
 from .systemd import Notifier
+from .tiering.tier import build as build_tier
+from .tiering.tier import check as check_tier
 
 log = logging.getLogger("kvtierd")
 
@@ -96,7 +97,7 @@ def preflight(c: Config) -> None:
     paths = DaemonPaths(c.dir, c.name)
     for path in (paths.socket, paths.admin_socket):
         check_socket_path(path)
-    tiering.check(c)
+    check_tier(c)
 
 
 class Daemon:
@@ -128,15 +129,17 @@ class Daemon:
             if self.metrics is not None:
                 self.metrics.close()
             raise
+        self.store: Store | None = None
+        self.server: Server | None = None
         try:
             self._serve(c, max_connections, max_sessions, max_writer_rows)
         except BaseException:
             # Every failed start leaves nothing behind: sockets, the companion, the lock, and a
             # region this start created (it caches nothing yet and holds its size in memory).
-            if getattr(self, "server", None) is not None:
+            if self.server is not None:
                 self.server.close()
-            if getattr(self, "store", None) is not None and self.store.tiering is not None:
-                self.store.tiering.close()
+            if self.store is not None:
+                self.store.tier.close()
             if self.metrics is not None:
                 self.metrics.close()
             self.region.close(clean=False, remove=not self.region.adopted)
@@ -154,39 +157,9 @@ class Daemon:
                                              f"{backing.describe()}")
 
     def _serve(self, c: Config, max_connections: int, max_sessions: int, max_writer_rows: int) -> None:
-        """The store on the region, the second tier, the sockets, the metrics: from here clients connect."""
-        self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
-                           fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
-                           max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
-                           lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
-                           max_leased_keys_per_engine=c.max_leased_keys_per_engine,
-                           max_leased_keys=c.max_leased_keys, max_writer_rows=max_writer_rows,
-                           max_writer_rows_per_peer=c.max_writer_rows_per_peer,
-                           held_shares=(c.max_held_share_per_engine, c.max_held_share_per_namespace,
-                                        c.max_held_share))
-        # The recovered index (up to millions of entries) lives as long as the daemon: keep it
-        # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
-        gc.freeze()
-        rec = self.store.recovered
-        if self.region.adopted:
-            log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
-                     "damaged discarded, %d pages fenced for writers not proven gone", self.region.paths.region,
-                     "clean" if self.region.was_clean else "unclean", rec["ready"],
-                     rec["writing_discarded"], rec["corrupt_discarded"], rec["pages_fenced"])
-            if rec["writing_discarded"] or rec["corrupt_discarded"]:
-                # The tables were rebuilt: page numbers a client held may mean other entries now.
-                log.info("region rebuilt: new generation %x (clients remap on re-attach)",
-                         self.region.new_generation())
-        log.info("eviction policy: %s", c.policy)
-        geo = self.region.geometry
-        self.store.tiering = tiering.build(c, self.region.paths.region, geo.data_offset, geo.capacity_bytes,
-                                           geo.page_size, self.region.paths.directory, c.name, self.store.index,
-                                           self.store.fence)
-        if self.store.tiering is not None:
-            self.store.tiering.start()
-            log.info("second tier: %s at %s (demote %s, promote %s, low watermark %.2f); companion log %s",
-                     c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote, c.tier_low_watermark,
-                     self.store.tiering.link.log_path)
+        """The store on the region, its second tier, the sockets, the metrics: from here clients connect."""
+        self.store = self._open_store(c, max_writer_rows)
+        self.store.tier.start()
         self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
                              drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
                              region_check_interval=c.region_check_interval, max_connections=max_connections,
@@ -197,6 +170,32 @@ class Daemon:
             self.metrics.serve(lambda: self.server.call_in_loop(self.server.stats))
             self.server.metrics_address = self.metrics.address
             log.info("metrics: http://%s/metrics", self.metrics.address)
+
+    def _open_store(self, c: Config, max_writer_rows: int) -> Store:
+        """The store over the region (its index recovered from the tables) and its second tier."""
+        store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
+                      fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
+                      max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
+                      lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
+                      max_leased_keys_per_engine=c.max_leased_keys_per_engine, max_leased_keys=c.max_leased_keys,
+                      max_writer_rows=max_writer_rows, max_writer_rows_per_peer=c.max_writer_rows_per_peer,
+                      held_shares=(c.max_held_share_per_engine, c.max_held_share_per_namespace, c.max_held_share),
+                      tier=build_tier(c, self.region.paths, self.region.geometry))
+        # The recovered index (up to millions of entries) lives as long as the daemon: keep it
+        # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
+        gc.freeze()
+        rec = store.recovered
+        if self.region.adopted:
+            log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
+                     "damaged discarded, %d pages fenced for writers not proven gone", self.region.paths.region,
+                     "clean" if self.region.was_clean else "unclean", rec["ready"],
+                     rec["writing_discarded"], rec["corrupt_discarded"], rec["pages_fenced"])
+            if rec["writing_discarded"] or rec["corrupt_discarded"]:
+                # The tables were rebuilt: page numbers a client held may mean other entries now.
+                log.info("region rebuilt: new generation %x (clients remap on re-attach)",
+                         self.region.new_generation())
+        log.info("eviction policy: %s", c.policy)
+        return store
 
     def run(self) -> None:
         self.server.install_signal_handlers()

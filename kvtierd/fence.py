@@ -28,8 +28,8 @@ entries go at once but the pages stay fenced, *parked* under the writer (``park`
 A watchable writer keeps its pages for as long as it lives, however long it stalls: they are
 reported (``stats``: fenced pages by reason, and the age of the oldest), never released on a
 timer. A lost heartbeat is not a proof of death: the session's rights (votes, pins) end, its
-pages stay. The fence owns no free list: whatever it releases it returns, and the caller gives
-the pages back to the index.
+pages stay. The fence owns no free list: whatever it releases it returns, and the caller (the
+fenced write, ``kvtierd.writes``) gives the pages back to the index.
 
 The writer table is bounded: ``max_rows`` rows in all (the region format's WRITER_SLOTS, fewer
 when the daemon's open-files limit cannot hold a pidfd for each: ``kvtierd.daemon.fit_fd_caps``),
@@ -249,6 +249,10 @@ class Fence:
         if peer is not None:
             self.per_peer[peer] += 1
         return writer
+
+    def holds(self, writer: Writer) -> bool:
+        """Whether ``writer``'s row is still in use (not released)."""
+        return self.writers.get(writer.row) is writer
 
     def hand(self, writer: Writer, pages: np.ndarray) -> None:
         """``pages`` go to ``writer`` to copy into: fenced before the reply carries them."""

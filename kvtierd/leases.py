@@ -40,10 +40,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+from .attachments import Engine, Session
 from .holds import Holds
 from .index import Entry, Index
-from .jobs import Engine
-from .sessions import Session
 
 MIN_TTL = 0.01          # seconds: the shortest lease granted, whatever the lookup asked for
 
@@ -115,7 +114,7 @@ class Leases:
         room = min(self.max_keys_per_engine - self._engine_keys[engine],
                    self.max_keys - self.keys) + returned - 1
         n = max(0, min(len(entries), room))
-        n = self.holds.fit(engine, engine.ns.entry_pages, n, old.pages if old is not None else 0)
+        n = self.holds.fit(engine, n, old.pages if old is not None else 0)
         self.capped_keys += len(entries) - n
         if n == 0:
             if old is not None:
@@ -123,7 +122,7 @@ class Leases:
             return 0, 0.0
         ttl = min(max(self.ttl if ttl is None else ttl, MIN_TTL), self.max_ttl)
         held = entries[:n]
-        self.index.lease(held)          # before the old lease lets go: never evictable in between
+        self.index.lease(held, engine)  # before the old lease lets go: never evictable in between
         if old is not None:
             self._end(old, LeaseEnd.REPLACED)
         lease = Lease(lease_id, engine, session, held, self.clock() + ttl)
@@ -131,7 +130,6 @@ class Leases:
         self._by_session.setdefault(session, {})[lease_id] = lease
         self._engine_keys[engine] += lease.cost
         self.keys += lease.cost
-        self.holds.take(engine, lease.pages)
         self.granted += 1
         self._push_deadline(lease)
         return n, ttl
@@ -193,8 +191,7 @@ class Leases:
         if not self._engine_keys[lease.engine]:
             del self._engine_keys[lease.engine]
         self.keys -= lease.cost
-        self.holds.give(lease.engine, lease.pages)
-        self.index.unlease(lease.entries)
+        self.index.unlease(lease.entries, lease.engine)
         self.ends[cause.value] += 1
 
     def _push_deadline(self, lease: Lease) -> None:
@@ -212,8 +209,12 @@ class Leases:
         return len({entry.slot for lease in self._leases.values()
                     if namespace is None or lease.engine.ns.id.name() == namespace for entry in lease.entries})
 
-    def live(self) -> list[Lease]:
-        return list(self._leases.values())
+    def held(self) -> Counter:
+        """Engine → the pages its leases hold (``Holds.verify_holders``)."""
+        held: Counter = Counter()
+        for lease in self._leases.values():
+            held[lease.engine] += lease.pages
+        return held
 
     def of_session(self, session: Session) -> tuple[int, int]:
         """(leases, entries in them) that ``session`` holds."""
@@ -235,7 +236,7 @@ class Leases:
         assert sum(map(len, self._by_session.values())) == len(self._leases)
         assert self.keys == sum(lease.cost for lease in self._leases.values()) == sum(self._engine_keys.values())
         for slot, count in held.items():
-            assert self.index.holds(slot)[1] == count, f"entry {slot} lease count"
-        assert self.index.leased_entries == len(held)
+            assert self.holds.of(slot)[1] == count, f"entry {slot} lease count"
+        assert self.holds.leased == len(held)
         live = sum(1 for item in self._deadlines if item[2].live)
         assert live == len(self._leases), "a live lease without a deadline"

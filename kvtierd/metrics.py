@@ -38,7 +38,7 @@ from .tier.backend import ERRORS as TIER_ERRORS
 from .tier.disk import CAUSES as DISK_ERROR_CAUSES
 from .tier.link import LinkBusy
 from .tier.seal import REASONS as SEAL_REASONS
-from .tiering import OPS as TIER_OPS
+from .tiering.companion import OPS as TIER_OPS
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class DaemonCollector:
 
 
 def tier_families(t: dict, gauge, counter, labelled) -> Iterator[Metric]:
-    """The second tier's families (``Tiering.stats``), when one is configured."""
+    """The second tier's families (``Tier.stats``), when one is configured."""
     yield InfoMetricFamily("kvtierd_tier", "The second tier (settings tier_backend, tier_address).",
                            value={"backend": t["backend"], "address": t["address"]})
     yield gauge("tier_up", "1 while the tier companion is ready (0: starting, restarting, or its backend "

@@ -8,6 +8,9 @@ read it, not create, rename or remove anything in it; 0700 without)::
     <dir>/<name>.lock        flock(LOCK_EX) held for the daemon's whole life; holds its pid
     <dir>/<name>.sock        the client socket (ZMQ ipc, mode 0660: the daemon's user and client group)
     <dir>/<name>.admin.sock  the admin socket (mode 0600: the daemon's user alone)
+    <dir>/<name>.tier.sock   the second tier's companion's socket (mode 0600), with a second tier
+    <dir>/<name>.tier.log    the companion's output
+    <dir>/<name>.tier.key    the second tier's seal key, generated (mode 0600) when tier_key_file is not set
 
 The default directory is /dev/shm/kvtierd when /dev/shm is writable (the region's home: tmpfs,
 so the region lives in memory and a SIGKILLed daemon loses nothing it wrote), else
@@ -134,3 +137,16 @@ class DaemonPaths:
     @property
     def admin_socket(self) -> str:
         return admin_socket_for(self.socket)
+
+    @property
+    def tier_socket(self) -> str:
+        return self._path(".tier.sock")
+
+    @property
+    def tier_log(self) -> str:
+        return self._path(".tier.log")
+
+    @property
+    def tier_key(self) -> str:
+        """The seal key's file when ``tier_key_file`` is not set and the tier is not on disk."""
+        return self._path(".tier.key")

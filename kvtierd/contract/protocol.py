@@ -662,7 +662,7 @@ class StatsReply(Reply):
     connections: int                  # open connections to the client socket
     connections_refused: dict         # why connections were closed at once (total | per_peer) → count
     tier: dict                        # the second tier: {"backend": "off"} or its state and counters
-                                      # (kvtierd.tiering.Tiering.stats; docs/operations.md)
+                                      # (kvtierd.tiering: CompanionTier.stats; docs/operations.md)
 
 
 @_shape

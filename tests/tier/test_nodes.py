@@ -28,12 +28,12 @@ import time
 import numpy as np
 import pytest
 
+from kvtierbench.harness import HOLD_ALL
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.tier.backend import open_backend, page_extents
-from kvtierd.tier.keys import Keyspace
+from kvtierd.tier.keys import Keyspace, identity
 from kvtierd.tier.resp import command, key_slot, read_reply
 from kvtierd.tier.seal import KEY_ID_BYTES, SealKey, Sealer
-from kvtierd.tiering import identity
 from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
 from tests.integration.ranks import all_call, key_content
 from tests.integration.test_faults import wait_for
@@ -58,7 +58,10 @@ def tier(request):
 @pytest.fixture
 def nodes(tier, tmp_path):
     """Factory: nodes(*extra_args, size=..., engine=...) → a ready daemon whose second tier is
-    ``tier``'s engine (or the one given), all sealing with one key (as a fleet's nodes do)."""
+    ``tier``'s engine (or the one given), all sealing with one key (as a fleet's nodes do). Their
+    regions are sized to the tests' working sets, and one engine loads two fifths of one in a single
+    job: like the bench's daemons, they let one engine hold the whole region (the shares of
+    kvtierd.holds would cut those loads; tests/unit/test_holds.py and test_composition.py test them)."""
     kind, shared = tier
     started = []
     key = write_key_file(str(tmp_path))
@@ -67,7 +70,7 @@ def nodes(tier, tmp_path):
         engine = engine or shared
         d = new_daemon("--tier-backend", kind, "--tier-address", engine.address, "--tier-low-watermark",
                        str(low_watermark), "--tier-timeout", "0.5", "--tier-cooldown", "1",
-                       "--tier-restart-backoff", "0.5", "--tier-key-file", key, *args, size=size)
+                       "--tier-restart-backoff", "0.5", "--tier-key-file", key, *HOLD_ALL, *args, size=size)
         started.append(d)
         d.start()
         wait_ready(d)
@@ -237,26 +240,8 @@ def test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready(nodes, ran
     rs, rb = ranks(1), ranks(1)
     connect(rs, seeder, "seeder", BIG, "tier-big")
     connect(rb, b, "engine-b", BIG, "tier-big")
-    caught = None
-    job = 1
-    for attempt in range(5):
-        x = keys_for(f"fault-{fault}-{attempt}", 16)
-        store(rs, job, x, list(range(16)))
-        job = fill(rs, seeder, f"push-{attempt}", seeder.stats()["pages_total"] // 16, BIG, job + 1)  # x demoted
-        assert dropped(tier_stats(seeder)) == 0
-        pid = tier_stats(b)["pid"]
-        rb[0].call("lookup_detail", keys=x)
-        if wait_promoting(b):
-            os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-            time.sleep(0.3)                            # a reply sent before the signal is taken in by now
-            if tier_stats(b)["promoted_blocks"] == 0:
-                caught = (x, pid)
-                break
-            os.kill(pid, signal.SIGCONT)               # it had finished already: try again
-            wait_ready(b)
-        promote(rb[0], x)
-    assert caught, "no promote was caught in flight in 5 attempts"
-    x, pid = caught
+    x, pid, promoted = catch_promote(seeder, rs, b, rb, f"fault-{fault}",
+                                     signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     try:
         if fault == "freeze_resume":
             wait_for(lambda: tier_stats(b)["promote_aborted"].get("tier_timeout"), 30, "the promote to time out")
@@ -288,7 +273,7 @@ def test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready(nodes, ran
             if hits:
                 load_exact(rb, 200 + i, keys[:hits], list(range(16, 16 + hits)))
     st = tier_stats(b)
-    assert st["promote_failed_blocks"] == 16 and st["promoted_blocks"] == 0, st
+    assert st["promote_failed_blocks"] == 16 and st["promoted_blocks"] == promoted, st
     if fault != "freeze_resume":
         assert st["restarts"] >= 1 and st["pid"] != pid
     # The blocks are promoted again by the next lookups, and exact.
@@ -296,6 +281,33 @@ def test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready(nodes, ran
     promote(rb[0], x, timeout=60)
     load_exact(rb, 300, x, list(range(16, 32)))
     assert b.stats()["pages_fenced"] == 0 and region_check(b)["ok"]
+
+
+def catch_promote(seeder, rs: list[RankProcess], b, rb: list[RankProcess], prefix: str,
+                  sig: int = signal.SIGSTOP) -> tuple[list[bytes], int, int]:
+    """16 BIG blocks stored through ``seeder`` (its engine on ``rs``) and demoted, then looked up
+    on ``b`` (its engine on ``rb``), and ``sig`` sent to b's companion while their get is in
+    flight: its pages are fenced for the companion then. Up to 5 attempts (a get that finished
+    before the signal does not count). Returns (the keys, the companion's pid, b's promoted
+    blocks before them)."""
+    job = 1
+    for attempt in range(5):
+        x = keys_for(f"{prefix}-{attempt}", 16)
+        store(rs, job, x, list(range(16)))
+        job = fill(rs, seeder, f"{prefix}-push-{attempt}", seeder.stats()["pages_total"] // 16, BIG,
+                   job + 1)                                          # x demoted
+        assert dropped(tier_stats(seeder)) == 0
+        pid, promoted = tier_stats(b)["pid"], tier_stats(b)["promoted_blocks"]
+        rb[0].call("lookup_detail", keys=x)
+        if wait_promoting(b):
+            os.kill(pid, sig)
+            time.sleep(0.3)                            # a reply sent before the signal is taken in by now
+            if tier_stats(b)["promoted_blocks"] == promoted:
+                return x, pid, promoted
+            os.kill(pid, signal.SIGCONT)               # it had finished already: try again
+            wait_ready(b)
+        promote(rb[0], x)
+    raise AssertionError("no promote was caught in flight in 5 attempts")
 
 
 def wait_promoting(daemon, timeout: float = 5.0) -> bool:
@@ -322,24 +334,7 @@ def test_the_data_file_replaced_restarts_the_companion_on_the_new_file(nodes, ra
     rs, rb = ranks(1), ranks(1)
     connect(rs, seeder, "seeder", BIG, "tier-replaced")
     connect(rb, b, "engine-b", BIG, "tier-replaced")
-    caught, job = None, 1
-    for attempt in range(5):
-        x = keys_for(f"replaced-{attempt}", 16)
-        store(rs, job, x, list(range(16)))
-        job = fill(rs, seeder, f"push-{attempt}", seeder.stats()["pages_total"] // 16, BIG, job + 1)  # x demoted
-        pid = tier_stats(b)["pid"]
-        rb[0].call("lookup_detail", keys=x)
-        if wait_promoting(b):
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.3)
-            if tier_stats(b)["promoted_blocks"] == 0:
-                caught = (x, pid)
-                break
-            os.kill(pid, signal.SIGCONT)
-            wait_ready(b)
-        promote(rb[0], x)
-    assert caught, "no promote was caught in flight in 5 attempts"
-    x, pid = caught
+    x, pid, promoted = catch_promote(seeder, rs, b, rb, "replaced")
     try:
         assert tier_stats(b)["promoting_blocks"] == 16          # its pages handed to the frozen companion
         generation = b.stats()["generation"]
@@ -355,7 +350,7 @@ def test_the_data_file_replaced_restarts_the_companion_on_the_new_file(nodes, ra
         except ProcessLookupError:
             pass
     st = tier_stats(b)
-    assert st["promoted_blocks"] == 0 and st["promote_failed_blocks"] == 16 and st["restarts"] >= 1, st
+    assert st["promoted_blocks"] == promoted and st["promote_failed_blocks"] == 16 and st["restarts"] >= 1, st
     rb2 = ranks(1)                                      # B's sessions ended with the old file
     connect(rb2, b, "engine-b2", BIG, "tier-replaced")
     time.sleep(1.1)                                     # what B remembers as failed expires

@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 
 from kvtierd import config
+from kvtierd.attachments import Attachments, SessionEnd
 from kvtierd.contract import protocol as P
-from kvtierd.histogram import Histogram
-from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
 from kvtierd.fence import ROW_CAPS, Reason, Release
+from kvtierd.histogram import Histogram
 from kvtierd.holds import CAPS as HOLD_CAPS
 from kvtierd.leases import LeaseEnd
+from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
 from kvtierd.policy import POLICIES, create
-from kvtierd.sessions import SessionEnd
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -56,10 +56,8 @@ def abort_causes() -> set[str]:
 
 
 def session_roles() -> set[str]:
-    server = (ROOT / "kvtierd" / "server.py").read_text()
-    m = re.search(r'session_roles=\{(.*?)\}', server)
-    assert m, "server.py no longer builds session_roles: update session_roles()"
-    return set(re.findall(r'"(\w+)":', m.group(1)))
+    """Every `role` label value of kvtierd_sessions: the keys of ``Attachments.roles``."""
+    return set(Attachments().roles())
 
 
 def pin_results() -> set[str]:
@@ -73,13 +71,13 @@ def policy_segments() -> set[str]:
 
 
 def tier_snapshot() -> dict:
-    """``Tiering.stats`` with every label value the second tier can emit."""
+    """``CompanionTier.stats`` with every label value the second tier can emit."""
     from kvtierd.tier.backend import ERRORS
     from kvtierd.tier.disk import CAUSES
     from kvtierd.tier.link import LinkBusy
     from kvtierd.tier.seal import REASONS
     from kvtierd.tier.service import LANES
-    from kvtierd.tiering import OPS
+    from kvtierd.tiering.companion import OPS
     hist = Histogram()
     hist.observe(1e-3)
     codes = [*ERRORS, LinkBusy.code]

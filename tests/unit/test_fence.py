@@ -17,11 +17,11 @@ import subprocess
 import numpy as np
 import pytest
 
+from kvtierd.attachments import SessionEnd
 from kvtierd.contract.protocol import ErrorCode
 from kvtierd.contract.region_format import FENCE_NONE, WriterState
 from kvtierd.fence import RECHECK_SECONDS
 from kvtierd.processes import Process, start_ticks
-from kvtierd.sessions import SessionEnd
 
 from .store_env import Env, err, keys, lay, pages, reopen
 
@@ -176,7 +176,7 @@ def test_writer_rows_run_out_with_a_clear_error(monkeypatch):
     with err(ErrorCode.NO_SPACE) as info:
         writer_of(env, world_size=1)
     assert "writer rows" in info.value.message
-    assert env.store.jobs.engines == {} and env.store.sessions == {}
+    assert env.store.jobs.engines == {} and env.store.attachments.sessions == {}
     env.store.verify()
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtierd.attachments import SessionEnd
 from kvtierd.contract.protocol import ErrorCode
-from kvtierd.sessions import SessionEnd
 
 from .store_env import PAGE, TIMEOUT, Env, N, P, W, err, keys, lay, pages, small
 
