@@ -103,12 +103,14 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
     def attach(self, engine_id: str, rank: int | None, world_size: int, ns_id: NamespaceId,
-               process: Process = Process(), secret: bytes | None = None) -> Session:
+               process: Process = Process(), secret: bytes | None = None,
+               node_ranks: tuple[int, ...] | None = None) -> Session:
         """A new session of ``engine_id`` (a rank, or the coordinator when ``rank`` is None); the
-        engine's first session fixes its world size and namespace, which later ones must match,
-        and who may join it (``may_join``). A writer rank gets a row in the fence's writer table."""
+        engine's first session fixes its world size, the ranks of it on this daemon
+        (``node_ranks``, None: all) and namespace, which later ones must match, and who may join
+        it (``may_join``). A writer rank gets a row in the fence's writer table."""
         return self.attachments.attach(engine_id, rank, world_size, ns_id, process, secret, self.index.namespace,
-                                       self.writes.add_writer)
+                                       self.writes.add_writer, node_ranks)
 
     def may_join(self, engine_id: str, process: Process, secret: bytes | None) -> None:
         """Raise FORBIDDEN unless a session of ``process`` presenting ``secret`` may join engine
