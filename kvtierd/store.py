@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .attachments import Attachments, Session, SessionEnd
-from .contract.namespace import NamespaceId
+from .contract.namespace import NamespaceId, format_ranks
 from .contract.region_format import WRITER_SLOTS, RegionView
 from .events import Events, Gone
 from .fence import Fence, Release
@@ -254,7 +254,8 @@ class Store:
         for s in self.attachments.sessions.values():
             leases, leased_keys = self.leases.of_session(s)
             out.append({"session": s.id, "engine": s.engine.id, "role": s.role, "rank": s.rank, "pid": s.pid,
-                        "world_size": s.engine.world_size, "namespace": s.engine.ns.id.name(),
+                        "world_size": s.engine.world_size, "node_ranks": format_ranks(s.engine.node_ranks),
+                        "namespace": s.engine.ns.id.name(),
                         "watched": watched(s), "attached_seconds": now - s.attached_at,
                         "leases": leases, "leased_keys": leased_keys})
         return out

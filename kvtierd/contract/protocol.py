@@ -672,8 +672,8 @@ class AdminPingReply(Reply):
 
 @_shape
 class ClientsReply(Reply):
-    clients: list                     # per session: {session, engine, role, rank, pid, world_size, namespace,
-                                      #   watched, attached_seconds, leases, leased_keys}
+    clients: list                     # per session: {session, engine, role, rank, pid, world_size, node_ranks,
+                                      #   namespace, watched, attached_seconds, leases, leased_keys}
 
 
 @_shape

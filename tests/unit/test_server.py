@@ -375,6 +375,8 @@ def test_a_node_half_of_a_sharded_engine_holds_its_ranks_shards_in_a_namespace_o
 
 def test_every_session_of_an_engine_on_one_daemon_names_the_same_node_ranks(d):
     node_hello(d, 2, [2, 3])
+    (row,) = d.ok("clients", b"admin", admin=True)["clients"]
+    assert (row["world_size"], row["node_ranks"]) == (4, "2-3")                   # kvtierctl clients shows them
     wrong = d.call("hello", b"tp4-3", version=P.PROTOCOL_VERSION, engine="tp4", rank=3, world_size=4,
                    namespace=NS.to_wire(), node_ranks=[1, 3])
     assert wrong["code"] == ErrorCode.LAYOUT_MISMATCH and "KVTIER_NODE_RANKS" in wrong["message"]
