@@ -260,7 +260,7 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
               "restart": "Restart under running engines", "redis": "Peer: Redis",
               "attach": "Client attach and first touch (4 KiB vs 2 MiB pages)",
               "policy": "Eviction policy: hit rate against Belady, cost against LRU",
-              "nodes": "Engines that span nodes: hit rate of a TP=16 engine over two daemons against one node's",
+              "nodes": "Engines that span nodes",
               "tier": "Second tier: demote and promote against the engine's raw put/get (the disk: raw O_DIRECT), "
                       "the lookup-miss check, the disk tier's restart"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
