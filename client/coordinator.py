@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from kvtierd.contract.codes import StoreOutcome
 from kvtierd.contract.namespace import NamespaceId
-from kvtierd.contract.protocol import LoadReply, StoreOutcome, StoreReply
+from kvtierd.contract.replies import LoadReply, StoreReply
 
 from .results import StoreDecision
 from .session import Client

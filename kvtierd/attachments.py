@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from .contract.codes import ErrorCode, RequestError
 from .contract.namespace import NamespaceId, Sharding, format_ranks
-from .contract.protocol import ErrorCode, RequestError
 from .namespaces import Namespace
 from .processes import Process
 

@@ -21,7 +21,7 @@ import signal
 
 import pytest
 
-from kvtierd.contract.protocol import StoreOutcome
+from kvtierd.contract.codes import StoreOutcome
 
 from .ranks import CacheSpec, all_call
 from .test_tp_roundtrip import keys_for

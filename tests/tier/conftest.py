@@ -1,7 +1,7 @@
 """Fixtures for the second-tier tests: real engines on loopback, a real disk directory, and
 regions to move blocks from.
 
-Each engine fixture starts a real engine in its own fresh directory (``kvtierd.tier.engines``:
+Each engine fixture starts a real engine in its own fresh directory (``kvtierbench.tierservers``:
 free loopback ports, every process started and stopped by its own pid) and stops it and removes
 the directory at teardown. A test skips, with the reason, only when the engine's programs are not
 installed here (``make test-tier`` installs them: tools/install-tier.sh). The disk tier's
@@ -28,8 +28,8 @@ import tempfile
 import numpy as np
 import pytest
 
+from kvtierbench.tierservers import MooncakeCluster, RedisCluster, ServerUnavailable
 from kvtierd.tier.backend import Owner, page_extents
-from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tier.seal import SealKey, Sealer, Seals
 
@@ -60,7 +60,7 @@ def start_engine(kind: str, **kwargs):
         return DiskDir(**kwargs)
     try:
         engine = (MooncakeCluster if kind == "mooncake" else RedisCluster)(**kwargs)
-    except EngineUnavailable as exc:
+    except ServerUnavailable as exc:
         pytest.skip(str(exc))
     try:
         engine.start()

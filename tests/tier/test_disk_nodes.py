@@ -26,8 +26,8 @@ import urllib.request
 import pytest
 
 from kvtierbench.harness import HOLD_ALL
+from kvtierbench.launcher import DaemonProcess
 from kvtierd.contract.namespace import NamespaceId
-from kvtierd.launcher import DaemonProcess
 from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
 from tests.integration.ranks import RankProcess, all_call
 from tests.integration.test_faults import wait_for

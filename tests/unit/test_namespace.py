@@ -7,7 +7,7 @@ import torch
 
 from kvtierd.contract import protocol as P
 from kvtierd.contract.namespace import WIRE_FIELDS, NamespaceId, Sharding, format_ranks, parse_ranks
-from kvtierd.contract.region_format import namespace_from_record, namespace_record
+from kvtierd.contract.region_view import namespace_from_record, namespace_record
 
 REPL = NamespaceId("deepseek-ai/DeepSeek-V3", "bfloat16", 16, 1_124_352, Sharding.REPLICATED, 0)
 SHARD = NamespaceId("meta-llama/Llama-3.1-70B", "float16", 16, 81920, Sharding.SHARDED, 4)

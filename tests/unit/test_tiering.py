@@ -14,7 +14,8 @@ import os
 import numpy as np
 import pytest
 
-from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome, encode
+from kvtierd.contract.codes import StoreOutcome
+from kvtierd.contract.protocol import PAGES_DTYPE, encode
 from kvtierd.tier.backend import TierTimeout, TierUnavailable
 from kvtierd.tier.keys import identity
 from kvtierd.tiering.promote import ABSENT_SECONDS, CHECK_DELAY, PATIENCE

@@ -18,7 +18,8 @@ import os
 
 import numpy as np
 
-from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome
+from kvtierd.contract.codes import StoreOutcome
+from kvtierd.contract.protocol import PAGES_DTYPE
 from kvtierd.contract.region_format import EntryState
 from kvtierd.tier.backend import TierUnavailable
 from kvtierd.tier.link import LinkBusy, LinkDown, Outcome, Request
