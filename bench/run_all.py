@@ -3,6 +3,7 @@
     python bench/run_all.py --trace FILE ...    # full `kvtierctl bench` (minutes), then the docs
     python bench/run_all.py --from FILE         # the docs from a saved result, without running
     python bench/run_all.py --only attach       # rerun some sections into the saved result, then the docs
+    python bench/run_all.py --only nodes --trace FILE --capacity 0.1   # ... with traces and capacities
     python bench/run_all.py --quick             # toy sizes: checks the pipeline in seconds
 
 ``--trace`` (repeatable) gives the policy section its Mooncake-format traces (``make bench-docs``
@@ -259,6 +260,7 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
               "restart": "Restart under running engines", "redis": "Peer: Redis",
               "attach": "Client attach and first touch (4 KiB vs 2 MiB pages)",
               "policy": "Eviction policy: hit rate against Belady, cost against LRU",
+              "nodes": "Engines that span nodes",
               "tier": "Second tier: demote and promote against the engine's raw put/get (the disk: raw O_DIRECT), "
                       "the lookup-miss check, the disk tier's restart"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
@@ -509,6 +511,18 @@ distinct blocks; Belady is the offline optimum of prefix hits at that capacity, 
 same file. Then each policy's daemon, with a full region, under lookups, loads and stores of B
 keys, the policies taking turns: the daemon's CPU per key against LRU's. docs/policy.md has the
 method, the held-out variations and why `slru` is the default.""",
+    "nodes": """`kvtierctl bench --only nodes --trace FILE --capacity F`: an MLA engine whose TP group spans two
+nodes (TP=16: its coordinator and ranks 0-7 on node A's kvtierd, ranks 8-15 on node B's, each
+session naming its node's ranks) against a TP=8 engine on one node, each Mooncake-format trace
+replayed as the vLLM plugin plays it (docs/vllm.md, "Several nodes"): the coordinator looks up
+and leases on node A, every node's ranks load the hit prefix from their own kvtierd (node A's
+under the lease), the engine keeps the prefix every rank loaded and computes the rest, then
+stores what follows node A's hits on both nodes (each node's lowest rank writes, the others
+vote). Each daemon's region holds the given share of the trace's distinct blocks (one page per
+block). "Pressure on B": another engine on node B only stores that many fresh blocks per block of
+each request, so node B evicts what node A keeps; "A's hits missing on B": the share of node A's
+hits that node B's ranks could not load (recomputed). The goal: the two-node hit rate equals the
+one-node rate when nothing evicts on one node only.""",
 }
 
 OPTIMISATIONS = """## Optimisations (issue 6)
@@ -559,15 +573,19 @@ def main() -> int:
     ap.add_argument("--only", metavar="SECTIONS",
                     help="run only these sections (comma-separated) and put them into the saved docs/bench/results.json")
     ap.add_argument("--trace", action="append", default=[], metavar="FILE",
-                    help="a Mooncake-format trace for the policy section (repeatable)")
+                    help="a Mooncake-format trace for the policy and nodes sections (repeatable)")
+    ap.add_argument("--capacity", metavar="F,F,...",
+                    help="policy, nodes: region sizes as fractions of the trace's distinct blocks (kvtierctl bench)")
     args = ap.parse_args()
+    capacities = tuple(map(float, args.capacity.split(","))) if args.capacity else ()
     if args.source:
         with open(args.source) as f:
             result = json.load(f)
     elif args.only:
         with open(RESULTS) as f:
             result = json.load(f)
-        fresh = kvtierbench.run(tuple(args.only.split(",")), quick=args.quick, traces=tuple(args.trace))
+        fresh = kvtierbench.run(tuple(args.only.split(",")), quick=args.quick, traces=tuple(args.trace),
+                                capacities=capacities)
         fresh["machine"]["lscpu"] = _lscpu()
         for name, section in fresh["sections"].items():
             section["run"] = {"machine": fresh["machine"], "date": time.strftime("%Y-%m-%d")}
@@ -575,7 +593,7 @@ def main() -> int:
         with open(RESULTS, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)
     else:
-        result = kvtierbench.run(quick=args.quick, traces=tuple(args.trace))
+        result = kvtierbench.run(quick=args.quick, traces=tuple(args.trace), capacities=capacities)
         result["machine"]["lscpu"] = _lscpu()       # the run's machine, whenever the page is made
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w") as f:

@@ -24,6 +24,14 @@ or the lease's ttl passes; ``lease_held(L)`` says how many it holds. A load of l
 come back short. Any session of the engine may consume the lease: a coordinator leases, its
 ranks' load job consumes.
 
+Engines that span nodes (a TP group over several nodes, each running its own kvtierd): every
+session names the ranks of its world that attach to the same kvtierd, its node's
+(``node_ranks=range(8, 16)``, or ``$KVTIER_NODE_RANKS`` such as ``8-15``; default all of them).
+Each daemon then counts only its node's votes; in a replicated namespace the node's lowest rank
+writes the node's one copy, in a sharded one an entry holds the node's shards. A node's ranks load
+what their own daemon holds: a block cached on one node may be missing on another (its eviction
+is its own), so each rank's load says how many blocks arrived and the engine recomputes the rest.
+
 A store job finishes on this rank once its copy (if it is a writer) completed and its vote was
 accepted; a load job once its copy completed and its release was accepted. ``JobResult.ok`` is
 False when the daemon aborted the job (then loaded blocks must be treated as a miss).
@@ -57,6 +65,6 @@ The API's log lines go to the logger ``kvtier.api``.
 from .coordinator import Coordinator
 from .rank import Rank
 from .results import JobResult, Lease, StoreDecision
-from .session import SECRET_ENV, Client
+from .session import NODE_RANKS_ENV, SECRET_ENV, Client
 
-__all__ = ["Client", "Coordinator", "Rank", "JobResult", "Lease", "StoreDecision", "SECRET_ENV"]
+__all__ = ["Client", "Coordinator", "Rank", "JobResult", "Lease", "StoreDecision", "SECRET_ENV", "NODE_RANKS_ENV"]

@@ -8,7 +8,7 @@ or a rank's ``store``/``load`` — fixes its decision for every rank (invariant 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from kvtierd.contract.codes import StoreOutcome
 from kvtierd.contract.namespace import NamespaceId
@@ -28,14 +28,15 @@ class Coordinator(Client, role="coordinator"):
 
     def __init__(self, socket_path: str | None = None, *, engine_id: str, world_size: int, namespace: NamespaceId,
                  timeout: float = 10.0, reconnect_timeout: float = 30.0, engine_secret: bytes | str | None = None,
-                 rank: None = None, **rank_only):
+                 node_ranks: Iterable[int] | None = None, rank: None = None, **rank_only):
         if rank is not None:
             raise ValueError(f"a Coordinator has no rank (got {rank}); Client(rank=r) or Rank(...) is a rank")
         unknown = set(rank_only) - RANK_ONLY
         if unknown:
             raise TypeError(f"Coordinator() got unexpected keyword arguments {sorted(unknown)}")
         super().__init__(socket_path, engine_id=engine_id, rank=None, world_size=world_size, namespace=namespace,
-                         timeout=timeout, reconnect_timeout=reconnect_timeout, engine_secret=engine_secret)
+                         timeout=timeout, reconnect_timeout=reconnect_timeout, engine_secret=engine_secret,
+                         node_ranks=node_ranks)
 
     def open_store(self, job: int, keys: Sequence[bytes], chain: bool = True, cold_tail: int = 0) -> StoreDecision:
         """Fix a store job's decision; the ranks then ``store`` the same job. ``chain`` and

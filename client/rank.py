@@ -90,7 +90,7 @@ class Rank(Client, role="rank"):
     def __init__(self, socket_path: str | None = None, *, engine_id: str, rank: int, world_size: int,
                  namespace: NamespaceId, copier: str = "auto", pin: str = "auto", timeout: float = 10.0,
                  reconnect_timeout: float = 30.0, populate_threads: int = 2,
-                 engine_secret: bytes | str | None = None):
+                 engine_secret: bytes | str | None = None, node_ranks: Iterable[int] | None = None):
         if rank is None:
             raise ValueError("a Rank needs its rank; Client(rank=None) or Coordinator(...) is the coordinator")
         self.mapping: Mapping | None = None
@@ -107,7 +107,8 @@ class Rank(Client, role="rank"):
         # jobs a wait() finished before it timed out on another. poll()/wait() hand them out once.
         self._settled: list[JobResult] = []
         super().__init__(socket_path, engine_id=engine_id, rank=rank, world_size=world_size, namespace=namespace,
-                         timeout=timeout, reconnect_timeout=reconnect_timeout, engine_secret=engine_secret)
+                         timeout=timeout, reconnect_timeout=reconnect_timeout, engine_secret=engine_secret,
+                         node_ranks=node_ranks)
 
     # ------------------------------------------------------------------ attaching (Client's hooks)
     def _attached(self, previous: HelloReply | None) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 from kvtierd.contract import protocol as P
 from kvtierd.contract.channel import Channel
 from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached
-from kvtierd.contract.namespace import NamespaceId
+from kvtierd.contract.namespace import NamespaceId, format_ranks, parse_ranks
 from kvtierd.contract.paths import default_socket
 from kvtierd.contract.replies import HelloReply, JobsReply, LookupReply, StatsReply, UnleaseReply
 
@@ -38,6 +38,7 @@ from .results import Lease
 log = logging.getLogger("kvtier.api")
 
 SECRET_ENV = "KVTIER_ENGINE_SECRET"      # the engine secret when Client(engine_secret=) is not given
+NODE_RANKS_ENV = "KVTIER_NODE_RANKS"      # the node's ranks when Client(node_ranks=) is not given, e.g. "8-15"
 
 # Ops that may be sent again after re-attaching: they do not refer to a job of the old daemon.
 _RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort", "unlease"})
@@ -79,9 +80,32 @@ class _Heartbeat(threading.Thread):
         self.join(5)
 
 
+def _node_ranks(given: Iterable[int] | None, rank: int | None, world_size: int) -> tuple[int, ...]:
+    """The ranks of the world that share this client's kvtierd (its node's): ``given``, else
+    ``$KVTIER_NODE_RANKS`` (e.g. ``8-15``), else all of them. ValueError naming where they came
+    from when they are not ranks of the world, or leave out ``rank``."""
+    where = "node_ranks"
+    if given is None and os.environ.get(NODE_RANKS_ENV):
+        where, given = NODE_RANKS_ENV, parse_ranks(os.environ[NODE_RANKS_ENV])
+    ranks = tuple(sorted(range(world_size) if given is None else given))
+    if not ranks or len(set(ranks)) != len(ranks) or not 0 <= ranks[0] <= ranks[-1] < world_size:
+        raise ValueError(f"{where} must be distinct ranks of the world of {world_size}, at least one; got {list(ranks)}")
+    if rank is not None and rank not in ranks:
+        raise ValueError(f"{where} ({format_ranks(ranks)}) must hold this client's rank {rank}: every rank attaches "
+                         "to the kvtierd of its own node")
+    return ranks
+
+
 class Client:
     """One session with kvtierd (module docstring); ``Client(..., rank=r)`` is a ``Rank``,
-    ``Client(..., rank=None)`` a ``Coordinator``."""
+    ``Client(..., rank=None)`` a ``Coordinator``.
+
+    ``node_ranks``: the ranks of the world that attach to this kvtierd — the engine's ranks on
+    this node when its TP group spans nodes, each node running its own kvtierd (default
+    ``$KVTIER_NODE_RANKS``, else every rank: one node). The daemon then counts the votes of
+    these ranks only, the lowest of them writes a replicated block (one copy per node), and a
+    sharded entry holds their shards. Every session of the engine on one daemon names the same
+    ranks; a coordinator names those of the node it runs on."""
 
     _roles: dict[str, type] = {}             # "rank" / "coordinator" -> the class (they register)
     is_writer = False                        # a rank that copies D2H (from each hello's reply)
@@ -98,8 +122,9 @@ class Client:
 
     def __init__(self, socket_path: str | None = None, *, engine_id: str, rank: int | None, world_size: int,
                  namespace: NamespaceId, timeout: float = 10.0, reconnect_timeout: float = 30.0,
-                 engine_secret: bytes | str | None = None):
+                 engine_secret: bytes | str | None = None, node_ranks: Iterable[int] | None = None):
         self.socket_path = socket_path or default_socket()
+        self.node_ranks = _node_ranks(node_ranks, rank, world_size)
         # The engine's sessions are bound together: the daemon lets a session join engine_id only
         # from the uid of its first session and, when that one presented a secret, with the same
         # secret. Every process of an engine passes the same one (or sets KVTIER_ENGINE_SECRET).
@@ -133,6 +158,8 @@ class Client:
             pidns = None
         fields = dict(version=P.PROTOCOL_VERSION, engine=self.engine_id, rank=self.rank, world_size=self.world_size,
                       namespace=self.namespace.to_wire(), pid=os.getpid())
+        if len(self.node_ranks) < self.world_size:       # an engine that spans nodes: this node's ranks
+            fields["node_ranks"] = list(self.node_ranks)
         if pidns is not None:        # unknown: the daemon cannot watch us and expects heartbeats
             fields["pidns"] = pidns
         if self.engine_secret is not None:

@@ -46,6 +46,11 @@ each; ``harness`` holds what they share, ``report`` the tables:
               capacity (``--capacity``), the prefix hit rate against Belady's offline optimum from
               the same file and against LRU's; and the daemon's CPU per key with each policy
               against LRU's, in the same run (``kvtierbench.policy``).
+``nodes``     an engine whose TP group spans two nodes (a TP=16 engine over two daemons, ranks 0-7 and
+              8-15) against a TP=8 engine on one: a request trace (``--trace``, ``--capacity``, as for
+              ``policy``; default capacity 0.1) replayed as the vLLM plugin plays it, the hit rate of each, their ratio, and
+              the share of node A's hits missing on node B, also under pressure on node B alone
+              (``kvtierbench.nodes``).
 ``tier``      the second tier: two daemons sharing a real engine on loopback (Mooncake Store,
               Redis Cluster; each started and stopped here, skipped when not installed): node A
               demotes N blocks, node B promotes them, blocks/s against the engine's own raw
@@ -77,7 +82,8 @@ from .harness import FULL, QUICK, Context, machine, say, workdir_base
 
 # In the order they run (eviction fills the region that recovery then restarts); each module is
 # imported when it runs (so ``python -m kvtierbench.traces`` runs a module not imported before).
-SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "restart", "redis", "attach", "policy", "tier")
+SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "restart", "redis", "attach", "policy", "nodes",
+            "tier")
 
 
 def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: str | None = None,
@@ -91,7 +97,7 @@ def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: 
     if unknown:
         raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     # A trace is read (and a bad one refused, naming its line) before any section runs.
-    loaded = tuple(map(import_module(f"{__name__}.traces").load, traces)) if "policy" in sections else ()
+    loaded = tuple(map(import_module(f"{__name__}.traces").load, traces)) if {"policy", "nodes"} & set(sections) else ()
     workdir = tempfile.mkdtemp(prefix="kvtbench-", dir=base or workdir_base())
     ctx = Context(plan, workdir, loaded, tuple(capacities), tuple(policies), job_keys)
     result: dict[str, Any] = {"machine": machine(), "quick": quick, "plan": asdict(plan), "workdir": workdir,
@@ -120,11 +126,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--only", action="append", metavar="SECTION",
                         help=f"run only this section (repeatable, or comma-separated): {', '.join(SECTIONS)}")
     parser.add_argument("--trace", action="append", default=[], metavar="FILE",
-                        help="policy: a Mooncake-format JSON-lines trace to replay (repeatable; default: a generated "
-                             "chat-shaped trace)")
+                        help="policy, nodes: a Mooncake-format JSON-lines trace to replay (repeatable; default: a "
+                             "generated chat-shaped trace)")
     parser.add_argument("--capacity", metavar="F,F,...",
-                        help="policy: region sizes as fractions of the trace's distinct blocks "
-                             f"(default {','.join(map(str, FULL.capacities))})")
+                        help="policy, nodes: region sizes as fractions of the trace's distinct blocks "
+                             f"(default {','.join(map(str, FULL.capacities))}; nodes: "
+                             f"{','.join(map(str, FULL.node_capacities))})")
     parser.add_argument("--policies", metavar="NAME,...",
                         help="policy: the policies to replay (default: every one; lru always, as the reference)")
     parser.add_argument("--job-keys", type=int, metavar="N",

@@ -49,6 +49,7 @@ class Plan:
     attach_reps: int                      # attach: cold jobs (= warm jobs) per client; attaches timed
     capacities: tuple[float, ...]         # policy: region sizes, as fractions of a trace's distinct blocks
     generated_requests: int               # policy: requests of the generated trace (when no trace is given)
+    node_capacities: tuple[float, ...]    # nodes: region sizes (its four replays per size cost ~4x policy's one)
     cost_entries: int                     # policy: one-page entries of each cost daemon's region
     cost_batches: tuple[int, ...]         # policy: keys per job of the cost measurement
     cost_slices: int                      # policy: turns each policy takes per (op, B)
@@ -64,13 +65,14 @@ FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4,
             block_sizes=(MiB, 4 * MiB), blocks_per_job=(64, 256, 1024), reps=5, tp=(1, 2, 4, 8), budget=256 * MiB,
             capacity_block=256 << 10, entries=1_000_000, eviction_batches=(1, 1024), redis_blocks=64,
             attach_block=2 * MiB, attach_blocks=16, attach_reps=24,
-            capacities=(0.02, 0.05, 0.1, 0.2), generated_requests=3000, cost_entries=65536,
+            capacities=(0.02, 0.05, 0.1, 0.2), generated_requests=3000, node_capacities=(0.1,), cost_entries=65536,
             cost_batches=(1, 16, 256), cost_slices=9, tier_blocks=256, tier_block_sizes=(64 << 10, MiB), tier_reps=5,
             tier_lookup_batches=200, tier_lookup_keys=(1, 256), tier_restart_blocks=1_000_000)
 QUICK = Plan(control_region=64 * MiB, batches=(1, 256, 1024), clients=(1, 4), duration=0.1, block_sizes=(MiB,),
              blocks_per_job=(64,), reps=2, tp=(1, 2, 4, 8), budget=16 * MiB, capacity_block=256 << 10,
              entries=20_000, eviction_batches=(1024,), redis_blocks=16, attach_block=MiB, attach_blocks=4,
-             attach_reps=4, capacities=(0.05, 0.2), generated_requests=300, cost_entries=4096, cost_batches=(16,), cost_slices=2,
+             attach_reps=4, capacities=(0.05, 0.2), generated_requests=300, node_capacities=(0.2,), cost_entries=4096,
+             cost_batches=(16,), cost_slices=2,
              tier_blocks=32, tier_block_sizes=(256 << 10,), tier_reps=2, tier_lookup_batches=10, tier_lookup_keys=(256,),
              tier_restart_blocks=20_000)
 
@@ -172,6 +174,7 @@ class Context:
         self.workdir = workdir
         self.traces = traces                      # policy: the traces to replay (kvtierbench.traces.Trace)
         self.capacities = capacities or plan.capacities
+        self.node_capacities = capacities or plan.node_capacities
         self.policies = policies                  # policy: which ones (all registered when empty)
         self.job_keys = job_keys                  # policy: store a request in jobs of at most this many keys
         self.big: DaemonProcess | None = None    # the N-entry region (eviction, then recovery)

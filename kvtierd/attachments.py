@@ -5,8 +5,12 @@ jobs on it).
 
 A ``Session`` is one attached client: a rank of an engine (copies and votes) or the engine's
 coordinator (rank None: looks up and opens jobs). An ``Engine`` is what its sessions share: its
-id, world size and namespace — fixed by its first session, which later ones must match — and who
-may join it: the uid of its first session and the digest of the secret it presented, if any.
+id, world size, the ranks of that world attached to this daemon (``node_ranks``: all of them, or
+its node's when the engine spans nodes, each node running its own kvtierd) and namespace — fixed
+by its first session, which later ones must match — and who may join it: the uid of its first
+session and the digest of the secret it presented, if any. Its writers and the votes its jobs wait
+for are its node's ranks' only: the lowest of them writes a replicated block, every one of them
+its shard of a sharded block.
 A writer rank's session has a row in the fence's writer table (``kvtierd.writes``).
 
 An engine whose last session leaves is forgotten (``forget``): a new session of the same id is a
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from .contract.codes import ErrorCode, RequestError
-from .contract.namespace import NamespaceId, Sharding
+from .contract.namespace import NamespaceId, Sharding, format_ranks
 from .namespaces import Namespace
 from .processes import Process
 
@@ -57,6 +61,7 @@ class Engine:
     id: str
     world_size: int
     ns: Namespace
+    node_ranks: tuple[int, ...]         # the ranks of its world attached here, ascending: the votes a job waits for
     ranks: dict[int, "Session"] = field(default_factory=dict)
     coordinators: set = field(default_factory=set)
     jobs: dict = field(default_factory=dict)        # job id → kvtierd.jobs.Job
@@ -71,9 +76,11 @@ class Engine:
 
     @property
     def writers(self) -> frozenset[int]:
+        """The ranks that copy into the region: the node's lowest (its one copy of a replicated
+        block), or every rank of the node (its shard of a sharded one)."""
         if self.ns.id.sharding is Sharding.REPLICATED:
-            return frozenset({0})
-        return frozenset(range(self.world_size))
+            return frozenset(self.node_ranks[:1])
+        return frozenset(self.node_ranks)
 
     @property
     def sessions(self) -> list["Session"]:
@@ -110,15 +117,19 @@ class Attachments:
 
     def attach(self, engine_id: str, rank: int | None, world_size: int, ns_id: NamespaceId, process: Process,
                secret: bytes | None, namespace: Callable[[NamespaceId], Namespace],
-               writer: Callable[[int, int, Process, str, int], "Writer"]) -> Session:
-        """A new session of ``engine_id`` (a rank, or the coordinator when ``rank`` is None). A new
-        engine's namespace comes from ``namespace(ns_id)``; a writer rank's row from
-        ``writer(session, token, process, engine, rank)``. Nothing is recorded unless it succeeds."""
-        if rank is not None and rank >= world_size:   # before anything is created for the engine
-            raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
+               writer: Callable[[int, int, Process, str, int], "Writer"],
+               node_ranks: tuple[int, ...] | None = None) -> Session:
+        """A new session of ``engine_id`` (a rank, or the coordinator when ``rank`` is None), its
+        engine's ranks on this daemon being ``node_ranks`` (None: the whole world). A new engine's
+        namespace comes from ``namespace(ns_id)``; a writer rank's row from ``writer(session,
+        token, process, engine, rank)``. Nothing is recorded unless it succeeds."""
+        on_node = tuple(sorted(range(world_size) if node_ranks is None else node_ranks))
+        if rank is not None and rank not in on_node:   # before anything is created for the engine
+            raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} is not among the ranks {format_ranks(on_node)} "
+                                                      f"of the world of {world_size} attached to this kvtierd")
         engine = self.engines.get(engine_id)
         if engine is None:
-            engine = Engine(engine_id, world_size, namespace(ns_id), uid=process.uid, secret=_digest(secret))
+            engine = Engine(engine_id, world_size, namespace(ns_id), on_node, uid=process.uid, secret=_digest(secret))
         else:
             self.may_join(engine_id, process, secret)
         if engine.world_size != world_size or engine.ns.id != ns_id:
@@ -126,6 +137,12 @@ class Attachments:
                                f"engine {engine_id!r} is attached with world size {engine.world_size} and namespace "
                                f"{engine.ns.id.name()}; this session asks for world size {world_size} and "
                                f"{ns_id.name()}")
+        if engine.node_ranks != on_node:
+            raise RequestError(ErrorCode.LAYOUT_MISMATCH,
+                               f"engine {engine_id!r} is attached with ranks {format_ranks(engine.node_ranks)} of its "
+                               f"world on this kvtierd; this session names {format_ranks(on_node)}: every session "
+                               "of an engine on one node names the same node ranks (Client(node_ranks=), "
+                               "KVTIER_NODE_RANKS)")
         if rank is not None and rank in engine.ranks:
             other = engine.ranks[rank]
             raise RequestError(ErrorCode.LAYOUT_MISMATCH,

@@ -354,8 +354,8 @@ COMMANDS: dict[str, tuple] = {
                                        help="also rehash every entry that carries a checksum (reads its bytes)"),
               fetch_check, format_check, lambda d: 0 if d["ok"] else 1),
     "clients": ("attached sessions (admin socket)", None, fetch_clients,
-                lambda d, a: _table(d["clients"], ["session", "engine", "role", "pid", "world_size", "watched",
-                                                   "leases", "leased_keys", "namespace"]), None),
+                lambda d, a: _table(d["clients"], ["session", "engine", "role", "pid", "world_size", "node_ranks",
+                                                   "watched", "leases", "leased_keys", "namespace"]), None),
     "evict": ("evict entries, the eviction policy's first victims first; leased, pinned and in-flight ones stay "
               "(admin socket; the second tier keeps its copies)",
               lambda p: (p.add_argument("--count", type=_count, required=True, help="how many entries (0 or more)"),

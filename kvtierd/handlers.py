@@ -25,7 +25,7 @@ from typing import Callable
 from .attachments import Session, SessionEnd
 from .contract import protocol as P
 from .contract.codes import ErrorCode, RequestError
-from .contract.namespace import NamespaceId
+from .contract.namespace import NamespaceId, format_ranks
 from .contract.replies import (AdminPingReply, ClientsReply, EmptyReply, EvictReply, HelloReply, JobsReply, LoadReply,
                                LookupReply, PingReply, Reply, StatsReply, StoreReply, UnleaseReply, ok_reply)
 from .peers import Conn
@@ -94,9 +94,10 @@ class Handlers:
         return Process(pid, ticks, claimed_pid, claimed_ns, uid)
 
     def hello(self, identity: bytes, session: Session | None, msg: dict, conn: Conn | None = None) -> HelloReply:
-        if msg["version"] != P.PROTOCOL_VERSION:
+        if not P.MIN_PROTOCOL_VERSION <= msg["version"] <= P.PROTOCOL_VERSION:
             raise RequestError(ErrorCode.VERSION, f"client speaks protocol {msg['version']}, this kvtierd speaks "
-                                                  f"{P.PROTOCOL_VERSION}; install matching kvtierd versions")
+                                                  f"{P.MIN_PROTOCOL_VERSION}-{P.PROTOCOL_VERSION}; install matching "
+                                                  "kvtierd versions")
         if self._stopping():
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
         if conn is None and self._listening():
@@ -121,13 +122,16 @@ class Handlers:
             # An orphan of this very process (a Client dropped without close(), a hello whose
             # reply came too late): the process takes its rank back.
             self.sessions.end(held, SessionEnd.TAKEN_OVER)
-        ns_id = NamespaceId.from_wire(msg["namespace"], msg["world_size"])
+        node_ranks = msg.get("node_ranks")            # absent (and from a version-5 client): the whole world
+        ns_id = NamespaceId.from_wire(msg["namespace"], msg["world_size"], node_ranks or ())
         session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], ns_id, process,
-                                    secret=msg.get("secret"))
+                                    secret=msg.get("secret"), node_ranks=node_ranks)
         watched = self.sessions.register(identity, session, conn)
         token = session.token
-        log.info("attach session=%d engine=%r %s world_size=%d pid=%s namespace=%s watched=%s", session.id,
-                 session.engine.id, session.role, msg["world_size"], session.pid, ns_id.name(), watched)
+        log.info("attach session=%d engine=%r %s world_size=%d node_ranks=%s pid=%s namespace=%s watched=%s%s",
+                 session.id, session.engine.id, session.role, msg["world_size"],
+                 format_ranks(session.engine.node_ranks), session.pid, ns_id.name(), watched,
+                 "" if msg["version"] == P.PROTOCOL_VERSION else f" (outdated client: protocol {msg['version']})")
         ns = session.engine.ns
         geo = self.region.geometry
         return HelloReply(
@@ -135,7 +139,8 @@ class Handlers:
             region=self.region.paths.region, generation=self.region.generation,
             file_bytes=geo.data_bytes, page_size=geo.page_size, num_pages=geo.num_pages,
             data_offset=geo.data_offset, namespace=ns.id.name(), pages_per_shard=ns.pages_per_shard,
-            writers=sorted(session.engine.writers), job_timeout=self.store.job_timeout,
+            writers=sorted(session.engine.writers), node_ranks=list(session.engine.node_ranks),
+            job_timeout=self.store.job_timeout,
             watched=watched, token=token, heartbeat_interval=None if watched else self.heartbeat_timeout / 3,
             checksums=self.store.checksums)
 

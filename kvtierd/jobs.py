@@ -6,9 +6,11 @@ engine, fixes its decision; every later request of the job must name the same ki
 gets the same decision, or the job aborts with CONFLICT (invariant 4).
 
 Store job: the index decides per key (PRESENT, WRITE with pages, or NO_SPACE for the rest once one
-key does not fit). Writers are rank 0 for a replicated namespace and every rank for a sharded one.
-A non-writer's store request is its vote; a writer votes with ``commit`` after its copy completed.
-When all world_size ranks voted, the job's entries become READY (invariant 5).
+key does not fit). Writers are the engine's lowest rank on this daemon for a replicated namespace
+and every rank of it here for a sharded one (``Engine.writers``). A non-writer's store request is
+its vote; a writer votes with ``commit`` after its copy completed. When every rank of the engine
+on this daemon voted (``Engine.node_ranks``: the world, or its node's ranks when it spans nodes),
+the job's entries become READY (invariant 5).
 
 Load job: the leading READY keys are the hits; they are pinned (not evictable) until every rank
 released the job, then unpinned (invariant 2). A load job may name a lease of its engine
@@ -259,7 +261,7 @@ class Jobs:
     def _vote(self, job: Job, rank: int) -> None:
         job.done_ranks.add(rank)
         engine = job.engine
-        if len(job.done_ranks) < engine.world_size:
+        if len(job.done_ranks) < len(engine.node_ranks):
             return
         # Every rank voted, the writers after their copies: the entries become READY.
         writers = sorted(engine.writers)
@@ -269,7 +271,7 @@ class Jobs:
         ns_id = engine.ns.id
         self.counters["bytes_written"] += n * ns_id.entry_bytes
         if ns_id.sharding is Sharding.REPLICATED:
-            self.counters["bytes_saved_dedup"] += n * ns_id.block_bytes * (engine.world_size - 1)
+            self.counters["bytes_saved_dedup"] += n * ns_id.block_bytes * (len(engine.node_ranks) - 1)
         self.counters["store_jobs_done"] += 1
         self.vote_wait.observe(self.clock() - job.opened)
         self._finish(job, JobState.DONE)
@@ -308,7 +310,7 @@ class Jobs:
         if rank not in job.seen:
             raise RequestError(ErrorCode.CONFLICT, f"rank {rank} releases load job {job_id} before loading it")
         job.done_ranks.add(rank)
-        if len(job.done_ranks) == job.engine.world_size:
+        if len(job.done_ranks) == len(job.engine.node_ranks):
             self._unpin(job)
             self.counters["load_jobs_done"] += 1
             self._finish(job, JobState.DONE)
@@ -415,7 +417,7 @@ class Jobs:
             job = session.engine.jobs.get(job_id)
             if job is not None and job.state is JobState.OPEN:
                 out.append({"job": job_id, "kind": job.kind.value, "state": JobState.OPEN.value,
-                            "waiting": job.engine.world_size - len(job.done_ranks)})
+                            "waiting": len(job.engine.node_ranks) - len(job.done_ranks)})
                 continue
             tomb = self.tombstones.get((session.engine.serial, job_id))
             if tomb is None:

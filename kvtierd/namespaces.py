@@ -73,13 +73,15 @@ class Namespace:
 
     def pages_for(self, entries: list, rank: int | None) -> list[bytes]:
         """The pages ``rank`` copies of each entry, in order: the whole chain of a replicated
-        entry (its one copy: rank 0 writes it, every rank loads it), run ``rank`` of a sharded one;
+        entry (its one copy: the node's lowest rank writes it, every rank loads it), the run of
+        ``rank``'s shard of a sharded one (``NamespaceId.shard_of``: its place in the node slice);
         the whole chain of every entry for ``rank`` None (a writer of whole entries: the tier).
 
         One call for a job's entries: per entry it would be a Python frame per key."""
         if self.shards == 1 or rank is None:
             return list(map(_PAGES, entries))
-        lo, hi = rank * self.shard_bytes, (rank + 1) * self.shard_bytes
+        shard = self.id.shard_of(rank)
+        lo, hi = shard * self.shard_bytes, (shard + 1) * self.shard_bytes
         return [e.pages[lo:hi] for e in entries]
 
     def shard_pages(self, entries: list) -> np.ndarray:

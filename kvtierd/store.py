@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .attachments import Attachments, Session, SessionEnd
-from .contract.namespace import NamespaceId
+from .contract.namespace import NamespaceId, format_ranks
 from .contract.region_format import WRITER_SLOTS
 from .contract.region_view import RegionView
 from .events import Events, Gone
@@ -104,12 +104,14 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
     def attach(self, engine_id: str, rank: int | None, world_size: int, ns_id: NamespaceId,
-               process: Process = Process(), secret: bytes | None = None) -> Session:
+               process: Process = Process(), secret: bytes | None = None,
+               node_ranks: tuple[int, ...] | None = None) -> Session:
         """A new session of ``engine_id`` (a rank, or the coordinator when ``rank`` is None); the
-        engine's first session fixes its world size and namespace, which later ones must match,
-        and who may join it (``may_join``). A writer rank gets a row in the fence's writer table."""
+        engine's first session fixes its world size, the ranks of it on this daemon
+        (``node_ranks``, None: all) and namespace, which later ones must match, and who may join
+        it (``may_join``). A writer rank gets a row in the fence's writer table."""
         return self.attachments.attach(engine_id, rank, world_size, ns_id, process, secret, self.index.namespace,
-                                       self.writes.add_writer)
+                                       self.writes.add_writer, node_ranks)
 
     def may_join(self, engine_id: str, process: Process, secret: bytes | None) -> None:
         """Raise FORBIDDEN unless a session of ``process`` presenting ``secret`` may join engine
@@ -253,7 +255,8 @@ class Store:
         for s in self.attachments.sessions.values():
             leases, leased_keys = self.leases.of_session(s)
             out.append({"session": s.id, "engine": s.engine.id, "role": s.role, "rank": s.rank, "pid": s.pid,
-                        "world_size": s.engine.world_size, "namespace": s.engine.ns.id.name(),
+                        "world_size": s.engine.world_size, "node_ranks": format_ranks(s.engine.node_ranks),
+                        "namespace": s.engine.ns.id.name(),
                         "watched": watched(s), "attached_seconds": now - s.attached_at,
                         "leases": leases, "leased_keys": leased_keys})
         return out

@@ -47,7 +47,7 @@ from .processes import Process
 class WriterKind(str, enum.Enum):
     """Who writes a write's pages."""
 
-    RANK = "rank"       # a rank of an engine: its shard (rank 0 the whole entry of a replicated namespace)
+    RANK = "rank"       # a rank of an engine: its shard (the node's lowest rank: the whole entry when replicated)
     TIER = "tier"       # the tier companion: whole entries, every shard
 
 
@@ -57,9 +57,10 @@ class Write:
     id: int                 # what the fence parks pages under, per writer (a job id; a promote's id)
     ns: Namespace
     entries: list = field(default_factory=list)
-    # key (a rank; 0 for the companion) → (the writer, the pages it was handed, its shard: None for
-    # every shard): writers handed pages that have not settled. An aborted write keeps them until
-    # they settle (late) or are dropped, so that their late final is recognised.
+    # key (a rank; 0 for the companion) → (the writer, the pages it was handed, its shard's place in
+    # the entry: None for every shard): writers handed pages that have not settled. An aborted
+    # write keeps them until they settle (late) or are dropped, so that their late final is
+    # recognised.
     handed: dict = field(default_factory=dict)
     open: bool = True
 
@@ -87,7 +88,7 @@ class Writes:
         if pages:
             flat = np.frombuffer(b"".join(pages), PAGES_DTYPE)
             self.fence.hand(writer, flat)
-            shard = None if rank is None or write.ns.shards == 1 else rank
+            shard = None if rank is None or write.ns.shards == 1 else write.ns.id.shard_of(rank)
             write.handed[key] = (writer, flat, shard)
         return pages
 

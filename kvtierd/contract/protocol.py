@@ -39,7 +39,7 @@ from typing import Any, Callable
 import msgpack
 
 from .codes import ErrorCode, RequestError
-from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
+from .namespace import MAX_MODEL_BYTES, MAX_RANKS, WIRE_FIELDS, format_ranks
 
 # 2: hello's "layout" map became "namespace", its "kind" field "sharding".
 # 3: stats: pages_quarantined became pages_fenced, with fenced_pages by reason, fence releases, the
@@ -51,14 +51,20 @@ from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 #    skipped_leased and revoked_leases; the lease counters in stats, leases per session in clients.
 # 5: lookup replies say how many keys after the hits are being promoted from the second tier
 #    (pending); evict/clear replies say whether they reached it; stats carry the tier (issue 16).
-PROTOCOL_VERSION = 5
+# 6: hello's node_ranks: the ranks of the world that share this daemon (an engine that spans
+#    nodes); the hello reply echoes them (issue 25).
+PROTOCOL_VERSION = 6
+# The oldest protocol a daemon still serves. A version-5 client sends no node_ranks (every rank
+# of its world is on this node), which is all that changed: it is served as before, for one
+# release, so that daemons can be upgraded before their engines (it is logged as outdated).
+MIN_PROTOCOL_VERSION = 5
 
 # --- limits (enforced before any allocation) ------------------------------------------------
 MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
 MAX_KEYS_PER_REQUEST = 8192            # keys in one lookup/store/load
 MAX_KEY_BYTES = 64                     # vLLM keys are 32-byte hashes + a 4-byte group index
 MAX_STR_BYTES = 256                    # engine ids, model names, dtype names
-MAX_WORLD_SIZE = 64
+MAX_WORLD_SIZE = MAX_RANKS
 MAX_JOB_ID = (1 << 63) - 1
 MAX_JOBS_PER_QUERY = 4096
 MAX_ERROR_CHARS = 512                  # an error reply's message is cut to this many characters
@@ -108,6 +114,10 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "rank": _int(0, MAX_WORLD_SIZE - 1, nullable=True),
         "world_size": _int(1, MAX_WORLD_SIZE),
         "namespace": Field("map"),
+        # The ranks of the world that attach to this daemon: the engine's ranks on this node, when
+        # it spans nodes (each node's daemon serves its own ranks; absent: all of them). Every
+        # session of the engine on this daemon names the same ones; a rank session is one of them.
+        "node_ranks": Field("ints", lo=0, hi=MAX_WORLD_SIZE - 1, required=False, max_items=MAX_WORLD_SIZE),
         # The client's pid and PID-namespace inode: a claim, checked against the socket's peer
         # credentials (a pid in the daemon's own namespace must be the peer's).
         "pid": _int(1, MAX_PID, required=False),
@@ -230,7 +240,20 @@ def _validate(msg: dict[str, Any], ops: dict[str, dict[str, Field]]) -> dict[str
         if msg["rank"] is not None and msg["rank"] >= msg["world_size"]:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"field 'hello.rank'={msg['rank']} must be < world_size {msg['world_size']}")
+        if "node_ranks" in msg:
+            _check_node_ranks(msg["node_ranks"], msg["rank"], msg["world_size"])
     return msg
+
+
+def _check_node_ranks(ranks: list[int], rank: int | None, world_size: int) -> None:
+    """hello's node_ranks: distinct ranks of the world, the session's own among them."""
+    if not ranks or len(set(ranks)) != len(ranks) or max(ranks) >= world_size:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field 'hello.node_ranks' must name distinct ranks below "
+                                                  f"world_size {world_size}, at least one")
+    if rank is not None and rank not in ranks:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field 'hello.node_ranks'={format_ranks(ranks)} does not hold "
+                                                  f"this session's rank {rank}: a rank attaches to its own node's "
+                                                  "kvtierd")
 
 
 def request_id(frame: bytes) -> int:

@@ -36,8 +36,9 @@ kill the daemon. docs/design.md has the alternatives weighed.
 An entry (one cached block of one namespace) owns ``page_count`` pages, not necessarily
 contiguous: ``first_page`` and then ``chain[page]`` until CHAIN_END. Its logical bytes are the
 concatenation of its pages' bytes (the tail of the last page is unused). In a sharded namespace
-the chain holds ``world_size`` equal runs of ``pages_per_shard`` pages, rank r's shard being
-run r. There is one entry slot per page because every entry takes at least one page.
+the chain holds one run of ``pages_per_shard`` pages per shard (``NamespaceId.shards``: the world
+size, or the ranks of its node slice), the shard of a rank being the run at its place among them.
+There is one entry slot per page because every entry takes at least one page.
 
 Entry ``state`` is written last when an entry becomes READY, and first when it is freed, so a
 reader of the table (a restarted daemon, ``kvtierctl check``) never takes a half-written record
@@ -154,7 +155,11 @@ NS_DTYPE = np.dtype([
     ("record_sum", "<u8"),      # record_sums over the record (this field zero); never 0 when in use
     ("flags", "<u4"),           # NS_CHECKSUMS
     ("_pad3", "<u4"),
-    ("_reserved", "V184"),
+    # A sharded namespace's node slice (NamespaceId.node_ranks) as a mask: bit r for rank r; 0 for
+    # the whole world. Carved from the reserved bytes: a record written before it reads 0, the
+    # identity it always had, so format 2 stands.
+    ("node_ranks", "<u8"),
+    ("_reserved", "V176"),
 ])
 
 ENTRY_DTYPE = np.dtype([

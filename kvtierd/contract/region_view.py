@@ -31,6 +31,8 @@ def namespace_record(ns: NamespaceId, flags: int = 0) -> np.void:
         value = getattr(ns, f.name)
         if isinstance(value, Sharding):
             rec[f.name] = _SHARDING_CODES[value]
+        elif isinstance(value, tuple):              # node_ranks
+            rec[f.name] = sum(1 << r for r in value)
         else:
             rec[f.name] = value.encode() if isinstance(value, str) else value
     rec["flags"] = flags
@@ -45,6 +47,9 @@ def namespace_from_record(rec: np.void) -> NamespaceId:
         raw = rec[f.name]
         if f.type == "Sharding":
             values[f.name] = _SHARDING_OF_CODE[int(raw)]
+        elif f.name == "node_ranks":
+            mask = int(raw)
+            values[f.name] = tuple(r for r in range(mask.bit_length()) if mask >> r & 1)
         else:
             values[f.name] = bytes(raw).decode() if f.type == "str" else int(raw)
     return NamespaceId(**values)

@@ -74,7 +74,9 @@ class HelloReply(Reply):
     data_offset: int
     namespace: str                    # NamespaceId.name() of the engine's namespace
     pages_per_shard: int              # pages of one rank's shard of one block
-    writers: list                     # the ranks that copy into the region (rank 0, or all when sharded)
+    writers: list                     # the ranks that copy into the region: the lowest of node_ranks, or all of
+                                      # them when sharded
+    node_ranks: list                  # the ranks of the engine on this daemon: what it counts votes of
     job_timeout: float
     watched: bool                     # True: the daemon watches the pid; False: send heartbeats
     token: int                        # proves the session in heartbeats and in ``replaces_token``
@@ -222,8 +224,8 @@ class AdminPingReply(Reply):
 
 @_shape
 class ClientsReply(Reply):
-    clients: list                     # per session: {session, engine, role, rank, pid, world_size, namespace,
-                                      #   watched, attached_seconds, leases, leased_keys}
+    clients: list                     # per session: {session, engine, role, rank, pid, world_size, node_ranks,
+                                      #   namespace, watched, attached_seconds, leases, leased_keys}
 
 
 @_shape

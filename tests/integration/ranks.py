@@ -116,7 +116,14 @@ def _worker(conn) -> None:  # runs in the child
             out.append(h.hexdigest())
         return out
 
-    def connect(socket, engine, rank, world_size, spec, layout, seed, timeout=20.0):
+    def connect(socket, engine, rank, world_size, spec, layout, seed, timeout=20.0, node_ranks=None):
+        # The node's ranks (an engine that spans nodes) as an operator gives them to any client:
+        # the environment (kvtier.session.NODE_RANKS_ENV). Set or cleared on every connect (the
+        # processes are reused).
+        if node_ranks is None:
+            os.environ.pop("KVTIER_NODE_RANKS", None)
+        else:
+            os.environ["KVTIER_NODE_RANKS"] = ",".join(map(str, node_ranks))
         dtype = getattr(torch, spec.dtype)
         state["kv"] = [torch.zeros((spec.num_blocks, *spec.row_shape), dtype=dtype) for _ in range(spec.layers)]
         fill(range(spec.num_blocks), seed)

@@ -54,6 +54,7 @@ class RankSpec:
     engine_id: str | None = None
     tp_rank: int = 0
     tp_size: int = 1
+    nnodes: int = 1                # --nnodes: the TP ranks are spread over this many nodes (node n: a block)
     interface_v1: bool = True
     layout: str = "layer_first"
     page_size: int = 4
@@ -119,7 +120,8 @@ class Rank:
         get_parallel().override_permanently(tp_size=n, tp_rank=r, attn_tp_size=n, attn_tp_rank=r, pp_size=1,
                                             pp_rank=0, attn_dcp_size=1, attn_dcp_rank=0, attn_cp_size=1,
                                             attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, moe_tp_size=n,
-                                            moe_ep_size=1, moe_dp_size=1)
+                                            moe_ep_size=1, moe_dp_size=1, nnodes=spec.nnodes,
+                                            node_rank=r // (n // spec.nnodes))
         server = dict(device=spec.device, page_size=ps, enable_hierarchical_cache=True, hicache_mem_layout=spec.layout,
                       hicache_io_backend="direct", hicache_write_policy="write_through", hicache_ratio=2.0,
                       hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend="dynamic",

@@ -169,6 +169,40 @@ def test_unsupported_topologies_are_refused(tree):
         identify(mla_dcp, pages, settings)
 
 
+def storage_config(tp_rank: int, tp_size: int, mla: bool = False, **more) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=False, model_name=None, **more)
+
+
+@pytest.mark.parametrize("rank,size,placement,dp_rank,node", [
+    (5, 8, {"nnodes": 2, "tp_size": 8, "pp_size": 1}, 0, (4, 5, 6, 7)),       # TP=8 over two nodes
+    (0, 16, {"nnodes": 4, "tp_size": 16, "pp_size": 1}, 0, (0, 1, 2, 3)),
+    (5, 8, {"nnodes": 1, "tp_size": 8, "pp_size": 1}, 0, None),               # one node
+    (5, 8, {"nnodes": 2, "tp_size": 8, "pp_size": 2}, 0, None),               # a PP stage per node
+    (1, 4, {"nnodes": 2, "tp_size": 8, "pp_size": 1}, 1, None),               # an attention DP group on one node
+    (1, 8, {"nnodes": 4, "tp_size": 16, "pp_size": 1}, 1, (0, 1, 2, 3)),      # ... spanning two nodes
+])
+def test_an_mha_world_spanning_nodes_names_its_nodes_ranks(tree, rank, size, placement, dp_rank, node):
+    pages = HostPages.of(tree(RankSpec("mha", NOWHERE)).host)
+    settings = integration.KvtierSettings(socket=NOWHERE)
+    ident = identify(storage_config(rank, size, dp_rank=dp_rank), pages, settings, placement)
+    assert ident.node_ranks == node and (ident.rank, ident.world_size) == (rank, size)
+
+
+def test_mla_across_nodes_is_refused_because_sglang_backs_it_up_from_rank_0_alone(tree):
+    pages = HostPages.of(tree(RankSpec("mla", NOWHERE)).host)
+    settings = integration.KvtierSettings(socket=NOWHERE)
+    # What the refusal rests on, in SGLang's own code: of a TP=16 MLA group on two nodes only rank
+    # 0 backs pages up (the controller skips the backup elsewhere), so node B's kvtierd would never
+    # receive one, and SGLang's prefetch takes the least of all ranks' hits.
+    assert [storage_config(r, 16, mla=True).is_storage_writer for r in range(16)] == [True] + [False] * 15
+    with pytest.raises(ValueError, match="from TP rank 0 alone"):
+        identify(storage_config(8, 16, mla=True), pages, settings, {"nnodes": 2, "tp_size": 16, "pp_size": 1})
+    one_node = identify(storage_config(3, 8, mla=True), pages, settings, {"nnodes": 2, "tp_size": 8, "pp_size": 2})
+    assert one_node.node_ranks is None and one_node.world_size == 1       # each TP group on one node: fine
+
+
 # ------------------------------------------------------------------------------ without kvtierd
 def test_without_kvtierd_every_call_is_a_miss_at_once(tree):
     rank = tree(RankSpec("mha", NOWHERE))

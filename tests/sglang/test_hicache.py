@@ -124,6 +124,30 @@ def test_tp2_mha_is_sharded_and_ready_only_when_both_ranks_voted(daemon, ranks):
     assert got[1]["correct"] < len(PROMPT)                        # (rank 1's heads differ from rank 0's)
 
 
+def test_tp4_mha_on_two_nodes_caches_each_nodes_shards(start_daemon, ranks):
+    """MHA at TP=4 with --nnodes 2: ranks 0-1 on node A's kvtierd, 2-3 on node B's (two daemons on
+    one machine). Each node's entries hold its two ranks' heads, in a namespace of that slice;
+    each daemon counts its node's votes only (no job open after the backups), and every rank gets
+    its own heads back."""
+    nodes = [start_daemon(), start_daemon()]
+    procs = ranks(*[RankSpec("mha", nodes[r // 2].socket, engine_id="two-nodes", tp_rank=r, tp_size=4, nnodes=2,
+                             variant=r) for r in range(4)])
+    infos = all_call(procs, "backend_info")
+    assert all(i["world_size"] == 4 and i["sharding"] == "sharded" and i["writer"] for i in infos)
+    all_call(procs, "write", tokens=PROMPT)
+    assert all_call(procs, "lookup", tokens=PROMPT) == [pages(PROMPT)] * 4
+    for node, daemon in enumerate(nodes):
+        stats = daemon.stats()
+        assert (stats["open_jobs"], stats["entries_writing"]) == (0, 0)
+        assert stats["bytes_written"] == pages(PROMPT) * infos[0]["block_bytes"] * 2    # the node's two shards
+        assert stats["namespace_list"][0]["name"].endswith(f"sharded/tp4[{2 * node}-{2 * node + 1}]")
+
+    all_call(procs, "evict_all")
+    got = all_call(procs, "fetch", tokens=PROMPT)
+    assert [g["host_hit"] for g in got] == [len(PROMPT)] * 4
+    assert [g["correct_own"] for g in got] == [len(PROMPT)] * 4   # each rank its own heads, from its node
+
+
 def test_kvtierd_restarted_mid_run(start_daemon, ranks):
     """kvtierd killed and restarted under a running instance: pages stored before survive, the
     backend re-attaches by itself, and while kvtierd is away SGLang's calls come back as misses

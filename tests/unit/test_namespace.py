@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvtierd.contract import protocol as P
-from kvtierd.contract.namespace import WIRE_FIELDS, NamespaceId, Sharding
+from kvtierd.contract.namespace import WIRE_FIELDS, NamespaceId, Sharding, format_ranks, parse_ranks
+from kvtierd.contract.region_view import namespace_from_record, namespace_record
 
 REPL = NamespaceId("deepseek-ai/DeepSeek-V3", "bfloat16", 16, 1_124_352, Sharding.REPLICATED, 0)
 SHARD = NamespaceId("meta-llama/Llama-3.1-70B", "float16", 16, 81920, Sharding.SHARDED, 4)
@@ -76,3 +77,45 @@ def test_for_kv_caches():
     ns = NamespaceId.for_kv_caches(tensors, "mla", 16)
     assert ns == NamespaceId("mla", "bfloat16", 16, 3 * 16 * 576 * 2, Sharding.REPLICATED)
     assert NamespaceId.for_kv_caches(tensors, "gqa", 16, "sharded").sharding is Sharding.SHARDED
+
+
+def test_a_node_slice_is_part_of_a_sharded_identity_only():
+    wire = dict(SHARD.to_wire())
+    half = NamespaceId.from_wire(wire, 16, range(8, 16))
+    assert half.name() == "meta-llama/Llama-3.1-70B:float16:16t:81920B:sharded/tp16[8-15]"
+    assert (half.shards, half.entry_bytes, half.shard_of(8), half.shard_of(15)) == (8, 8 * 81920, 0, 7)
+    assert half != NamespaceId.from_wire(wire, 16, range(8))                 # the other node's half
+    assert half != NamespaceId.from_wire(wire, 8)                            # a TP=8 single-node engine
+    assert NamespaceId.from_wire(wire, 16, range(16)) == NamespaceId.from_wire(wire, 16)   # the whole world
+    assert NamespaceId.from_wire(wire, 16, range(16)).node_ranks == ()
+    repl = NamespaceId.from_wire(REPL.to_wire(), 16, range(8, 16))           # one copy per node, any node
+    assert repl == REPL and repl.node_ranks == () and repl.shard_of(12) == 0
+    with pytest.raises(ValueError, match="world of 8"):
+        NamespaceId.from_wire(wire, 8, range(4, 12))
+    with pytest.raises(ValueError, match="distinct"):
+        NamespaceId.from_wire(wire, 16, [1, 1])
+
+
+@pytest.mark.parametrize("ranks", [(), tuple(range(8, 16)), (0, 2, 5), (63,)])
+def test_a_node_slice_survives_the_namespace_record(ranks):
+    ns = NamespaceId("m", "d", 16, 4096, Sharding.SHARDED, 64, ranks)
+    assert namespace_from_record(namespace_record(ns)) == ns
+    assert namespace_from_record(namespace_record(REPL)) == REPL
+
+
+def test_a_namespace_record_written_before_node_slices_reads_as_the_whole_world():
+    record = namespace_record(SHARD)
+    assert int(record["node_ranks"]) == 0 and namespace_from_record(record).node_ranks == ()
+
+
+@pytest.mark.parametrize("text,ranks", [("8-15", tuple(range(8, 16))), ("0-3,8-11", (0, 1, 2, 3, 8, 9, 10, 11)),
+                                        ("5", (5,)), ("2, 0", (0, 2))])
+def test_rank_lists_read_and_written(text, ranks):
+    assert parse_ranks(text) == ranks
+    assert parse_ranks(format_ranks(ranks)) == ranks
+
+
+@pytest.mark.parametrize("text", ["", "a", "8-", "-3", "3-1", "1,1", "0-3,2", "1;2"])
+def test_bad_rank_lists(text):
+    with pytest.raises(ValueError):
+        parse_ranks(text)

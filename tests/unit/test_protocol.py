@@ -193,6 +193,28 @@ def test_rank_fields_accepted(rank, world_size):
     assert (out["rank"], out["world_size"]) == (rank, world_size)
 
 
+@pytest.mark.parametrize("rank,ranks", [(8, list(range(8, 16))), (None, [8, 9]), (0, [0]), (15, [15, 3])])
+def test_node_ranks_accepted(rank, ranks):
+    out = P.decode_request(P.encode(req("hello", rank=rank, world_size=16, node_ranks=ranks)))
+    assert out["node_ranks"] == ranks
+
+
+@pytest.mark.parametrize("rank,ranks,words", [
+    (8, list(range(8)), ("node_ranks", "rank 8", "its own node")),        # its own rank missing
+    (0, [0, 16], ("node_ranks", "world_size 16")),                       # past the world
+    (0, [0, 0, 1], ("node_ranks", "distinct")),
+    (None, [], ("node_ranks", "at least one")),
+    (0, [0, -1], ("node_ranks",)), (0, [0, 1.5], ("node_ranks",)), (0, "0-7", ("node_ranks",)),
+    (0, [0, True], ("node_ranks",)),
+])
+def test_wrong_node_ranks(rank, ranks, words):
+    fails(req("hello", rank=rank, world_size=16, node_ranks=ranks), ErrorCode.BAD_REQUEST, *words)
+
+
+def test_node_ranks_are_bounded():
+    fails(req("hello", world_size=P.MAX_WORLD_SIZE, node_ranks=list(range(P.MAX_WORLD_SIZE)) * 2), ErrorCode.LIMIT)
+
+
 @pytest.mark.parametrize("field,value", [
     ("engine", ""), ("engine", 5), ("engine", b"engine"), ("engine", None), ("engine", ["e"]),
     ("engine", "e" * (P.MAX_STR_BYTES + 1)),                 # refused by the bounded decoder

@@ -171,8 +171,14 @@ def test_malformed_frames_get_typed_errors_and_their_rid(d):
 
 
 def test_version_and_stopping(d):
-    reply = d.call("hello", version=P.PROTOCOL_VERSION - 1, engine="e", rank=0, world_size=1, namespace=NS.to_wire())
+    reply = d.call("hello", version=P.MIN_PROTOCOL_VERSION - 1, engine="e", rank=0, world_size=1,
+                   namespace=NS.to_wire())
     assert reply["code"] == ErrorCode.VERSION and "install matching kvtierd versions" in reply["message"]
+    # The protocol before node_ranks is still served (one release): its engines are on one node.
+    old = HelloReply.from_wire(d.ok("hello", b"old", version=P.MIN_PROTOCOL_VERSION, engine="old", rank=0,
+                                      world_size=2, namespace=NS.to_wire()))
+    assert (old.writers, old.node_ranks) == ([0], [0, 1])
+    d.ok("bye", b"old")
     d.hello()
     d.ok("store", job=1, keys=KEYS)
     d.server.request_stop()
@@ -319,3 +325,67 @@ def test_a_reply_that_does_not_encode_costs_its_request_not_the_loop(d):
     reply = msgpack.unpackb(frame)
     assert (reply["rid"], reply["ok"], reply["error"]) == (9, False, "INTERNAL")
     assert "can not serialize" in reply["message"] and d.server.errors["INTERNAL"] == 1
+
+
+# ------------------------------------------------------------------------------ engines that span nodes
+def node_hello(d: Dispatch, rank: int | None, node_ranks: list[int], ns: NamespaceId = NS, engine: str = "tp4",
+               world_size: int = 4) -> HelloReply:
+    return HelloReply.from_wire(d.ok("hello", f"{engine}-{rank}".encode(), version=P.PROTOCOL_VERSION,
+                                       engine=engine, rank=rank, world_size=world_size, namespace=ns.to_wire(),
+                                       node_ranks=node_ranks))
+
+
+def test_a_node_half_of_a_replicated_engine_writes_with_its_lowest_rank_and_counts_its_own_votes(d):
+    """Ranks 2-3 of a TP=4 engine on this daemon (0-1 on another node's): rank 2 writes the node's
+    copy, and the entries are READY once ranks 2 and 3 voted (issue 25: rank 0, on the other
+    node, was the writer, and the job waited for four votes)."""
+    hellos = [node_hello(d, r, [2, 3]) for r in (2, 3, None)]
+    assert all((h.writers, h.node_ranks) == ([2], [2, 3]) for h in hellos)
+    written = d.ok("store", b"tp4-2", job=1, keys=KEYS)
+    assert len(written["pages"]) == 4 * 4                                 # a page id of each block
+    assert d.ok("store", b"tp4-3", job=1, keys=KEYS)["pages"] == b""                # a vote
+    assert d.ok("lookup", b"tp4-None", keys=KEYS)["hits"] == 0                     # rank 2 has not committed
+    d.ok("commit", b"tp4-2", job=1, ok=True)
+    assert d.ok("lookup", b"tp4-None", keys=KEYS)["hits"] == 4
+    stats = d.ok("stats", b"admin", admin=True)
+    assert (stats["open_jobs"], stats["entries_writing"], stats["entries_ready"]) == (0, 0, 4)
+    assert stats["bytes_saved_dedup"] == 4 * NS.block_bytes                        # rank 3's copy
+    for r in (2, 3):
+        assert d.ok("load", f"tp4-{r}".encode(), job=2, keys=KEYS)["hits"] == 4
+    d.ok("release", b"tp4-2", job=2)
+    assert d.ok("jobs", b"tp4-2", jobs=[2])["jobs"][0]["waiting"] == 1
+    d.ok("release", b"tp4-3", job=2)
+    assert d.ok("stats", b"admin", admin=True)["entries_pinned"] == 0
+
+
+def test_a_node_half_of_a_sharded_engine_holds_its_ranks_shards_in_a_namespace_of_its_own(d):
+    sharded = NamespaceId("server-model", "bfloat16", 16, 4096, "sharded")
+    for r in (2, 3):
+        assert node_hello(d, r, [2, 3], sharded).writers == [2, 3]
+    pages = {r: d.ok("store", f"tp4-{r}".encode(), job=1, keys=KEYS[:1])["pages"] for r in (2, 3)}
+    assert len(pages[2]) == len(pages[3]) == 4 and pages[2] != pages[3]           # each its own shard
+    for r in (2, 3):
+        d.ok("commit", f"tp4-{r}".encode(), job=1, ok=True)
+    (ns,) = d.ok("stats", b"admin", admin=True)["namespace_list"]
+    assert ns["name"].endswith("sharded/tp4[2-3]") and ns["entries"] == 1
+    # A single-node TP=2 engine of the same model holds other shards: it never sees these.
+    for r in (0, 1):
+        d.ok("hello", f"tp2-{r}".encode(), version=P.PROTOCOL_VERSION, engine="tp2", rank=r, world_size=2,
+             namespace=sharded.to_wire())
+    assert d.ok("lookup", b"tp2-0", keys=KEYS[:1])["hits"] == 0
+    assert d.ok("load", b"tp4-3", job=2, keys=KEYS[:1])["pages"] == pages[3]
+
+
+def test_every_session_of_an_engine_on_one_daemon_names_the_same_node_ranks(d):
+    node_hello(d, 2, [2, 3])
+    (row,) = d.ok("clients", b"admin", admin=True)["clients"]
+    assert (row["world_size"], row["node_ranks"]) == (4, "2-3")                   # kvtierctl clients shows them
+    wrong = d.call("hello", b"tp4-3", version=P.PROTOCOL_VERSION, engine="tp4", rank=3, world_size=4,
+                   namespace=NS.to_wire(), node_ranks=[1, 3])
+    assert wrong["code"] == ErrorCode.LAYOUT_MISMATCH and "KVTIER_NODE_RANKS" in wrong["message"]
+    whole = d.call("hello", b"tp4-c", version=P.PROTOCOL_VERSION, engine="tp4", rank=None, world_size=4,
+                   namespace=NS.to_wire())
+    assert whole["code"] == ErrorCode.LAYOUT_MISMATCH and "2-3" in whole["message"]
+    outside = d.call("hello", b"tp4-0", version=P.PROTOCOL_VERSION, engine="tp4", rank=0, world_size=4,
+                     namespace=NS.to_wire(), node_ranks=[2, 3])
+    assert outside["code"] == ErrorCode.BAD_REQUEST and "own node" in outside["message"]

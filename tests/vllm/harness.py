@@ -56,19 +56,31 @@ class EngineRecipe:
     num_blocks_memory: int = 1 << 20   # KV-cache bytes per rank handed to vLLM's planner
     connector: str = "KvtierOffloadingConnector"     # or "OffloadingConnector": the plain spec path
     failure_policy: str = "recompute"                 # kv_load_failure_policy
+    # Several nodes (vLLM's mp executor with --nnodes): node n's kvtierd socket; rank r runs on
+    # node r // (tp / nodes), the scheduler on node 0. Empty: one node, at ``socket``.
+    node_sockets: tuple = ()
 
-    def extra_config(self) -> dict:
+    @property
+    def nnodes(self) -> int:
+        return max(1, len(self.node_sockets))
+
+    def node_of(self, rank: int) -> int:
+        return rank // (self.tp // self.nnodes)
+
+    def extra_config(self, rank: int = 0) -> dict:
+        socket = self.node_sockets[self.node_of(rank)] if self.node_sockets else self.socket
         return {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
-                "kvtier_socket": self.socket, "kvtier_timeout_s": 20, **self.extra}
+                "kvtier_socket": socket, "kvtier_timeout_s": 20, **self.extra}
 
-    def transfer_config(self) -> dict:
+    def transfer_config(self, rank: int = 0) -> dict:
         module = {} if self.connector == "OffloadingConnector" else {"kv_connector_module_path": "kvtier.integrations.vllm"}
         return {"kv_connector": self.connector, **module, "kv_role": "kv_both", "engine_id": self.engine_id,
-                "kv_load_failure_policy": self.failure_policy, "kv_connector_extra_config": self.extra_config()}
+                "kv_load_failure_policy": self.failure_policy, "kv_connector_extra_config": self.extra_config(rank)}
 
 
 def build(recipe: EngineRecipe, rank: int = 0):
-    """(vllm_config, kv_cache_config, per-layer specs) for ``rank`` of the recipe's engine."""
+    """(vllm_config, kv_cache_config, per-layer specs) for ``rank`` of the recipe's engine (rank 0:
+    also the scheduler's), on its node."""
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
@@ -80,8 +92,9 @@ def build(recipe: EngineRecipe, rank: int = 0):
     vllm_config = VllmConfig(
         model_config=model_config,
         cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
-        parallel_config=ParallelConfig(tensor_parallel_size=recipe.tp, distributed_executor_backend="mp"),
-        kv_transfer_config=KVTransferConfig(**recipe.transfer_config()),
+        parallel_config=ParallelConfig(tensor_parallel_size=recipe.tp, distributed_executor_backend="mp",
+                                       nnodes=recipe.nnodes, node_rank=recipe.node_of(rank)),
+        kv_transfer_config=KVTransferConfig(**recipe.transfer_config(rank)),
     )
     vllm_config.scheduler_config.async_scheduling = False
     vllm_config.parallel_config.rank = rank

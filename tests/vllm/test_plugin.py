@@ -94,7 +94,9 @@ def test_settings_are_checked():
                          ({"kvtier_retry_s": "soon"}, "kvtier_retry_s must be a number"),
                          ({"kvtier_lookup_wait_ms": -1}, "kvtier_lookup_wait_ms must be >= 0"),
                          ({"kvtier_copier": "dma"}, "kvtier_copier must be one of auto, cpu, cuda, torch"),
-                         ({"kvtier_namespace": 7}, "kvtier_namespace must be a non-empty string")]:
+                         ({"kvtier_namespace": 7}, "kvtier_namespace must be a non-empty string"),
+                         ({"kvtier_ranks_per_node": 0}, "kvtier_ranks_per_node must be > 0"),
+                         ({"kvtier_ranks_per_node": 2.5}, "kvtier_ranks_per_node must be a whole number")]:
         with pytest.raises(ValueError, match=match):
             KvtierSettings.from_extra_config(extra)
 
@@ -110,15 +112,15 @@ def test_keys_fit_kvtierd_and_keep_groups_apart():
 MODEL = ModelIdentity("DeepSeek-V3", "0123456789abcdef", weights_read=True, complete=True)
 
 
-def test_namespace_follows_vllms_replicated_gate():
+def test_namespace_follows_the_replicated_gate():
     settings = KvtierSettings(socket="/s")
-    replicated = namespace_id(offload_config(), settings, MODEL)
+    replicated = namespace_id(offload_config(), settings, MODEL, True)
     assert replicated == NamespaceId("DeepSeek-V3@0123456789abcdef|LBHNC", "bfloat16", 16, 3072, "replicated")
-    assert namespace_id(offload_config(replicated_layout=False), settings, MODEL).sharding == "sharded"
+    assert namespace_id(offload_config(), settings, MODEL, False).sharding == "sharded"
     # kvtier_namespace replaces name and fingerprint.
-    forced = namespace_id(offload_config(), replace(settings, sharding="sharded", namespace="dsv3"), None)
+    forced = namespace_id(offload_config(), replace(settings, sharding="sharded", namespace="dsv3"), None, True)
     assert (forced.sharding, forced.model) == ("sharded", "dsv3|LBHNC")
-    long = namespace_id(offload_config(), settings, replace(MODEL, name="m" * 400))
+    long = namespace_id(offload_config(), settings, replace(MODEL, name="m" * 400), True)
     assert len(long.model.encode()) <= 256 and long.model.endswith("@0123456789abcdef|LBHNC")
 
 
@@ -129,14 +131,14 @@ def test_namespace_follows_vllms_replicated_gate():
 ])
 def test_unsupported_configurations_fail_at_start(overrides, match):
     with pytest.raises(ValueError, match=match):
-        namespace_id(offload_config(**overrides), KvtierSettings(socket="/s"), MODEL)
+        namespace_id(offload_config(**overrides), KvtierSettings(socket="/s"), MODEL, True)
 
 
 def test_pipeline_parallel_is_refused():
     config = offload_config()
     config = replace(config, parallel=replace(config.parallel, pp_size=2, world_size=4))
     with pytest.raises(ValueError, match="pipeline parallelism"):
-        namespace_id(config, KvtierSettings(socket="/s"), MODEL)
+        namespace_id(config, KvtierSettings(socket="/s"), MODEL, False)
 
 
 def test_spec_keeps_vllms_replicated_flag_off_so_every_rank_votes():

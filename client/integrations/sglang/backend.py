@@ -168,7 +168,7 @@ class KvtierStorage(HiCacheStorage):
                 if self._rank is None:
                     rank = Client(s.socket, engine_id=ident.engine_id, rank=ident.rank, world_size=ident.world_size,
                                   namespace=ident.namespace, copier="cpu", timeout=s.timeout_s,
-                                  reconnect_timeout=s.timeout_s)
+                                  reconnect_timeout=s.timeout_s, node_ranks=ident.node_ranks)
                     try:
                         rank.register_kv_caches(self._kv_tensors())
                     except BaseException:
@@ -178,7 +178,7 @@ class KvtierStorage(HiCacheStorage):
                 if self._lookup is None:
                     self._lookup = Client(s.socket, engine_id=ident.engine_id, rank=None,
                                           world_size=ident.world_size, namespace=ident.namespace, timeout=s.timeout_s,
-                                          reconnect_timeout=s.timeout_s)
+                                          reconnect_timeout=s.timeout_s, node_ranks=ident.node_ranks)
             except KvtierError as exc:
                 self._away.lost(exc, tried)
                 return None

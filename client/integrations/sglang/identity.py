@@ -30,6 +30,14 @@ The default engine id is ``sglang-<pid of the parent process>``: SGLang starts t
 processes of one instance from one parent, so they agree on it without talking, and two
 instances on a node differ. ``-dp<r>`` (attention data parallelism), ``-pp<r>`` (pipeline
 stage) and, for replicated namespaces, ``-tp<r>`` are appended.
+
+**Several nodes** (``--nnodes`` > 1, a TP group split over nodes: SGLang places TP ranks
+``[n·L, (n+1)·L)`` on node n, L = tp_size / nodes per TP group): each node's TP ranks attach to
+that node's kvtierd, naming them (``node_ranks``), so its daemon counts their votes only and its
+entries hold their shards (MHA). The parent process differs per node, so the default engine id
+does too, which is harmless: each daemon sees only its node's ranks. MLA is refused there:
+SGLang backs MLA pages up from TP rank 0 alone, so the other nodes' kvtierd would never receive
+a page, and SGLang takes the least of the TP ranks' prefetch hits, so no prefetch would ever hit.
 """
 
 from __future__ import annotations
@@ -51,6 +59,13 @@ from .settings import KvtierSettings
 logger = logging.getLogger("sglang.kvtier")
 
 
+MLA_ACROSS_NODES_REFUSED = (
+    "kvtier does not store an MLA model whose TP group spans nodes (--nnodes {nnodes}): SGLang 0.5.23 backs "
+    "MLA pages up from TP rank 0 alone (HiCacheStorageConfig.is_storage_writer), so the kvtierd of every other "
+    "node would never receive a page, and SGLang takes the least of the TP ranks' prefetch hits, so no "
+    "prefetch would ever hit. Use a storage backend that spans nodes, or keep each TP group on one node")
+
+
 @dataclass(frozen=True)
 class Identity:
     namespace: NamespaceId
@@ -58,6 +73,7 @@ class Identity:
     rank: int
     world_size: int
     fingerprint_parts: dict
+    node_ranks: tuple[int, ...] | None = None   # the TP ranks on this node, when the TP group spans nodes
 
 
 def _file_digest(path: str | None) -> str | None:
@@ -69,6 +85,24 @@ def _file_digest(path: str | None) -> str | None:
 
 MODEL_FIELDS = ("model_path", "revision", "dtype", "quantization", "quantization_param_path", "kv_cache_dtype",
                 "load_format", "json_model_override_args")
+PLACEMENT_FIELDS = ("nnodes", "tp_size", "pp_size")   # how SGLang spreads an instance over nodes
+
+
+def node_ranks(config, args: dict) -> tuple[int, ...] | None:
+    """The ranks of this storage world (SGLang's ``config.tp_size``: the attention TP group) that
+    run on this process's node, when the world spans nodes; None when it is all on one node.
+
+    SGLang (``_calculate_rank_ranges``) gives each node ``tp_size / nodes per TP group`` consecutive
+    global TP ranks; a rank of attention group ``dp_rank`` is global rank dp_rank·tp_size + rank."""
+    nnodes = int(args.get("nnodes") or 1)
+    per_tp_group = max(nnodes // int(args.get("pp_size") or config.pp_size), 1)
+    if per_tp_group == 1:
+        return None
+    per_node = int(args.get("tp_size") or config.tp_size) // per_tp_group
+    first = getattr(config, "dp_rank", 0) * config.tp_size
+    node = (first + config.tp_rank) // per_node
+    ranks = tuple(r for r in range(config.tp_size) if (first + r) // per_node == node)
+    return None if len(ranks) == config.tp_size else ranks
 
 
 def server_args() -> dict:
@@ -80,7 +114,7 @@ def server_args() -> dict:
     except ImportError:
         return out
     for bag, names in ((get_model, MODEL_FIELDS), (get_serving, ("served_model_name",)),
-                       (get_parallel, ("nnodes",))):
+                       (get_parallel, PLACEMENT_FIELDS)):
         for name in names:
             try:
                 out[name] = getattr(bag(), name)
@@ -118,10 +152,10 @@ def identify(config, pages: HostPages, settings: KvtierSettings, args: dict | No
     if getattr(config, "should_split_heads", False):
         raise ValueError("kvtier does not support tp_lcm_size head splitting (heterogeneous TP); drop tp_lcm_size")
     args = args or {}
-    if int(args.get("nnodes") or 1) > 1:
-        raise ValueError(f"kvtier serves the ranks of one node; SGLang runs on --nnodes {args['nnodes']}: use a "
-                         "storage backend that spans nodes")
     replicated = bool(config.is_mla_model)
+    on_node = node_ranks(config, args)
+    if replicated and on_node is not None:
+        raise ValueError(MLA_ACROSS_NODES_REFUSED.format(nnodes=args.get("nnodes")))
     parts = fingerprint_parts(args, pages, settings)
     name = settings.namespace or args.get("served_model_name") or config.model_name or args.get("model_path") \
         or "unknown-model"
@@ -142,4 +176,4 @@ def identify(config, pages: HostPages, settings: KvtierSettings, args: dict | No
         rank, world = 0, 1
     else:
         rank, world = config.tp_rank, config.tp_size
-    return Identity(namespace, shorten(engine, MAX_STR_BYTES), rank, world, parts)
+    return Identity(namespace, shorten(engine, MAX_STR_BYTES), rank, world, parts, on_node)

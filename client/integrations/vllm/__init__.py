@@ -21,6 +21,8 @@ vLLM. The rest is split the way vLLM splits its own offloading code (vllm/v1/kv_
   onto kvtierd's;
 - ``identity``: vLLM's config mapped onto the model fingerprint in the namespace (what the KV
   bytes depend on; the digest is ``kvtier.integrations.fingerprint``);
+- ``topology``: which of vLLM's ranks share a node (and its kvtierd), and whether the KV is the
+  same on every rank;
 - ``spec``: ``KvtierOffloadingSpec``, which builds the two sides;
 - ``manager``: the scheduler side, ``KvtierOffloadingManager``, a kvtierd *coordinator* session;
   its bookkeeping and its link thread are engine-free (``kvtier.integrations.offload``);
@@ -30,18 +32,20 @@ vLLM. The rest is split the way vLLM splits its own offloading code (vllm/v1/kv_
 - ``connector``: ``KvtierOffloadingConnector``, which reports failed loads to vLLM.
 
 All sessions of one vLLM engine (one per DP rank) form one kvtier engine, with world size =
-vLLM's world size.
+vLLM's world size; on each node, its ranks there (and the scheduler, on rank 0's node) attach to
+that node's kvtierd, naming the node's ranks (``topology``).
 
 **Replicated (MLA) namespaces.** ``KvtierOffloadingSpec.replicated_layout`` (vLLM's flag) stays
 False on purpose, even when the kvtier namespace is replicated: when True, vLLM's worker
 acknowledges non-writer ranks' stores without calling ``submit_store``, but kvtierd needs those
-ranks' votes (a block is ready only when every rank of the job voted), so every rank must see
-every store. The deduplication happens in kvtierd instead (only rank 0 copies).
+ranks' votes (a block is ready only when every rank of the node voted), so every rank must see
+every store. The deduplication happens in kvtierd instead (only each node's lowest rank copies).
 
 Supported: one KV-cache group, or several groups that use the same per-block byte ranges (vLLM's
-hybrid allocator), ``blocks_per_chunk`` = 1, TP (and DCP/PCP, sharded) within one node. Not
-supported: PP > 1, ``canonical_layout``, per-group layouts with different block sizes — the spec
-raises at start-up naming the setting.
+hybrid allocator), ``blocks_per_chunk`` = 1, TP (and DCP/PCP, sharded) on one node or across
+nodes (the ``mp`` executor with ``--nnodes``; Ray with ``kvtier_ranks_per_node``). Not
+supported: PP > 1, the ``external_launcher`` executor, ``canonical_layout``, per-group layouts
+with different block sizes — the spec raises at start-up naming the setting.
 
 When kvtierd restarts, every session re-attaches on its own; transfers in flight across the
 restart fail (a store is then simply not cached; a load is reported failed).

@@ -1,5 +1,6 @@
 """``KvtierOffloadingConnector``: vLLM's OffloadingConnector with kvtier's spec, a model identity
-from the whole VllmConfig, and failed loads reported the way vLLM's scheduler recovers from.
+and a topology (``topology``: which ranks share a node) from the whole VllmConfig, and failed
+loads reported the way vLLM's scheduler recovers from.
 
 vLLM 0.33's offloading worker asserts that every transfer succeeded, and its spec API has no
 way to report a failure; the connector API has two (``KVConnectorBase_V1``), which the
@@ -33,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
-from . import identity
+from . import identity, topology
 from .manager import KvtierOffloadingManager
 from .spec import KvtierOffloadingSpec
 
@@ -44,7 +45,8 @@ class KvtierOffloadingConnector(OffloadingConnector):
     """vLLM's OffloadingConnector for kvtier (see the module docstring)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
-        with identity.announce(functools.partial(identity.from_vllm_config, vllm_config)):
+        with identity.announce(functools.partial(identity.from_vllm_config, vllm_config)), \
+                topology.announce(topology.from_vllm_config(vllm_config, kv_cache_config)):
             super().__init__(vllm_config, role, kv_cache_config)
         ours = (isinstance(self.connector_scheduler.manager, KvtierOffloadingManager) if role == KVConnectorRole.SCHEDULER
                 else isinstance(self.connector_worker.spec, KvtierOffloadingSpec))

@@ -111,17 +111,18 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def __init__(self, settings: KvtierSettings, engine_id: str, world_size: int, namespace: NamespaceId,
                  num_groups: int = 1, connect: Callable[..., Client] = Client,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, node_ranks: tuple[int, ...] | None = None):
         self.settings = settings
         self.engine_id = engine_id
         self.world_size = world_size
         self.namespace = namespace
+        self.node_ranks = node_ranks          # the ranks on this scheduler's node (None: all)
         self.stats = ManagerStats()
         self.use_key_positions = key_positions_readable()
         # The link paces its own attempts (kvtier.reach.Away): its client tries once per re-attach.
         self._link = Link(functools.partial(connect, settings.socket, engine_id=engine_id, rank=None,
                                             world_size=world_size, namespace=namespace, timeout=settings.timeout_s,
-                                            reconnect_timeout=0.0),
+                                            reconnect_timeout=0.0, node_ranks=node_ranks),
                           settings.socket, settings.retry_s, f"coordinator of engine {engine_id} at {settings.socket}",
                           first_wait_s=settings.timeout_s + 1)
         self._lookups = Lookups(self._link, self.stats, num_groups, settings.lookup_wait_ms / 1000,
@@ -190,7 +191,7 @@ class KvtierOffloadingManager(OffloadingManager):
         parts = self._jobs.prepare_load(list(keys), state.lease_of if state is not None else None)
         if state is not None:
             self._lookups.loading(state, {part.lease for part in parts})
-        return KvtierLoadStoreSpec(parts)
+        return KvtierLoadStoreSpec(parts, lease_ranks=self.node_ranks)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return None                                  # the ranks released their load jobs

@@ -9,11 +9,14 @@
   per block, bytes per block per rank, sharding). The model part is ``<model name>@<fingerprint>``
   (``identity``: what determines the KV bytes, weights included) with vLLM's KV-cache memory
   layout appended; ``kvtier_namespace`` replaces name and fingerprint (for people who know their
-  weights are identical). The namespace is *replicated* exactly when vLLM's own gate says so
-  (``OffloadingConfig.replicated_layout``: pure MLA, TP > 1, no PP/PCP/DCP, single-node ``mp``
-  executor) and ``kvtier_sharding`` is ``auto``, else *sharded*; a replicated one keeps one copy,
-  which only rank 0 writes. ``namespace_id`` refuses, at start-up and naming the setting, the
-  configurations the plugin does not support (the package docstring lists them).
+  weights are identical). The namespace is *replicated* exactly when the KV is the same on every
+  rank (``topology.replicated_kv``: vLLM's own gate without its single-node ``mp`` terms: pure MLA,
+  TP > 1, no PP/PCP/DCP) and ``kvtier_sharding`` is ``auto``, else *sharded*; a replicated one
+  keeps one copy per node, which the node's lowest rank writes. ``namespace_id`` refuses, at
+  start-up and naming the setting, the configurations the plugin does not support (the package
+  docstring lists them).
+- **Nodes.** ``kvtier_ranks_per_node`` overrides how many of vLLM's ranks run on each node
+  (``topology``).
 - **Engine ids.** All sessions of one vLLM engine attach as one kvtier engine: ``vllm-<engine_id>``
   (one per DP rank), or the id the ``kvtier_engine_id`` setting names.
 """
@@ -46,13 +49,15 @@ class KvtierSettings:
     lease_ttl_s: float = 5.0         # how long kvtierd holds a lookup's hits for the load (0: no leases)
     copier: str = "auto"             # how the workers copy (kvtier.select.COPIERS: auto, cpu, cuda, torch)
     engine_id: str | None = None     # kvtier engine id; default vllm-<vLLM engine_id>
+    ranks_per_node: int | None = None  # vLLM's ranks on each node; default from vLLM's config (topology)
 
     KEYS = {"kvtier_socket": "socket", "kvtier_namespace": "namespace", "kvtier_sharding": "sharding",
             "kvtier_timeout_s": "timeout_s", "kvtier_retry_s": "retry_s", "kvtier_copier": "copier",
             "kvtier_engine_id": "engine_id", "kvtier_lookup_wait_ms": "lookup_wait_ms",
-            "kvtier_lease_ttl_s": "lease_ttl_s"}
+            "kvtier_lease_ttl_s": "lease_ttl_s", "kvtier_ranks_per_node": "ranks_per_node"}
     NUMBERS = {"timeout_s": ("seconds", False), "retry_s": ("seconds", False),   # (unit, may be 0)
-               "lookup_wait_ms": ("milliseconds", True), "lease_ttl_s": ("seconds", True)}
+               "lookup_wait_ms": ("milliseconds", True), "lease_ttl_s": ("seconds", True),
+               "ranks_per_node": ("ranks", False)}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "KvtierSettings":
@@ -62,17 +67,22 @@ class KvtierSettings:
             raise ValueError(f"kvtier_sharding must be 'auto' or 'sharded', got {values['sharding']!r}")
         if values.get("copier", "auto") not in COPIERS:
             raise ValueError(f"kvtier_copier must be one of {', '.join(COPIERS)}, got {values['copier']!r}")
+        if "ranks_per_node" in values:
+            if values["ranks_per_node"] != int(values["ranks_per_node"]):
+                raise ValueError(f"kvtier_ranks_per_node must be a whole number, got {values['ranks_per_node']:g}")
+            values["ranks_per_node"] = int(values["ranks_per_node"])
         return cls(**values)
 
 
-def namespace_id(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None) -> NamespaceId:
+def namespace_id(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None,
+                 replicated_kv: bool) -> NamespaceId:
     """The kvtier namespace of an engine, from vLLM's offloading config and the model's identity.
 
     The model part is ``<name>@<fingerprint>|<vLLM KV-cache layout>``, or ``kvtier_namespace`` in
-    place of name and fingerprint. Replicated exactly when vLLM's gate
-    (``config.replicated_layout``) allows it and the settings do not force sharded. ``model`` may
-    be None only with ``kvtier_namespace`` set. Raises ValueError for configurations the plugin
-    does not support.
+    place of name and fingerprint. Replicated exactly when the KV is the same on every rank
+    (``replicated_kv``: ``topology.Topology.replicated``) and the settings do not force sharded.
+    ``model`` may be None only with ``kvtier_namespace`` set. Raises ValueError for
+    configurations the plugin does not support.
     """
     if config.worker_kv_bytes_per_block <= 0:
         raise ValueError("vLLM reports no KV bytes per block for offloading (e.g. HiSparse host blocks); "
@@ -89,7 +99,7 @@ def namespace_id(config: OffloadingConfig, settings: KvtierSettings, model: Mode
     tokens = {g.tokens_per_block for g in config.groups}
     if len(tokens) != 1:
         raise ValueError(f"KV-cache groups with different block sizes {sorted(tokens)} are not supported")
-    replicated = config.replicated_layout and settings.sharding == "auto"
+    replicated = replicated_kv and settings.sharding == "auto"
     tail = f"|{config.kv_cache_layout}" if config.kv_cache_layout else ""
     if settings.namespace:
         name = settings.namespace

@@ -1,5 +1,6 @@
 """The spec vLLM's OffloadingConnector loads: ``KvtierOffloadingSpec``, which builds the manager
-(scheduler side) and the worker (each TP rank).
+(scheduler side) and the worker (each TP rank), each attached to its node's kvtierd with the
+ranks of its node (``topology``).
 
 It is built by ``KvtierOffloadingConnector`` (the recommended path: the connector hands it the
 model's identity from the whole VllmConfig and reports failed loads to vLLM), or by vLLM's own
@@ -15,7 +16,7 @@ import logging
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from . import identity
+from . import identity, topology
 from .manager import KvtierOffloadingManager
 from .settings import KvtierSettings, kvtier_engine_id, namespace_id
 from .worker import KvtierOffloadingWorker
@@ -45,7 +46,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
             _warn_plain_path()
             resolve = functools.partial(identity.from_offloading_config, config)
         self.model = None if self.settings.namespace else resolve()
-        self.namespace = namespace_id(config, self.settings, self.model)
+        placed = topology.announced() or topology.from_offloading_config(config)
+        self.topology = placed.with_ranks_per_node(self.settings.ranks_per_node)
+        self.namespace = namespace_id(config, self.settings, self.model, self.topology.replicated)
         self.engine_id = kvtier_engine_id(config, self.settings)
         # Deliberately False even for the replicated namespace: see the package docstring.
         self.replicated_layout = False
@@ -55,14 +58,18 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = KvtierOffloadingManager(self.settings, self.engine_id, self.config.parallel.world_size,
-                                                    self.namespace, num_groups=len(self.config.groups))
+                                                    self.namespace, num_groups=len(self.config.groups),
+                                                    node_ranks=self.topology.node_ranks(0))
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = KvtierOffloadingWorker(self.settings, self.engine_id, self.config.parallel.rank,
-                                                  self.config.parallel.world_size, self.namespace, kv_caches,
-                                                  reports_failures=self.reports_failures)
+            parallel = self.config.parallel
+            if parallel.data_parallel_size == 1:    # vLLM counts the nodes of all DP replicas together
+                self.topology.check_nodes(topology.vllm_node_count())
+            self._worker = KvtierOffloadingWorker(self.settings, self.engine_id, parallel.rank, parallel.world_size,
+                                                  self.namespace, kv_caches, reports_failures=self.reports_failures,
+                                                  node_ranks=self.topology.node_ranks(parallel.rank))
         return self._worker
 
 

@@ -22,8 +22,15 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
     Travels from the scheduler to every worker inside vLLM's connector metadata (pickled).
     """
 
-    def __init__(self, parts: Sequence[JobPart] = ()):
+    def __init__(self, parts: Sequence[JobPart] = (), lease_ranks: Sequence[int] | None = None):
         self.parts: tuple[JobPart, ...] = tuple(parts)
+        # The ranks that share the scheduler's kvtierd, where its leases live (None: every rank).
+        # A rank on another node loads from its own kvtierd, which never heard of them.
+        self.lease_ranks = None if lease_ranks is None else frozenset(lease_ranks)
+
+    def lease_of(self, part: JobPart, rank: int) -> int | None:
+        """The lease ``rank``'s load of ``part`` names: the part's, if the lease lives on its node."""
+        return part.lease if self.lease_ranks is None or rank in self.lease_ranks else None
 
     @property
     def num_blocks(self) -> int:

@@ -1,11 +1,17 @@
 """The worker side: vLLM's ``OffloadingWorker`` as a kvtierd rank session (one per TP rank).
 
 Each worker's ``KvtierOffloadingWorker`` is the *rank* session of its TP rank in the vLLM
-engine's kvtier engine (world size = vLLM's world size). It registers the rank's KV cache with
-kvtier (``block_views``: the byte ranges that make up one vLLM block) and carries out the kvtier
-jobs the manager opened (kvtier.integrations.vllm.transfer). A block becomes loadable only when
-every rank voted on its store; a load's pins drop when every rank released it. The class
-docstring gives the contract per vLLM method.
+engine's kvtier engine (world size = vLLM's world size), attached to its node's kvtierd with its
+node's ranks (``topology``). It registers the rank's KV cache with kvtier (``block_views``: the
+byte ranges that make up one vLLM block) and carries out the kvtier jobs the manager opened
+(kvtier.integrations.vllm.transfer). A block becomes loadable on a node only when every rank of
+that node voted on its store; a load's pins drop when every rank of the node released it. The
+class docstring gives the contract per vLLM method.
+
+Across nodes: the manager looks up the scheduler's node's kvtierd, and its leases live there. A
+worker on another node loads from its own kvtierd without the lease, as much as it holds there;
+a block missing on its node (evicted there only) is reported like any short load, so vLLM
+computes the request from that block on (docs/vllm.md, "Several nodes").
 
 Its calls to kvtierd run on vLLM's model-runner thread, so they are bounded: each by
 ``kvtier_timeout_s`` (and the client's re-attach by as long again), and after kvtierd did not
@@ -114,14 +120,16 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def __init__(self, settings: KvtierSettings, engine_id: str, rank: int, world_size: int, namespace: NamespaceId,
                  kv_caches: CanonicalKVCaches, connect: Callable[..., Client] = Client,
-                 reports_failures: bool = False, clock: Callable[[], float] = time.monotonic):
+                 reports_failures: bool = False, clock: Callable[[], float] = time.monotonic,
+                 node_ranks: tuple[int, ...] | None = None):
         self.namespace = namespace
         self.rank = rank
         self.reports_failures = reports_failures
         self._views = block_views(kv_caches, namespace.block_bytes)
         self._connect = functools.partial(connect, settings.socket, engine_id=engine_id, rank=rank,
                                           world_size=world_size, namespace=namespace, copier=settings.copier,
-                                          timeout=settings.timeout_s, reconnect_timeout=settings.timeout_s)
+                                          timeout=settings.timeout_s, reconnect_timeout=settings.timeout_s,
+                                          node_ranks=node_ranks)
         self._away = Away(settings.socket, settings.retry_s, f"rank {rank} of engine {engine_id}",
                           "its stores are not cached and its loads fail (reported to vLLM)", logger, clock)
         self._client: Client | None = None
@@ -211,7 +219,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
             for part in src_spec.parts:
                 first, offset = offset, offset + len(part.keys)
                 try:
-                    hits = client.load(part.job, list(part.keys), block_ids[first:offset], lease=part.lease)
+                    hits = client.load(part.job, list(part.keys), block_ids[first:offset],
+                                       lease=src_spec.lease_of(part, self.rank))
                 except KvtierError as exc:
                     self._fail(transfer, f"load job {part.job}: {exc}", first)
                     if not self._reached(exc):
