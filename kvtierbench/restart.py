@@ -68,18 +68,20 @@ def _engine(conn, eid: int, socket: str) -> None:
 
 
 def _serving(socket: str, old: tuple | None, timeout: float = 120.0) -> float:
-    """The monotonic time of the new daemon's first answer: once a socket other than ``old`` (the
-    stopped daemon's) is at the path, a ping on it (answered as soon as the daemon serves; a ping
-    into a stale socket would wait for ZMQ's 100 ms reconnect timer instead)."""
+    """The monotonic time the new daemon started serving: the moment a socket other than ``old``
+    (the stopped daemon's) is at the path — the daemon binds it only once it serves. A ping then
+    checks that it answers. (The ping's answer is no start mark: on a loaded machine the engines,
+    watching the same path, attached before it came back, and their times went negative.)"""
     deadline = time.monotonic() + timeout
     while socket_identity(socket) in (None, old):
         if time.monotonic() > deadline:
             raise RuntimeError(f"no kvtierd bound {socket} within {timeout}s")
         time.sleep(0.0002)
+    bound = time.monotonic()
     channel = Channel(socket, timeout=timeout)
     try:
         channel.call("ping")
-        return time.monotonic()
+        return bound
     finally:
         channel.close()
 

@@ -42,8 +42,10 @@ def test_c_a_watched_session_past_descriptor_1024_disconnects_and_the_daemon_liv
                                       during=lambda: fds_of(daemon))
     assert out["connections"] >= 1100 and out["during"] > 1100, out
     assert out["watched"] == 8, out                            # pidfds, opened past descriptor 1,023
-    stats = wait_for(lambda: (s := daemon.stats())["sessions"] == 1 and s, what="the watched sessions to end")
-    assert stats["connections"] <= 2
+    # The sessions end before the last of their connections is seen closed: wait for both (a
+    # loaded CI machine saw sessions 1 with 3 connections still open).
+    wait_for(lambda: (s := daemon.stats())["sessions"] == 1 and s["connections"] <= 2,
+             what="the watched sessions and their connections to end")
     served_correctly(good, "c-after")
     assert_alive(daemon)
 
