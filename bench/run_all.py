@@ -420,8 +420,8 @@ timed in the bench process on the stopped daemon's region.""",
 region, as `systemctl restart` and an upgrade do) and after a crash (SIGKILL). Each engine is a
 process with a link thread and its coordinator session (the vLLM plugin's scheduler side, with
 `kvtier_retry_s` 600 s, so only its watch of the socket path can bring it back in time) and a TP=1
-rank session, which the engine calls once its link is up again. "Serving" is the new daemon's
-first answer to a ping sent the moment its socket is bound; "links up" and "ranks attached" are
+rank session, which the engine calls once its link is up again. "Serving" is the moment the new
+daemon's socket appears (it binds it only once it serves; a ping checks it); "links up" and "ranks attached" are
 when the last engine's link was up again and its rank's first lookup answered (it re-attached on
 the way), medians over the rounds; "worst" the worst of either in any round. Floor: a fresh
 client attaching the moment the daemon serves.""",

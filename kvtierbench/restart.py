@@ -7,7 +7,8 @@ coordinator session (``kvtier.integrations.offload.link``, the scheduler side of
 plugin; ``kvtier_retry_s`` 600 s, so that only its watch of the socket path can bring it back in
 time) and a TP=1 rank session (``kvtier.Client``), which an engine calls once its link is up
 again (the first transfer after the restart). Per round the bench stops the daemon, starts a new
-one on the same region and pings it in a tight loop: its first answer is "serving". Each engine
+one on the same region and watches its socket path in a tight loop: the moment the new socket
+appears is "serving" (the daemon binds it only once it serves; a ping checks it). Each engine
 reports when its link was up again (polled every millisecond) and when its rank's first lookup
 was answered (the rank re-attached on the way), on the machine's monotonic clock.
 
@@ -149,7 +150,7 @@ def run(ctx: Context) -> dict:
         targets.append(target(f"{tag} restart: {n_engines} engines attached again after serving, worst round (ms)",
                               worst, GOAL_MS, "lower"))
     return {"rows": rows, "ratios": ratios, "targets": targets, "notes": [
-        "links_ms: from the new daemon's first answer to the last engine's link up again; ranks_ms: to the last "
+        "links_ms: from the new daemon's socket appearing (it binds it once serving) to the last engine's link up again; ranks_ms: to the last "
         "engine's rank lookup answered (it re-attached first); medians over the rounds, worst_ms the worst of "
         "either in any round; fresh_attach_ms: a new coordinator attaching the moment the daemon serves (floor); "
         "down_s: from the stop to the new daemon serving"]}
