@@ -323,3 +323,72 @@ def test_vllms_own_publisher_and_ours_frame_the_same_way(tmp_path):
         context.term()
 
 
+
+# --- the plugin's side: an engine's feed of its namespace, through vLLM's own event translation
+
+def engine_events(feed, tracker) -> tuple[set, set]:
+    """What vLLM's OffloadingConnector publishes for the feed's OffloadingEvents (vLLM's own
+    OffloadingEventsTracker, self-describing events off: its default): (stored, removed) (hash, group)."""
+    stored, removed = set(), set()
+    for event in tracker.take_events(feed.take()):
+        assert event.medium == "CPU"
+        (stored if isinstance(event, BlockStored) else removed).update((h, event.group_idx) for h in event.block_hashes)
+    return stored, removed
+
+
+def test_every_engine_of_the_namespace_announces_what_any_of_them_stored(stream):
+    """Engine A stores; engine B of the same namespace announces exactly those blocks (medium CPU)
+    without having stored them; removals (eviction, clear) come from both; an engine of another
+    namespace announces nothing; an engine hashing with xxhash in the same namespace ignores the
+    sha256 keys. A feed that fell behind, or a restarted daemon, announces exactly the difference."""
+    import msgpack
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    from kvtier.integrations.vllm.events import EventFeed
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+
+    table = stream.table
+    table.restart(log_budget=4000, scan_slots=64)        # a small log: the idle feed falls behind
+    config = OffloadingKVEventsConfig(enable_kv_cache_events=True, self_describing_kv_events=False)
+
+    def engine(ns: int, key_bytes: int = 36, groups: int = 2):
+        feed = EventFeed(key_bytes, groups)
+        read = lambda req: msgpack.unpackb(msgpack.packb(table.log.read(ns, max_keys=64, **req).to_wire()))  # noqa: E731
+        return feed, read, OffloadingEventsTracker(config)
+
+    a, b, other, xx = engine(0), engine(0), engine(1), engine(0, key_bytes=20)
+    keys = offload_keys(40, 90, groups=2)
+    table.store(0, keys[:50])
+    table.store(1, offload_keys(5, 91))
+    for feed, read, tracker in (a, b, other, xx):
+        feed.poll(read)
+    stored_b, _ = engine_events(b[0], b[2])
+    assert stored_b == set(map(event_id, keys[:50])) == engine_events(a[0], a[2])[0]
+    assert engine_events(xx[0], xx[2]) == (set(), set())
+    assert engine_events(other[0], other[2])[0] == stream.truth(1)
+
+    evicted = table.remove(0, keys[:10])
+    cleared = table.remove(0, keys[10:20], Cause.CLEARED)
+    for feed, read, tracker in (a, b, other):
+        feed.poll(read)
+    for feed, _, tracker in (a, b):
+        assert engine_events(feed, tracker) == (set(), set(map(event_id, evicted + cleared)))
+    assert engine_events(other[0], other[2]) == (set(), set())
+
+    for i in range(50, 80, 2):                         # b polls, a does not: a falls behind the log
+        table.store(0, keys[i:i + 2])
+        b[0].poll(b[1])
+    table.remove(0, keys[20:25])
+    a[0].poll(a[1])
+    assert engine_events(b[0], b[2]) == (set(map(event_id, keys[50:80])), set())
+    assert a[0].view.resets == 2
+    stored_a, removed_a = engine_events(a[0], a[2])
+    assert stored_a == set(map(event_id, keys[50:80])) and removed_a == set(map(event_id, keys[20:25]))
+
+    gone = table.ready(0)
+    table.remove(0, random.Random(2).sample(sorted(gone), 7))   # lost with the daemon
+    lost = gone - table.ready(0)
+    table.restart(log_budget=1 << 20, scan_slots=64)
+    b[0].poll(b[1])                                      # b last read before keys[20:25] went
+    assert engine_events(b[0], b[2]) == (set(), set(map(event_id, keys[20:25] + sorted(lost))))
+    assert b[0].view.keys == table.ready(0)
