@@ -257,7 +257,8 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
               "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis",
               "attach": "Client attach and first touch (4 KiB vs 2 MiB pages)",
               "policy": "Eviction policy: hit rate against Belady, cost against LRU",
-              "tier": "Second tier: demote and promote against the engine's raw put/get, the lookup-miss check"}
+              "tier": "Second tier: demote and promote against the engine's raw put/get, the lookup-miss check",
+              "events": "KV events: the event log and the daemon's stream, in isolation"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
                  "data": ["bench-gbps-vs-block.png"], "policy": ["bench-policy-hit-rate.png"]}
     for name in kvtierbench.SECTIONS:
@@ -408,6 +409,13 @@ redis-py's pipeline), the two taking turns at going first. The lookup table: a l
 the tier does not hold on a third node (the daemon replies at once, pending K, and sends the
 existence check after the reply) against a lookup of the same keys once they are stored there;
 "tier answered" is when a lookup no longer reports them pending.""",
+    "events": """The event log (`kvtierd.events`) and the daemon's KV events stream (`kvtierd.kvevents_pub`) in
+this process, with one subscriber process, before the daemon publishes (issue 23's second phase
+adds the goals through a daemon): CPU per key of appending a store job's keys to the log and of
+publishing them (log read, vLLM's KVEventBatch bytes, the PUB send) against packing the same events
+as one msgpack map per key; the time from an append to the subscriber holding the batch, flushed
+right after each append; and 200,000 blocks/s offered for some seconds, with this process's memory
+a third of the way in and at the end (the log and the replay buffer are bounded).""",
     "policy": """`kvtierctl bench policy --trace FILE`: each Mooncake-format trace replayed, per policy and
 capacity, through a fresh daemon (`--policy NAME`, `PYTHONHASHSEED` fixed) whose region holds
 exactly that many one-page blocks: per request a lookup, a load of the hit prefix, a store of the

@@ -82,7 +82,7 @@ class KvEventsPublisher:
         self.flush_keys, self.replay_batches, self.resync_interval = flush_keys, replay_batches, resync_interval
         self._clock, self._monotonic = clock, monotonic
         self._cursors: dict[Hashable, _Cursor] = {}
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque()   # (seq, topic, payload), oldest first
+        self._buffer: deque[tuple[int, bytes, float, wire.Batch]] = deque()   # (seq, topic, ts, batch), oldest first
         self._buffered_bytes = 0
         self._replays: deque[_Replay] = deque()
         self._last_resync = float("-inf")
@@ -146,29 +146,33 @@ class KvEventsPublisher:
             self.counters["resyncs"] += 1
             log.warning("KV events: the stream fell behind the event log of topic %s; resyncing it", topic.decode())
         cursor.epoch, cursor.seq, cursor.snapshot_from = got.epoch, got.seq, got.snapshot_next
-        parts = [wire.all_cleared()] if got.reset else []
+        batch = wire.Batch(self.hash_form)
+        if got.reset:
+            batch.all_cleared()
         keys = 0
         for record in got.records:
-            encode = wire.stored if record.kind == Kind.STORED else wire.removed
-            parts.append(encode(record.key_len, record.keys, self.hash_form))
+            (batch.stored if record.kind == Kind.STORED else batch.removed)(record.key_len, record.keys)
             keys += record.count
         for key_len, blob in got.snapshot:
-            parts.append(wire.stored(key_len, blob, self.hash_form))
+            batch.stored(key_len, blob)
             keys += len(blob) // key_len
-        parts = [part for part in parts if part[0]]
-        if parts:
-            self._send(topic, wire.batch(self._clock(), parts))
-        return sum(n for n, _ in parts), keys
+        if batch.count:
+            self._send(topic, batch)
+        return batch.count, keys
 
-    def _send(self, topic: bytes, payload: bytes) -> None:
+    def _send(self, topic: bytes, batch: wire.Batch) -> None:
+        """Publish the batch under the next sequence number and keep it for replays (its keys, not
+        its encoded bytes: a replay encodes it again, to the same bytes)."""
         self.seq += 1
-        seq = self.seq.to_bytes(8, "big")
-        self.pub.send_multipart((topic, seq, payload), copy=False)
-        self._buffer.append((self.seq, topic, payload))
-        self._buffered_bytes += len(payload)
+        ts = self._clock()
+        payload = batch.payload(ts)
+        self.pub.send_multipart((topic, self.seq.to_bytes(8, "big"), payload))
+        self._buffer.append((self.seq, topic, ts, batch))
+        self._buffered_bytes += batch.nbytes
         while len(self._buffer) > self.buffer_batches or self._buffered_bytes > self.buffer_bytes:
-            self._buffered_bytes -= len(self._buffer.popleft()[2])
+            self._buffered_bytes -= self._buffer.popleft()[3].nbytes
         self.counters["batches"] += 1
+        self.counters["events"] += batch.count
         self.counters["bytes"] += len(payload)
 
     def resync(self) -> None:
@@ -208,13 +212,13 @@ class KvEventsPublisher:
             self.resync()
         sent = 0
         try:
-            for seq, topic, payload in self._buffer:
+            for seq, topic, ts, batch in self._buffer:
                 if seq < replay.start or seq <= replay.sent_through or not topic.startswith(replay.prefix):
                     continue
                 if sent == budget:
                     return sent
-                self.replay.send_multipart((replay.identity, b"", topic, seq.to_bytes(8, "big"), payload),
-                                           flags=zmq.NOBLOCK, copy=False)
+                self.replay.send_multipart((replay.identity, b"", topic, seq.to_bytes(8, "big"), batch.payload(ts)),
+                                           flags=zmq.NOBLOCK)
                 replay.sent_through = seq
                 sent += 1
                 self.counters["replay_batches"] += 1

@@ -20,6 +20,7 @@ NumPy; any other batch is packed event by event, with the same result.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 
 import msgpack
@@ -60,81 +61,159 @@ def _template(mapping: dict, header: bytes | None = None) -> tuple[bytes, int, i
     return raw, raw.index(_HASH_MARK, raw.index(b"block_hashes")), raw.rindex(_GROUP_MARK)
 
 
-def _hash_header(form: HashForm, hash_len: int) -> bytes:
-    return b"\xcf" if form is HashForm.INT else b"\xc4" + bytes([hash_len])
+@functools.lru_cache(maxsize=1)
+def _removed_template() -> tuple[bytes, int, int]:
+    return _template(_removed_map([None], 127))
 
 
 class Columns:
-    """A blob of keys as NumPy columns: the part of each hash an event names, and the group."""
+    """A blob of keys seen as NumPy columns without a copy: the part of each hash an event names
+    (the last 8 bytes as a big-endian integer, or the whole hash) and the group index."""
 
     def __init__(self, key_len: int, blob: bytes, form: HashForm):
-        rows = np.frombuffer(blob, np.uint8).reshape(-1, key_len)
+        n = len(blob) // key_len
+        self.blob, self.key_len = blob, key_len
         self.hash_len = key_len - GROUP_BYTES
         self.form = form
-        part = rows[:, self.hash_len - _INT_HASH_BYTES:self.hash_len] if form is HashForm.INT else rows[:, :self.hash_len]
-        self.hashes = np.ascontiguousarray(part)
-        self.groups = rows[:, self.hash_len:].copy().view(">u4").ravel()
+        if form is HashForm.INT:
+            self.hash_dtype = np.dtype(">u8")
+            self.hashes = np.ndarray((n,), ">u8", blob, max(0, self.hash_len - _INT_HASH_BYTES), (key_len,))
+        else:
+            self.hash_dtype = np.dtype((np.void, self.hash_len))
+            self.hashes = np.ndarray((n,), self.hash_dtype, blob, 0, (key_len,))
+        self.groups = np.ndarray((n,), ">u4", blob, self.hash_len, (key_len,))
+        self.head = _hash_head(form, self.hash_len)
 
     @property
     def fixed_width(self) -> bool:
         """Whether every event's hash and group take the widths the templates have."""
         if self.form is HashForm.INT:
-            # msgpack writes an int in its shortest form: 9 bytes only from 2**32 up.
-            return self.hash_len >= _INT_HASH_BYTES and bool(self.hashes[:, :4].any(axis=1).all()) \
-                and int(self.groups.max()) < 128
-        return 0 < self.hash_len < 256 and int(self.groups.max()) < 128
+            # msgpack writes an int in its shortest form: 9 bytes only from 2**32 up, i.e. when
+            # the first 4 of the 8 bytes are not all zero.
+            n = len(self.groups)
+            fits = self.hash_len >= _INT_HASH_BYTES and bool(
+                np.ndarray((n,), "<u4", self.blob, self.hash_len - _INT_HASH_BYTES, (self.key_len,)).all())
+        else:
+            fits = 0 < self.hash_len < 256
+        return fits and (not np.count_nonzero(self.groups) or int(self.groups.max()) < 128)
 
     def hash_values(self) -> list:
+        """Each event's hash as Python values (the packing path: no fixed width)."""
+        whole = np.ndarray((len(self.groups),), (np.void, self.hash_len), self.blob, 0, (self.key_len,)).tolist()
         if self.form is HashForm.INT:
-            return self.hashes.view(">u8").ravel().tolist()
-        return np.frombuffer(self.hashes.tobytes(), np.dtype((np.void, self.hash_len))).tolist()
+            return [int.from_bytes(h[-_INT_HASH_BYTES:], "big") for h in whole]
+        return whole
+
+    @property
+    def row_bytes(self) -> int:
+        return len(_stored_row(self.form, self.hash_len)[0]) * len(self.groups)
+
+    def write_rows(self, buf: memoryview, pos: int) -> None:
+        """One BlockStored per key as fixed-width rows (``fixed_width``), written into ``buf`` at
+        ``pos``: the row's bytes copied in doubling runs, then the hashes and groups put in place."""
+        row, layout = _stored_row(self.form, self.hash_len)
+        n, width = len(self.groups), len(row)
+        region = buf[pos:pos + n * width]
+        region[:width] = row
+        filled = width
+        while filled < len(region):
+            step = min(filled, len(region) - filled)
+            region[filled:filled + step] = region[:step]
+            filled += step
+        out = np.frombuffer(buf, layout, count=n, offset=pos)
+        out["h"] = self.hashes
+        out["g"] = self.groups
 
 
-def stored(key_len: int, blob: bytes, form: HashForm = HashForm.INT) -> tuple[int, bytes]:
-    """(events, bytes): one BlockStored per key of the blob, in order."""
-    if key_len <= GROUP_BYTES:
-        return 0, b""
-    cols = Columns(key_len, blob, form)
-    n = len(cols.groups)
-    if not cols.fixed_width:
-        return n, b"".join(_STORED_HEADER + _pack(_stored_map(h, g))[1:]
-                           for h, g in zip(cols.hash_values(), cols.groups.tolist()))
+@functools.lru_cache(maxsize=16)
+def _stored_row(form: HashForm, hash_len: int) -> tuple[bytes, np.dtype]:
+    """BlockStored's bytes for a hash of this form and length, and where its hash and group go."""
     raw, at_hash, at_group = _template(_stored_map(None, 127), _STORED_HEADER)
-    head = _hash_header(form, cols.hash_len)
-    width = len(raw) - 1 + len(head) + cols.hashes.shape[1]
-    out = np.empty((n, width), np.uint8)
-    out[:] = np.frombuffer(raw[:at_hash] + head + bytes(cols.hashes.shape[1]) + raw[at_hash + 1:], np.uint8)
-    start = at_hash + len(head)
-    out[:, start:start + cols.hashes.shape[1]] = cols.hashes
-    out[:, at_group - 1 + len(head) + cols.hashes.shape[1]] = cols.groups
-    return n, out.tobytes()
+    head = _hash_head(form, hash_len)
+    width = _INT_HASH_BYTES if form is HashForm.INT else hash_len
+    row = raw[:at_hash] + head + bytes(width) + raw[at_hash + 1:]
+    layout = np.dtype({"names": ["h", "g"], "formats": [">u8" if form is HashForm.INT else (np.void, width), "u1"],
+                       "offsets": [at_hash + len(head), at_group + len(head) + width - 1], "itemsize": len(row)})
+    return row, layout
 
 
-def removed(key_len: int, blob: bytes, form: HashForm = HashForm.INT) -> tuple[int, bytes]:
-    """(events, bytes): one BlockRemoved per KV-cache group of the blob's keys, with their hashes."""
-    if key_len <= GROUP_BYTES:
-        return 0, b""
-    cols = Columns(key_len, blob, form)
-    groups = list(dict.fromkeys(cols.groups.tolist()))
-    if not cols.fixed_width:
-        values = cols.hash_values()
-        by_group = [[h for h, g in zip(values, cols.groups.tolist()) if g == group] for group in groups]
-        return len(groups), b"".join(_pack(_removed_map(hashes, group)) for hashes, group in zip(by_group, groups))
-    raw, at_hash, at_group = _template(_removed_map([None], 127))
-    head = _hash_header(form, cols.hash_len)
-    parts = []
-    for group in groups:
-        rows = cols.hashes[cols.groups == group]
-        cells = np.empty((len(rows), len(head) + rows.shape[1]), np.uint8)
-        cells[:, :len(head)] = np.frombuffer(head, np.uint8)
-        cells[:, len(head):] = rows
-        parts += [raw[:at_hash - 1], _array_header(len(rows)), cells.tobytes(), raw[at_hash + 1:at_group],
-                  bytes([group]), raw[at_group + 1:]]
-    return len(groups), b"".join(parts)
+def _hash_head(form: HashForm, hash_len: int) -> bytes:
+    """What precedes a hash on the wire: uint64, or bin8 and the length."""
+    return b"\xcf" if form is HashForm.INT else b"\xc4" + bytes([hash_len])
 
 
-def all_cleared() -> tuple[int, bytes]:
-    return 1, _pack({"type": "AllBlocksCleared"})
+class Batch:
+    """One KVEventBatch being put together: events appended in order, their bytes written once,
+    into one buffer, by ``payload``. It keeps the blobs it was given (not the encoded bytes), so
+    that holding it for a replay costs the keys' bytes, and ``payload`` gives the same bytes again."""
+
+    def __init__(self, form: HashForm = HashForm.INT):
+        self.form = form
+        self.count = 0                    # events
+        self.nbytes = 0                   # bytes it holds (the blobs and packed parts)
+        self._parts: list = []            # bytes, or Columns written as fixed-width BlockStored rows
+
+    def stored(self, key_len: int, blob: bytes) -> None:
+        """One BlockStored per key of the blob, in order."""
+        if key_len <= GROUP_BYTES or not blob:
+            return
+        cols = Columns(key_len, blob, self.form)
+        if cols.fixed_width:
+            self._add(len(cols.groups), cols, len(blob))
+        else:
+            self._add(len(cols.groups), b"".join(_STORED_HEADER + _pack(_stored_map(h, g))[1:]
+                                                 for h, g in zip(cols.hash_values(), cols.groups.tolist())))
+
+    def removed(self, key_len: int, blob: bytes) -> None:
+        """One BlockRemoved per KV-cache group of the blob's keys, with their hashes."""
+        if key_len <= GROUP_BYTES or not blob:
+            return
+        cols = Columns(key_len, blob, self.form)
+        groups = list(dict.fromkeys(cols.groups.tolist()))
+        if not cols.fixed_width:
+            values = cols.hash_values()
+            for group in groups:
+                hashes = [h for h, g in zip(values, cols.groups.tolist()) if g == group]
+                self._add(1, _pack(_removed_map(hashes, group)))
+            return
+        raw, at_hash, at_group = _removed_template()
+        cell = np.dtype({"names": ["m", "h"], "formats": ["S%d" % len(cols.head), cols.hash_dtype],
+                         "offsets": [0, len(cols.head)], "itemsize": len(cols.head) + cols.hash_dtype.itemsize})
+        for group in groups:
+            hashes = cols.hashes if len(groups) == 1 else cols.hashes[cols.groups == group]
+            cells = np.empty(len(hashes), cell)
+            cells["m"] = cols.head
+            cells["h"] = hashes
+            self._add(1, b"".join([raw[:at_hash - 1], _array_header(len(hashes)), cells.tobytes(),
+                                   raw[at_hash + 1:at_group], bytes([group]), raw[at_group + 1:]]))
+
+    def all_cleared(self) -> None:
+        self._add(1, _pack({"type": "AllBlocksCleared"}))
+
+    def _add(self, count: int, part, nbytes: int | None = None) -> None:
+        self.count += count
+        self.nbytes += len(part) if nbytes is None else nbytes
+        self._parts.append(part)
+
+    def payload(self, ts: float, dp_rank: int | None = 0) -> memoryview:
+        """The KVEventBatch [ts, [events...], data_parallel_rank]. The daemon's stream says
+        data-parallel rank 0, as a vLLM engine without data parallelism does."""
+        head = b"\x93\xcb" + struct.pack(">d", ts) + _array_header(self.count)
+        tail = _pack(dp_rank)
+        sizes = [part.row_bytes if isinstance(part, Columns) else len(part) for part in self._parts]
+        # Every byte is written below: no zero-fill first (it was a fifth of a batch's cost).
+        array = np.empty(len(head) + sum(sizes) + len(tail), np.uint8)
+        buf = memoryview(array)
+        buf[:len(head)] = head
+        pos = len(head)
+        for part, size in zip(self._parts, sizes):
+            if isinstance(part, Columns):
+                part.write_rows(buf, pos)
+            else:
+                buf[pos:pos + size] = part
+            pos += size
+        buf[pos:] = tail
+        return buf
 
 
 def _array_header(n: int) -> bytes:
@@ -143,11 +222,3 @@ def _array_header(n: int) -> bytes:
     if n < 1 << 16:
         return b"\xdc" + n.to_bytes(2, "big")
     return b"\xdd" + n.to_bytes(4, "big")
-
-
-def batch(ts: float, events: list[tuple[int, bytes]], dp_rank: int | None = 0) -> bytes:
-    """A KVEventBatch [ts, [events...], data_parallel_rank] of the encoded events, in order. The
-    daemon's stream says data-parallel rank 0, as a vLLM engine without data parallelism does."""
-    count = sum(n for n, _ in events)
-    return b"".join([b"\x93\xcb", struct.pack(">d", ts), _array_header(count), *(raw for _, raw in events),
-                     _pack(dp_rank)])

@@ -70,8 +70,11 @@ def test_the_batches_are_vllms_own_bytes_and_decode_with_its_decoder(form, keys,
     vLLM's structs (the NumPy rows and the fallback packing alike), and vLLM's decoder reads them."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if form is wire.HashForm.INT else "0")
     blob = b"".join(keys)
-    key_len = len(keys[0])
-    ours = wire.batch(12.5, [wire.stored(key_len, blob, form), wire.removed(key_len, blob, form), wire.all_cleared()])
+    batch = wire.Batch(form)
+    batch.stored(len(keys[0]), blob)
+    batch.removed(len(keys[0]), blob)
+    batch.all_cleared()
+    ours = bytes(batch.payload(12.5))
     events = expected_events(keys, False) + expected_events(keys, True) + [AllBlocksCleared()]
     theirs = KVEventBatch(ts=12.5, events=events, data_parallel_rank=0)
     assert ours == msgspec.msgpack.encode(theirs)
@@ -314,8 +317,9 @@ def test_vllms_own_publisher_and_ours_frame_the_same_way(tmp_path):
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         assert dealer.poll(5000)
         _, topic, seq, payload = dealer.recv_multipart()
-        ours = wire.batch(1.0, [wire.stored(36, b"".join(keys))])
-        assert (topic, int.from_bytes(seq, "big"), payload) == (b"kv@x@m", 0, ours)
+        ours = wire.Batch()
+        ours.stored(36, b"".join(keys))
+        assert (topic, int.from_bytes(seq, "big"), payload) == (b"kv@x@m", 0, ours.payload(1.0))
         assert dealer.poll(5000) and dealer.recv_multipart()[2] == ZmqEventPublisher.END_SEQ
     finally:
         dealer.close(linger=0)
