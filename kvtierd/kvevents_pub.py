@@ -70,6 +70,8 @@ class _Replay:
 
 
 class KvEventsPublisher:
+    """The stream (see the module docstring): ``flush`` and ``serve_replay`` from the server loop."""
+
     def __init__(self, context: zmq.Context, events: EventLog, namespaces: Callable[[], dict[Hashable, str]],
                  endpoint: str, replay_endpoint: str | None = None, hash_form: wire.HashForm = wire.HashForm.INT,
                  buffer_batches: int = 10_000, buffer_bytes: int = 64 << 20, hwm: int = 100_000,
@@ -82,6 +84,7 @@ class KvEventsPublisher:
         self.flush_keys, self.replay_batches, self.resync_interval = flush_keys, replay_batches, resync_interval
         self._clock, self._monotonic = clock, monotonic
         self._cursors: dict[Hashable, _Cursor] = {}
+        self._turn = 0
         self._buffer: deque[tuple[int, bytes, float, wire.Batch]] = deque()   # (seq, topic, ts, batch), oldest first
         self._buffered_bytes = 0
         self._replays: deque[_Replay] = deque()
@@ -122,7 +125,11 @@ class KvEventsPublisher:
         for ns in [ns for ns in self._cursors if ns not in topics]:
             del self._cursors[ns]                   # gone from the index (its log was flushed when it ended)
         sent, budget = 0, self.flush_keys
-        for ns, topic in topics.items():
+        order = list(topics.items())
+        if order:                                   # each call starts one namespace further: none starves
+            self._turn = (self._turn + 1) % len(order)
+            order = order[self._turn:] + order[:self._turn]
+        for ns, topic in order:
             if budget <= 0:
                 break
             count, keys = self._publish_namespace(ns, topic.encode(), budget)

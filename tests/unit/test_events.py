@@ -185,3 +185,6 @@ def test_memory_stays_within_the_budget_when_nobody_reads():
         tracemalloc.stop()
     assert log.bytes <= budget and log.dropped_keys > 0
     assert after_many < after_few * 1.2 + (1 << 20)
+    stats = log.stats()
+    assert stats["events_stored_keys"] == 6600 * 256 and stats["events_log_bytes"] == log.bytes
+    assert stats["events_dropped_keys"] == log.dropped_keys and stats["events_log_namespaces"] == 1

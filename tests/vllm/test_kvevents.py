@@ -264,6 +264,22 @@ def test_a_publisher_that_fell_behind_the_log_resyncs_its_subscribers(stream):
     assert sub.state[TOPICS[0]] == stream.truth(0) and pub.counters["resyncs"] >= 1
 
 
+def test_a_busy_namespace_does_not_starve_another(stream):
+    """With a flush budget smaller than one namespace's backlog, the other namespace's blocks still
+    go out within a few flushes (each flush starts one namespace further)."""
+    pub = stream.publisher(flush_keys=4)
+    sub = stream.subscribe(pub)
+    pub.flush()
+    keys = offload_keys(40, 55)
+    for i in range(0, 40, 4):                    # ten records of 4 keys: ten flushes' worth
+        stream.table.store(0, keys[i:i + 4])
+    stream.table.store(1, offload_keys(2, 56))
+    pub.flush()
+    pub.flush()
+    sub.sync()
+    assert sub.state[TOPICS[1]] == stream.truth(1) and sub.state[TOPICS[0]] != stream.truth(0)
+
+
 def test_a_daemon_restart_gives_all_cleared_then_the_recovered_contents(stream):
     """The old publisher's subscriber knew blocks that the restarted daemon does not hold (evicted
     while nobody published, or not recovered): the new stream, whose sequence numbers go on past
