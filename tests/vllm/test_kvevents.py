@@ -373,7 +373,8 @@ def test_every_engine_of_the_namespace_announces_what_any_of_them_stored(stream)
 
     def engine(ns: int, key_bytes: int = 36, groups: int = 2):
         feed = EventFeed(key_bytes, groups)
-        read = lambda req: msgpack.unpackb(msgpack.packb(table.log.read(ns, max_keys=64, **req).to_wire()))  # noqa: E731
+        def read(req: dict) -> dict:          # one events request, through msgpack as the wire sends it
+            return msgpack.unpackb(msgpack.packb(table.log.read(ns, max_keys=64, **req).to_wire()))
         return feed, read, OffloadingEventsTracker(config)
 
     a, b, other, xx = engine(0), engine(0), engine(1), engine(0, key_bytes=20)

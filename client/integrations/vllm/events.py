@@ -1,6 +1,6 @@
 """The KV events of an engine's kvtier namespace: kvtierd's event log, read on the manager's link
-thread, handed to vLLM as the ``OffloadingEvent``\\ s (medium CPU) that
-``KvtierOffloadingManager.take_events`` returns, so that vLLM's own publisher announces every
+thread, handed to vLLM as the OffloadingEvents (medium CPU) that
+``KvtierOffloadingManager.take_events`` will return, so that vLLM's own publisher announces every
 block of the shared tier this engine can load — stored by any engine of the namespace, removed
 for any cause (docs/events.md).
 
