@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: install run test test-unit test-integration vllm-install test-vllm bench-vllm sglang-install test-sglang tier-install test-tier bench-tier tier-up soak soak-hostile crash bench bench-docs nvcc-check bench-loop docs clean
+.PHONY: install run test test-unit test-integration deploy-install test-deploy gpu-check vllm-install test-vllm bench-vllm sglang-install test-sglang tier-install test-tier bench-tier tier-up soak soak-hostile crash bench bench-docs nvcc-check bench-loop docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,9 +23,10 @@ run: install
 	$(BIN)/kvtierd
 
 # The whole test suite (unit + integration; GPU tests skip without CUDA). The second-tier suite
-# has its own target (test-tier): it needs the engines that tier-install brings.
+# has its own target (test-tier): it needs the engines that tier-install brings; so has deploy/'s
+# (test-deploy: promtool, systemd-nspawn, Helm's SDK).
 test: install
-	$(BIN)/pytest -q --ignore=tests/tier
+	$(BIN)/pytest -q --ignore=tests/tier --ignore=tests/deploy
 
 test-unit: install
 	$(BIN)/pytest -q tests/unit
@@ -59,6 +60,19 @@ sglang-install: $(SGLANG_VENV)/.installed
 # The backend against SGLang's own radix tree, HiCache controller and storage factory and a real kvtierd (CPU only).
 test-sglang: sglang-install
 	$(SGLANG_VENV)/bin/pytest -q tests/sglang
+
+# What the deploy/ checks run: promtool (Debian's prometheus package, the binary alone),
+# systemd-nspawn (systemd-container; root: apt-get), Helm's SDK and the Kubernetes schemas (venv).
+$(BIN)/.deploy-installed: $(BIN)/.installed tools/install-deploy-tools.sh
+	bash tools/install-deploy-tools.sh $(VENV)
+	touch $@
+
+deploy-install: $(BIN)/.deploy-installed
+
+# deploy/ for real: the systemd unit booted under systemd-nspawn, `promtool test rules` of every
+# alert, the Helm chart linted and rendered, its manifests validated.
+test-deploy: deploy-install
+	$(BIN)/pytest -q tests/deploy
 
 # The second tier's engines: Debian's libibverbs1 and redis-server/redis-tools (root: apt-get), the
 # Mooncake Store wheel and redis-py (the benchmark's floor) into the venv.
@@ -100,6 +114,16 @@ crash: install
 # file, ...) for 75 s; prints daemon alive, RSS and fd range, wrong blocks. CI runs a 15 s one.
 soak-hostile: install
 	$(BIN)/python tests/soak/hostile_soak.py --duration 75
+
+# The one GPU check (tools/gpu_check.py): tests/gpu, the SGLang and vLLM GPU checks where those import,
+# bench/gpu_bench.py; one JSON and one Markdown summary in OUT, under 8 minutes. Runs with the
+# machine's own Python (torch, CuPy) from a bare checkout: no install, no registry; WHEELS=dir
+# installs what does not import from a wheel directory. On a machine without CUDA every GPU step is
+# reported skipped, with the reason. docs/cuda.md says where the figures go.
+GPU_PYTHON ?= python3
+OUT ?= out/gpu-check
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py --out $(OUT) $(if $(WHEELS),--wheels $(WHEELS))
 
 NVCC ?= nvcc
 # CI's compile check of the copy kernel for Hopper (sm_90): any error or warning fails.

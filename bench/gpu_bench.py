@@ -28,12 +28,20 @@ faults every page in itself) and on one the client's populate (MADV_POPULATE_WRI
 threads, timed apart) filled first, which is what a kvtier client does before pinning. The
 pages each mapping got are read from /proc/self/smaps, so a row never claims pages it did not get.
 
+Then one copy at TP=N (``--tp``, default: every GPU, at least 2): a real daemon and N rank
+processes (rank r on GPU r mod the GPUs there are; several on one GPU when there is one) storing
+the same replicated DeepSeek-V3-like MLA jobs (61 layers × 576 bf16, 64 tokens per block), against
+TP=1 in the same run: the job's time as the slowest rank saw it, the unique bytes stored per
+second, and the bytes the daemon counted copied D2H per block (one block's bytes at any TP: only
+rank 0 copies) and saved by the dedup.
+
 Writes gpu_bench.json and gpu_bench.md under ``--out`` (default $OUT, else ./out, which git ignores) and
 prints the table. Fits one device run: about a minute on an H100/H200-class machine with the
 defaults; ``--budget-s`` (default 420) stops starting new cases after that many seconds. On a
 machine without CUDA it prints why and exits 0 without measuring anything.
 
 Usage: python bench/gpu_bench.py [--out DIR] [--blocks-per-job 32] [--iters 5] [--budget-s 420] [--register-gib 4]
+       [--tp N]
 """
 
 from __future__ import annotations
@@ -44,10 +52,14 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)             # tests.gpu.cuda_ranks: the TP=N section's rank processes
 
 PAGE = 64 << 10      # kvtierd's default page size
 
@@ -95,7 +107,67 @@ def parse_args(argv):
     p.add_argument("--budget-s", type=float, default=420.0, help="start no new case after this many seconds")
     p.add_argument("--register-gib", type=float, default=4.0,
                    help="GiB of region mapping whose cudaHostRegister is timed per page size (0: skip)")
+    p.add_argument("--tp", type=int, default=0, help="ranks of the one-copy TP=N section (default: the GPUs, "
+                                                     "at least 2; 1: skip it)")
     return p.parse_args(argv)
+
+
+def one_copy_tp(tp: int, args) -> list[dict]:
+    """Replicated MLA stores at TP=1 and TP=``tp`` through a real daemon: time and D2H bytes per block."""
+    import hashlib
+
+    import torch
+
+    from kvtierd.launcher import DaemonProcess
+    from tests.gpu.cuda_ranks import CudaRank, GpuCacheSpec, all_call
+    spec = GpuCacheSpec(layers=61, num_blocks=args.blocks_per_job, block_tokens=64)
+    gpus = torch.cuda.device_count()
+    region = max(1 << 30, 4 * args.blocks_per_job * spec.block_bytes)
+    rows = []
+    for world in (1, tp):
+        daemon = DaemonProcess(tempfile.mkdtemp(prefix="kvtier-bench-tp-", dir="/dev/shm"), "--size", str(region),
+                               "--pin", "off", "--metrics-address", "off")
+        ranks = []
+        try:
+            daemon.start()
+            ranks = [CudaRank(daemon.socket, f"bench-tp{world}", r, world, spec, seed=r + 1, device=r % gpus)
+                     for r in range(world)]
+            [r.result() for r in ranks]
+            blocks = list(range(args.blocks_per_job))
+            times, before = [], daemon.stats()
+            for job in range(args.iters + 1):           # the first one warms up
+                keys = [hashlib.sha256(f"tp{world}-{job}-{b}".encode()).digest() for b in blocks]
+                results = all_call(ranks, "store", job=job + 1, keys=keys, block_ids=blocks)
+                assert all(r["ok"] for r in results), results
+                if job:
+                    times.append(max(r["seconds"] for r in results))
+            after = daemon.stats()
+            stored = (args.iters + 1) * len(blocks)
+            seconds = statistics.median(times)
+            rows.append({"tp": world, "gpus": min(world, gpus), "blocks_per_job": len(blocks),
+                         "block_bytes": spec.block_bytes, "job_ms": seconds * 1e3,
+                         "unique_gbps": len(blocks) * spec.block_bytes / seconds / 1e9,
+                         "d2h_bytes_per_block": (after["bytes_written"] - before["bytes_written"]) / stored,
+                         "saved_bytes_per_block": (after["bytes_saved_dedup"] - before["bytes_saved_dedup"]) / stored})
+        finally:
+            for r in ranks:
+                r.stop()
+            daemon.stop()
+            daemon.cleanup()
+    return rows
+
+
+def tp_markdown(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    lines = ["", "### One copy at TP=N (replicated MLA, 61 layers x 576 bf16, 64 tokens per block)", "",
+             "| TP | GPUs | job ms (slowest rank) | unique GB/s | D2H bytes per block / block bytes | "
+             "saved per block / block bytes |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['tp']} | {r['gpus']} | {r['job_ms']:.2f} | {r['unique_gbps']:.2f} | "
+                     f"{r['d2h_bytes_per_block'] / r['block_bytes']:.2f} | "
+                     f"{r['saved_bytes_per_block'] / r['block_bytes']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def register_cost(gib: float, register, workdir: str = "/dev/shm") -> tuple[list[dict], list[str]]:
@@ -373,11 +445,20 @@ def main(argv=None) -> int:
         print(f"gpu_bench: {geo.name} …", file=sys.stderr, flush=True)
         rows += run_geometry(geo, args, unavailable, device)
 
+    tp = args.tp or max(2, torch.cuda.device_count())
+    tp_rows = []
+    if tp > 1 and time.monotonic() - start <= args.budget_s:
+        print(f"gpu_bench: one copy at TP={tp} …", file=sys.stderr, flush=True)
+        tp_rows = one_copy_tp(tp, args)
+    elif tp > 1:
+        skipped.append(f"one copy at TP={tp}")
+
     os.makedirs(args.out, exist_ok=True)
-    table = markdown(env, rows, skipped) + register_markdown(register_rows, register_notes)
+    table = markdown(env, rows, skipped) + register_markdown(register_rows, register_notes) + tp_markdown(tp_rows)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump({"env": env, "results": rows, "skipped": skipped, "register": register_rows,
-                   "register_notes": register_notes, "seconds": time.monotonic() - start}, f, indent=2)
+                   "register_notes": register_notes, "one_copy_tp": tp_rows, "seconds": time.monotonic() - start},
+                  f, indent=2)
     with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
         f.write(table)
     print(table)

@@ -181,7 +181,8 @@ def section_text(name: str, section: dict) -> str:
     else:
         parts.append(md_table(rows, COLUMNS[name]))
         for title, more in section.get("more", {}).items():
-            parts.append(f"**{title}**\n\n" + md_table(more, COLUMNS[f"{name} {title}"]))
+            if more:
+                parts.append(f"**{title}**\n\n" + md_table(more, COLUMNS[f"{name} {title}"]))
     parts += [f"- {n}" for n in section["notes"]]
     return "\n\n".join(parts)
 
@@ -254,10 +255,12 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
            f"The run took {result['seconds'] / 60:.1f} minutes ({'--quick' if result['quick'] else 'full plan'}).",
            "## Targets", targets_text(result), MISSES]
     titles = {"control": "Control plane", "data": "CPU data plane", "capacity": "Capacity and traffic",
-              "eviction": "Eviction under pressure", "recovery": "Recovery", "redis": "Peer: Redis",
+              "eviction": "Eviction under pressure", "recovery": "Recovery",
+              "restart": "Restart under running engines", "redis": "Peer: Redis",
               "attach": "Client attach and first touch (4 KiB vs 2 MiB pages)",
               "policy": "Eviction policy: hit rate against Belady, cost against LRU",
-              "tier": "Second tier: demote and promote against the engine's raw put/get, the lookup-miss check",
+              "tier": "Second tier: demote and promote against the engine's raw put/get (the disk: raw O_DIRECT), "
+                      "the lookup-miss check, the disk tier's restart",
               "events": "KV events: the event log and the daemon's stream, in isolation"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
                  "data": ["bench-gbps-vs-block.png"], "policy": ["bench-policy-hit-rate.png"]}
@@ -362,7 +365,20 @@ that this one, at 3-4, missed.
   raw get at 64 KiB (1 MiB blocks: 0.84-0.98x and 0.67-1.16x), while Redis Cluster, through the
   same companion and daemon paths, stays above 1x. Each demote or promote batch pays the
   daemon-companion hop and the companion's own batch call against the raw client's one call on
-  one registered buffer; which of these costs the difference at small blocks is open."""
+  one registered buffer; which of these costs the difference at small blocks is open. Since
+  seals (issue 26 G), every value also moves a 32-byte seal as a second buffer (the multi-buffer
+  API for every block), and the companion hashes every block: the before/after figures are in
+  the second tier's section.
+- **Disk tier, demote and promote.** In an in-process profile the tier's O_DIRECT writes and reads
+  run at the raw floor's speed once its slots were written once (0.55-0.66 GB/s against
+  0.58-0.68 for 1 MiB blocks); the rest is CPU: each block's seal (hashed by the I/O threads
+  between their I/Os), the daemon's and the companion's per-batch work (the lookup, the existence
+  check, the promote job, two fdatasyncs per demote), on two CPUs that also run the bench's rank.
+  Over runs at load averages from 1 to 8.5, demote measured 0.73-1.07x and promote 0.58-1.00x the
+  raw floor. A first pass over new slots is slower again on ext4 (docs/tier.md, Known limits).
+- **Second tier with seals.** Every block is hashed on demote and on promote: the cost is in the
+  second tier's section ("What seals cost"). Mooncake's 64 KiB miss predates seals and grew
+  with them."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
@@ -384,6 +400,15 @@ entry. Against the same store jobs into the same region while it still had room.
     "recovery": """The daemon holding N entries is stopped (SIGTERM) and started again: process start to the socket
 answering a ping. `Store()` is the store's recovery alone (scan of the tables + index build),
 timed in the bench process on the stopped daemon's region.""",
+    "restart": """kvtierd restarted under 8 running engines, planned (SIGTERM, then a new daemon on the same
+region, as `systemctl restart` and an upgrade do) and after a crash (SIGKILL). Each engine is a
+process with a link thread and its coordinator session (the vLLM plugin's scheduler side, with
+`kvtier_retry_s` 600 s, so only its watch of the socket path can bring it back in time) and a TP=1
+rank session, which the engine calls once its link is up again. "Serving" is the new daemon's
+first answer to a ping sent the moment its socket is bound; "links up" and "ranks attached" are
+when the last engine's link was up again and its rank's first lookup answered (it re-attached on
+the way), medians over the rounds; "worst" the worst of either in any round. Floor: a fresh
+client attaching the moment the daemon serves.""",
     "redis": """A real `redis-server` (Debian package) on loopback, no persistence, driven by redis-py, stores and
 loads the same blocks from the same KV-cache memory as kvtierd's client does.""",
     "attach": """What a client pays to start using the region. Attach + populate: `Client(...)` (hello, mapping the
@@ -408,8 +433,42 @@ buffer in the bench process (Mooncake `batch_put_from`/`batch_get_into`; Redis C
 redis-py's pipeline), the two taking turns at going first. The lookup table: a lookup of K keys
 the tier does not hold on a third node (the daemon replies at once, pending K, and sends the
 existence check after the reply) against a lookup of the same keys once they are stored there;
-"tier answered" is when a lookup no longer reports them pending.""",
-    "events": """The event log (`kvtierd.events`) and the daemon's KV events stream (`kvtierd.kvevents_pub`) in
+"tier answered" is when a lookup no longer reports them pending. Both nodes seal every block with
+one key and check every promoted block's seal (docs/tier.md, "Seals").
+
+**The disk backend** (`kvtierbench/disktier.py`; the directory under `$KVTIERBENCH_DISK_DIR`, else
+the temporary directory: the note says which filesystem): one node (a disk tier is one node's)
+demotes its N blocks X as node A above and promotes them back (the store's blocks evicted locally
+first, so nothing else is written meanwhile), against the same N blocks of S written with O_DIRECT
+into a preallocated file in the same directory from one page-aligned buffer and one fdatasync,
+then read back, as one stream and as `io_threads` (4) streams, the faster of the two per
+direction. "disk lookup": the first lookup of X while it is held only on disk (pending N)
+against a lookup of the same keys READY, and one key at a time (p50 over the N keys). "disk
+restart": a directory holding 1,000,000 blocks (64-byte blocks, a 4 KiB slot each; the slots a
+sparse file, the records written as the tier writes them and dropped from the page cache), a fresh
+daemon on it: from its launch to serving from its region, to the companion ready (the index
+loaded), and to the first of those blocks READY on a lookup.
+
+**What seals cost** (issue 26 G): the same bench for Mooncake and Redis on the code before seals
+(486885d) and after (this section's code), alternating, two full runs each (`python -m
+kvtierbench.tier --engine mooncake --engine redis`), on this 2-CPU machine at a load average of
+about 1; demote and promote as multiples of the raw put and get, each run's figure:
+
+| engine | block | demote before | demote after | promote before | promote after |
+|---|---:|---:|---:|---:|---:|
+| mooncake | 64 KiB | 0.81, 0.74 | 0.41, 0.50 | 0.54, 0.69 | 0.25, 0.34 |
+| mooncake | 1 MiB | 0.99, 0.90 | 0.65, 0.63 | 0.89, 0.85 | 0.58, 0.63 |
+| redis | 64 KiB | 1.03, 1.24 | 0.59, 0.66 | 0.77, 0.87 | 0.56, 0.48 |
+| redis | 1 MiB | 1.82, 1.32 | 1.01, 1.12 | 1.94, 1.86 | 1.35, 1.31 |
+
+Every block is hashed once on demote and once on promote (keyed BLAKE3, 1.5-2.6 GiB/s on one
+thread here, on a pool of as many threads as CPUs), on the companion's CPU, which the loopback
+engine's own transfers share on this machine (with TCP on loopback a transfer is CPU work too):
+256 MiB of 1 MiB blocks take about 65-130 ms to hash on two CPUs against 135 ms for Mooncake's
+raw get of them. Mooncake also moves every block as two buffers (the block and its seal) where
+one contiguous block was one. Not done yet: hashing one part of a batch while the next part
+transfers (with RDMA, which leaves the CPUs free, that would hide most of the cost).""",
+    "events": """The event log (`kvtierd.eventlog`) and the daemon's KV events stream (`kvtierd.kvevents_pub`) in
 this process, with one subscriber process, before the daemon publishes (issue 23's second phase
 adds the goals through a daemon): CPU per key of appending a store job's keys to the log and of
 publishing them (log read, vLLM's KVEventBatch bytes, the PUB send) against packing the same events
@@ -462,7 +521,9 @@ of the device copiers (the CUDA kernel of csrc/ and the torch fallback) against 
 contiguous `cudaMemcpyAsync` of the same bytes into the same pinned region (the link's ceiling),
 for DeepSeek-V3 MLA and a Llama-70B-like GQA shard; and cudaHostRegister of a client's mapping per
 GiB with 4 KiB vs 2 MiB pages, unpopulated and populated first (issue 15). They were **not run**
-for this page: no GPU device was lent to this task, so there are no GPU figures here."""
+for this page: no GPU device was lent to this task, so there are no GPU figures here. `make
+gpu-check OUT=dir` runs them with the GPU tests in one command ([cuda.md](cuda.md), "The GPU
+check"); its `gpu_bench/gpu_bench.md` is the table that belongs here."""
 
 
 def main() -> int:

@@ -47,6 +47,7 @@ import signal
 import statistics
 import tempfile
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -198,8 +199,10 @@ def cache_in_kvtierd(engine: Engine, requests: list) -> None:
 def settle(engine: Engine) -> None:
     """Wait until the engine's link thread is idle (it serves in order), so that setup work does
     not run into the timed steps."""
-    if not engine.manager.link.submit(lambda client: None).wait(30):
-        raise RuntimeError("the link thread did not get through its queue")
+    try:
+        engine.manager.link.submit(lambda client: None).result(30)
+    except FutureTimeout:
+        raise RuntimeError("the link thread did not get through its queue") from None
 
 
 class Run:

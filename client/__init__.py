@@ -5,19 +5,19 @@ dependencies (prometheus-client). Of the daemon's package it imports only the fl
 share, ``kvtierd.contract``. See ``kvtier.api`` for the API.
 """
 
-from kvtierd.contract.errors import (BadRequest, Conflict, DaemonError, DaemonUnavailable, Forbidden, InternalError,
-                                    JobAborted, JobTimeout, KvtierError, LayoutMismatch, LimitExceeded, NoSpace,
-                                    NotAttached, ShuttingDown, UnknownJob, VersionMismatch)
+from kvtierd.contract.errors import (AccessDenied, BadRequest, Conflict, DaemonError, DaemonUnavailable, Forbidden,
+                                    InternalError, JobAborted, JobTimeout, KvtierError, LayoutMismatch, LimitExceeded,
+                                    NoSpace, NotAttached, ShuttingDown, UnknownJob, VersionMismatch)
 from kvtierd.contract.namespace import NamespaceId, Sharding
 from kvtierd.contract.paths import default_socket
 from kvtierd.contract.protocol import ErrorCode, StoreOutcome
 
-from .api import Client, JobResult, Lease, StoreDecision
+from .api import Client, Coordinator, JobResult, Lease, Rank, StoreDecision
 
 __all__ = [
-    "Client", "NamespaceId", "JobResult", "Lease", "StoreDecision", "StoreOutcome", "Sharding", "ErrorCode",
+    "Client", "Rank", "Coordinator", "NamespaceId", "JobResult", "Lease", "StoreDecision", "StoreOutcome", "Sharding", "ErrorCode",
     "default_socket",
-    "KvtierError", "DaemonUnavailable", "DaemonError", "BadRequest", "VersionMismatch", "NotAttached",
+    "KvtierError", "DaemonUnavailable", "AccessDenied", "DaemonError", "BadRequest", "VersionMismatch", "NotAttached",
     "LayoutMismatch", "Conflict", "UnknownJob", "NoSpace", "JobTimeout", "ShuttingDown", "JobAborted",
     "LimitExceeded", "Forbidden", "InternalError",
 ]

@@ -28,6 +28,10 @@ each; ``harness`` holds what they share, ``report`` the tables:
               (median of 3), and the store's recovery (``Store(view)``) alone; against a start on
               a fresh region of the same size and the bare interpreter start with the daemon's
               imports.
+``restart``   kvtierd restarted under 8 engines (a link thread with its coordinator session and a rank
+              session each), planned (SIGTERM, then a new daemon) and after a crash (SIGKILL): ms
+              from the new daemon serving to every engine attached again, against a fresh client
+              attaching the moment it serves (``kvtierbench.restart``).
 ``redis``     a real redis-server on loopback (started and stopped here) storing and loading the
               same blocks, the way KV-cache libraries use Redis as a remote tier: each job both as
               one pipelined MSET/MGET and as one SET/GET per block, Redis credited with the faster
@@ -77,7 +81,7 @@ from .harness import FULL, QUICK, Context, machine, say, workdir_base
 
 # In the order they run (eviction fills the region that recovery then restarts); each module is
 # imported when it runs (so ``python -m kvtierbench.traces`` runs a module not imported before).
-SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "redis", "attach", "policy", "tier", "events")
+SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "restart", "redis", "attach", "policy", "tier", "events")
 
 
 def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: str | None = None,

@@ -12,7 +12,8 @@ import numpy as np
 from kvtierd.contract.channel import Channel
 
 from .echo import echo_server
-from .harness import CONTROL_PAGE, Context, KeyStream, bench_daemon, bench_namespace, make_keys, pct, ratio, say, target
+from .harness import (CONTROL_PAGE, Context, KeyStream, bench_daemon, bench_namespace, make_keys, pct, ratio, say,
+                      stop_processes, target)
 
 OPS = ("lookup", "store", "load")
 SLICES = 5                         # each (op, B, C) point alternates kvtierd and echo this many times
@@ -130,15 +131,7 @@ def run(ctx: Context) -> dict:
                     say(f"control: {op:6} B={batch:<5} C={clients:<3} p50 {k['p50_us']:8.1f} us "
                         f"(echo {e['p50_us']:7.1f}, x{row['p50_ratio']:.2f})  {k['keys_per_s']:12,.0f} keys/s")
     finally:
-        for proc, conn in workers:
-            try:
-                conn.send(("stop",))
-            except OSError:
-                pass
-        for proc, _ in workers:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+        stop_processes(workers, ("stop",), 10)
         echo.kill()
         echo.join(5)
         daemon.stop()

@@ -1,4 +1,4 @@
-"""``events``: the event log (kvtierd.events) and the daemon's KV events stream
+"""``events``: the event log (kvtierd.eventlog) and the daemon's KV events stream
 (kvtierd.kvevents_pub) in isolation, with the daemon's job sizes, in this process and one
 subscriber process.
 
@@ -33,7 +33,7 @@ import zmq
 
 from kvtierd import kvevents_wire as wire
 from kvtierd.contract.region_format import ENTRY_DTYPE
-from kvtierd.events import EventLog, TableSnapshot
+from kvtierd.eventlog import EventLog, TableSnapshot
 from kvtierd.kvevents_pub import KvEventsPublisher
 
 from .harness import Context, pct, ratio, say, target

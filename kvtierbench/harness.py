@@ -1,7 +1,8 @@
 """What the bench sections share: the plan of a run, key streams, machine facts, targets and
-ratios, the daemons they start (``kvtierd.launcher.DaemonProcess``), a rank copying blocks
-through the client (``BlockBench``), a rank storing at the protocol level (``RankChannel``), and
-the full region that eviction fills and recovery restarts."""
+ratios, the daemons they start (``kvtierd.launcher.DaemonProcess``) and the stop of their worker
+processes (``stop_processes``), a rank copying blocks through the client (``BlockBench``), a rank
+storing at the protocol level (``RankChannel``), and the full region that eviction fills and
+recovery restarts."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class Plan:
     tier_reps: int                        # tier: measured repetitions (after one warm-up)
     tier_lookup_batches: int              # tier: lookups timed per key count
     tier_lookup_keys: tuple[int, ...]     # tier: keys per lookup
+    tier_restart_blocks: int              # tier (disk): blocks on disk when a daemon restarts
 
 
 FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4, 16), duration=0.5,
@@ -63,12 +65,13 @@ FULL = Plan(control_region=256 * MiB, batches=(1, 16, 256, 1024), clients=(1, 4,
             attach_block=2 * MiB, attach_blocks=16, attach_reps=24,
             capacities=(0.02, 0.05, 0.1, 0.2), generated_requests=3000, cost_entries=65536,
             cost_batches=(1, 16, 256), cost_slices=9, tier_blocks=256, tier_block_sizes=(64 << 10, MiB), tier_reps=5,
-            tier_lookup_batches=200, tier_lookup_keys=(1, 256))
+            tier_lookup_batches=200, tier_lookup_keys=(1, 256), tier_restart_blocks=1_000_000)
 QUICK = Plan(control_region=64 * MiB, batches=(1, 256, 1024), clients=(1, 4), duration=0.1, block_sizes=(MiB,),
              blocks_per_job=(64,), reps=2, tp=(1, 2, 4, 8), budget=16 * MiB, capacity_block=256 << 10,
              entries=20_000, eviction_batches=(1024,), redis_blocks=16, attach_block=MiB, attach_blocks=4,
              attach_reps=4, capacities=(0.05, 0.2), generated_requests=300, cost_entries=4096, cost_batches=(16,), cost_slices=2,
-             tier_blocks=32, tier_block_sizes=(256 << 10,), tier_reps=2, tier_lookup_batches=10, tier_lookup_keys=(256,))
+             tier_blocks=32, tier_block_sizes=(256 << 10,), tier_reps=2, tier_lookup_batches=10, tier_lookup_keys=(256,),
+             tier_restart_blocks=20_000)
 
 CONTROL_PAGE = 4096                # control/eviction/recovery: 4 KiB pages, one-page blocks
 DATA_PAGE = 64 << 10               # data/capacity/redis: the default page size
@@ -133,13 +136,19 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+# The bench's regions are sized to its working set and one engine loads all of it in one job: the
+# shares of the region an engine may hold out of eviction (kvtierd.holds, there for a node shared
+# by engines) would cut its loads, so its daemons let one engine hold the whole region.
+HOLD_ALL = ("--max-held-share-per-engine", "1", "--max-held-share-per-namespace", "1", "--max-held-share", "1")
+
+
 def bench_daemon(directory: str, size: int, page_size: int, *flags: str, job_timeout: float = 120.0) -> DaemonProcess:
     """A kvtierd for the bench in ``directory``, unpinned and without metrics, with more ``flags``
     (not started: ``start()`` returns the seconds from process start to serving)."""
     os.makedirs(directory, exist_ok=True)
     return DaemonProcess(directory, "--size", str(size), "--page-size", str(page_size), "--pin", "off",
                          "--metrics-address", "off", "--job-timeout", str(job_timeout), "--log-level", "info",
-                         *flags, start_timeout=300.0, call_timeout=60.0)
+                         *HOLD_ALL, *flags, start_timeout=300.0, call_timeout=60.0)
 
 
 def region_size(pages: int, page_size: int) -> int:
@@ -271,6 +280,20 @@ class RankChannel:
 
     def close(self) -> None:
         self.client.close()
+
+
+def stop_processes(workers: list, stop_message, timeout: float) -> None:
+    """Tell each worker process (``(process, its pipe)``) to stop, wait ``timeout`` for it, kill it
+    if it is still there."""
+    for _, conn in workers:
+        try:
+            conn.send(stop_message)
+        except OSError:
+            pass
+    for proc, _ in workers:
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
 
 
 def big_region(ctx: Context) -> DaemonProcess:

@@ -41,7 +41,7 @@ from kvtierd.launcher import DaemonProcess
 from kvtierd.policy import DEFAULT, POLICIES
 
 from . import traces
-from .harness import Context, KeyStream, bench_namespace, ratio, region_size, say, target
+from .harness import HOLD_ALL, Context, KeyStream, bench_namespace, ratio, region_size, say, target
 
 HASH_SEED = "0"
 MIN_REGION = 8 << 20                # the daemon's smallest --size
@@ -52,7 +52,7 @@ def _daemon(directory: str, policy: str, pages: int, page_size: int) -> DaemonPr
     os.makedirs(directory, exist_ok=True)
     return DaemonProcess(directory, "--size", str(region_size(pages, page_size)), "--page-size", str(page_size),
                          "--pin", "off", "--metrics-address", "off", "--policy", policy, "--log-level", "warning",
-                         "--prefault-threads", "1", env={"PYTHONHASHSEED": HASH_SEED}, start_timeout=120.0,
+                         "--prefault-threads", "1", *HOLD_ALL, env={"PYTHONHASHSEED": HASH_SEED}, start_timeout=120.0,
                          call_timeout=60.0)
 
 

@@ -28,6 +28,10 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row 
                  ("daemon s", "daemon_started_in_s", "{:.2f}"), ("Store() s", "store_recovery_s", "{:.2f}"),
                  ("scan s", "scan_s", "{:.2f}"), ("fresh start s", "fresh_start_s", "{:.2f}"),
                  ("interpreter s", "interpreter_s", "{:.2f}")],
+    "restart": [("restart", "restart", "{}"), ("engines", "engines", "{}"), ("rounds", "rounds", "{}"),
+                ("down s", "down_s", "{:.2f}"), ("links up ms", "links_ms", "{:.1f}"),
+                ("ranks attached ms", "ranks_ms", "{:.1f}"), ("worst ms", "worst_ms", "{:.1f}"),
+                ("fresh client ms", "fresh_attach_ms", "{:.1f}")],
     "redis": [("blocks", "blocks", "{}"), ("block MiB", "block_bytes", "MiB"),
               ("kvtierd blocks/s", "kvtierd_blocks_per_s", "{:,.0f}"),
               ("redis blocks/s", "redis_blocks_per_s", "{:,.0f}"),
@@ -61,6 +65,17 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row 
     "events sustained": [("offered/s", "offered_per_s", "{:,.0f}"), ("published/s", "published_per_s", "{:,.0f}"),
                          ("received/s", "received_per_s", "{:,.0f}"), ("RSS 1/3 KiB", "rss_third_kib", "{:,}"),
                          ("RSS end KiB", "rss_end_kib", "{:,}"), ("log bytes", "log_bytes", "{:,}")],
+    "tier disk lookup": [("blocks", "blocks", "{}"), ("block KiB", "block_bytes", "KiB"),
+                         ("N keys on disk us", "lookup_pending_us", "{:.0f}"), ("N keys local us", "lookup_local_us",
+                                                                               "{:.0f}"),
+                         ("x local", "lookup_pending_vs_local", "{:.2f}"),
+                         ("1 key on disk p50 us", "lookup1_pending_p50_us", "{:.0f}"),
+                         ("1 key local p50 us", "lookup1_local_p50_us", "{:.0f}"),
+                         ("x local", "lookup1_pending_vs_local", "{:.2f}")],
+    "tier disk restart": [("blocks on disk", "blocks", "{:,}"), ("daemon serving s", "daemon_serving_s", "{:.2f}"),
+                          ("companion ready s", "companion_ready_s", "{:.2f}"),
+                          ("first disk block READY s", "first_block_ready_s", "{:.2f}"),
+                          ("index load s", "companion_load_s", "{:.2f}")],
     "policy cost": [("op", "op", "{}"), ("B", "keys", "{}"), ("policy", "policy", "{}"),
                     ("CPU ns/key", "cpu_ns_per_key", "{:,.0f}"), ("x LRU", "x_lru", "{:.2f}")],
 }
@@ -97,7 +112,8 @@ def format_results(result: dict) -> str:
             continue
         lines += table(section["rows"], COLUMNS[name])
         for title, rows in section.get("more", {}).items():
-            lines += ["", f"== {name}: {title}", *table(rows, COLUMNS[f"{name} {title}"])]
+            if rows:
+                lines += ["", f"== {name}: {title}", *table(rows, COLUMNS[f"{name} {title}"])]
         lines += [f"note: {n}" for n in section["notes"]]
         targets += section["targets"]
     if targets:

@@ -11,16 +11,9 @@ raw floor and the daemons taking turns at going first:
              Redis Cluster through redis-py's ``RedisCluster`` pipeline (SET of each block, GET of
              each block copied into its place, as a KV library must)
 ``demote``   node A (a kvtierd whose region holds exactly 2N blocks, ``tier_low_watermark`` 0.5)
-             holds N blocks X; a store of N more takes the last free pages, so the daemon demotes
-             its N first victims at once, in one put. The store is committed only once A has
-             taken them: X are then its only READY blocks, so its victims are X whatever order
-             the policy gives them (committed earlier, the store's own blocks are victims too,
-             and slru ranks a block whose key its sketch remembers — a false positive does that
-             to a fresh key — after them: one of X stayed on A and a block of the store went to
-             the tier in its place). Timed by the daemon itself: its put's round trip through
-             the companion (``kvtierd_tier_call_seconds{op="put"}``), read once A counts all N
-             demoted (asking for stats every few milliseconds would compete for the CPU with
-             what it measures); then the engine is asked whether it holds all of X
+             demotes its N blocks X in one put, timed by the daemon itself
+             (``kvtierbench.tiernode.demote_x``, which says how X are made its only victims);
+             then the engine is asked whether it holds all of X
 ``promote``  node B (another kvtierd on the same engine) is asked for X: timed from the first
              lookup (pending N) to the lookup that finds all N READY (asked every 0.5 ms): the
              existence check, the pages, the get into them, READY. B then loads X and every block
@@ -33,8 +26,10 @@ reply) against a lookup of the same K keys once they are stored locally; p50 of
 until a lookup no longer reports them pending (the check's round trip through the companion and
 the engine; every tenth batch), for information.
 
-Both nodes run the daemon as shipped (a tier companion process each). Run it alone with
-``kvtierctl bench --only tier`` or ``python -m kvtierbench.tier [--quick] [--engine E]``.
+Both nodes run the daemon as shipped (a tier companion process each), sealing with one key (as a
+fleet's nodes do). The disk backend ("disk") is node-local: one node demotes and promotes, against
+O_DIRECT on the same filesystem (``kvtierbench.disktier``). Run it alone with ``kvtierctl bench
+--only tier`` or ``python -m kvtierbench.tier [--quick] [--engine E]``.
 """
 
 from __future__ import annotations
@@ -51,15 +46,17 @@ import time
 
 import numpy as np
 
-from kvtierd.tier.backend import open_backend
+from kvtierd.tier.backend import Owner, open_backend
 from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
-from kvtierd.tier.keys import Keyspace
-from kvtierd.tiering import identity
+from kvtierd.tier.keys import Keyspace, identity
 
+from . import disktier
+from .tiernode import demote_x, promote_x
 from .harness import (DATA_PAGE, FULL, QUICK, BlockBench, Context, MiB, bench_daemon, bench_namespace, make_keys, pct,
                       region_size, say, target)
 
-ENGINES = ("mooncake", "redis")
+ENGINES = ("mooncake", "redis", "disk")
+OWNER = Owner("kvtierbench", "")          # the raw floors' own clients: no directory to claim
 LOOKUP_PAGE = 4096
 # A pause before each timed lookup, as between an engine's scheduler steps. Timed right after
 # a burst of lookups polling for the tier's answer, a 1-key miss took 574 us against 194 us after
@@ -105,8 +102,8 @@ class RawMooncake:
     """Mooncake's own zero-copy batch API from/into one contiguous registered buffer."""
 
     def __init__(self, engine, buffer: Buffer):
-        self.backend = open_backend("mooncake", master=engine.address, timeout=30.0)
-        self.backend.attach(memoryview(buffer.map))
+        self.backend = open_backend("mooncake", engine.address, timeout=30.0)
+        self.backend.attach(memoryview(buffer.map), OWNER)
 
     def put_get(self, n: int, size: int, keys: list[str]) -> tuple[float, float]:
         store, base, config = self.backend.store, self.backend.base, self.backend.config
@@ -136,7 +133,7 @@ class RawRedis:
         self.buffer = buffer
         self.client = PyCluster(startup_nodes=[ClusterNode(h, int(p)) for h, p in
                                                (a.split(":") for a in engine.address.split(","))], socket_timeout=120)
-        self.cleaner = open_backend("redis", nodes=engine.address, timeout=30.0)   # SCAN + UNLINK per primary
+        self.cleaner = open_backend("redis", engine.address, timeout=30.0)   # SCAN + UNLINK per primary
 
     def put_get(self, n: int, size: int, keys: list[str]) -> tuple[float, float]:
         view = memoryview(self.buffer.map)
@@ -180,13 +177,24 @@ def engine_version(kind: str, engine) -> str:
 
 
 # ------------------------------------------------------------------------------------------ nodes
-def tier_flags(kind: str, engine, *more: str) -> tuple[str, ...]:
+def tier_flags(ctx: Context, kind: str, engine, *more: str) -> tuple[str, ...]:
     return ("--tier-backend", kind, "--tier-address", engine.address, "--tier-data-timeout", "120",
-            "--tier-kill-after", "60", "--tier-timeout", "5", *more)
+            "--tier-kill-after", "60", "--tier-timeout", "5", "--tier-key-file", key_file(ctx), *more)
+
+
+def key_file(ctx: Context) -> str:
+    """The key every node of the run seals with (generated once, mode 0600)."""
+    path = ctx.path("tier.key")
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode())
+        os.close(fd)
+    return path
 
 
 def start_node(ctx: Context, name: str, kind: str, engine, pages: int, page_size: int, *more: str):
-    daemon = bench_daemon(ctx.path(name), region_size(pages, page_size), page_size, *tier_flags(kind, engine, *more))
+    daemon = bench_daemon(ctx.path(name), region_size(pages, page_size), page_size,
+                          *tier_flags(ctx, kind, engine, *more))
     daemon.start()
     deadline = time.monotonic() + 120
     while daemon.stats()["tier"]["state"] != "ready":
@@ -196,77 +204,15 @@ def start_node(ctx: Context, name: str, kind: str, engine, pages: int, page_size
     return daemon
 
 
-def wait_counter(daemon, name: str, value: int, timeout: float = 300.0) -> dict:
-    """Poll the daemon's tier counter until it reaches ``value``; returns the tier's stats then."""
-    deadline = time.monotonic() + timeout
-    while (tier := daemon.stats()["tier"])[name] < value:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} stayed below {value}: {tier}")
-        time.sleep(0.005)
-    return tier
-
-
-def call_seconds(tier: dict, op: str) -> float:
-    hist = tier["call_seconds"].get(op)
-    return hist["sum"] if hist else 0.0
-
-
-def taken(daemon, since: int, n: int, timeout: float = 60.0) -> None:
-    """Wait until the daemon has taken ``n`` blocks for demotion (in its put, or done) since its
-    ``demoted_blocks`` was ``since``. Its loop does that at its next turn, so the first ask
-    nearly always finds them."""
-    deadline = time.monotonic() + timeout
-    while (tier := daemon.stats()["tier"])["demoting_blocks"] + tier["demoted_blocks"] - since < n:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"node A did not take {n} blocks to demote: {tier}")
-        time.sleep(0.001)
-
-
 def demote_promote(a, b, bench_a: BlockBench, bench_b: BlockBench, n: int, seed: int, ns_name: str,
                    raw, keyspace: Keyspace) -> tuple[float, float]:
     """One repetition: X demoted from A (timed), then promoted into B (timed) and checked."""
-    for node in (a, b):                         # both regions and the namespace in the tier empty
-        node.call("clear", admin=True, namespace=ns_name)
-    ids = np.arange(n)
-    x, trigger = make_keys(seed, n), make_keys(seed + 1, n)
-    job = next(bench_a.jobs)
-    bench_a.client.store(job, x, ids)
-    (done,) = bench_a.client.wait([job])
-    if not done.ok:
-        raise RuntimeError(f"store of X on node A failed: {done}")
-    before = a.stats()["tier"]
-    job = next(bench_a.jobs)                    # takes the last free pages: no copy, only the allocation
-    bench_a.client.channel.call("store", job=job, keys=trigger)
-    # Committed only once A has taken its victims: X, its only READY blocks until then. Committed
-    # before A's loop came round to it, the trigger's blocks would be victims too, and the policy
-    # may rank one of them before one of X (module docstring, "demote").
-    taken(a, before["demoted_blocks"], n)
-    bench_a.client.channel.call("commit", job=job, ok=True)
-    after = wait_counter(a, "demoted_blocks", before["demoted_blocks"] + n)
-    demote = call_seconds(after, "put") - call_seconds(before, "put")
-    dropped = sum(after["demote_dropped_blocks"].values())
-    if dropped:
-        raise RuntimeError(f"node A dropped {dropped} blocks instead of demoting them")
+    b.call("clear", admin=True, namespace=ns_name)            # B's region empty too
+    x, ids, demote = demote_x(a, bench_a, n, seed, ns_name)
     held = raw.holds(keyspace.names(x))
     if held != n:
         raise RuntimeError(f"node A demoted {n} blocks but the tier holds {held} of the {n} of X")
-    rows = bench_b.kv.numpy()
-    rows[:, :8] = 0xFF
-    t0 = time.perf_counter()
-    first = bench_b.client.lookup_detail(x)
-    if (first.hits, first.pending) != (0, n):
-        raise RuntimeError(f"node B's first lookup: {first}, expected 0 hits and {n} pending")
-    while bench_b.client.lookup_detail(x).hits < n:
-        time.sleep(0.0005)
-        if time.perf_counter() - t0 > 300:
-            raise RuntimeError(f"node B did not promote X: {b.stats()['tier']}")
-    promote = time.perf_counter() - t0
-    job = next(bench_b.jobs)
-    hits = bench_b.client.load(job, x, ids)
-    (loaded,) = bench_b.client.wait([job])
-    if not loaded.ok or hits != n or not np.array_equal(rows[:, :8].view("<u8").ravel(), ids.astype("<u8")):
-        raise RuntimeError("node B loaded other bytes than node A stored")
-    return demote, promote
+    return demote, promote_x(b, bench_b, x, ids)["promote"]
 
 
 def lookup_latency(ctx: Context, kind: str, engine, batches: int, sizes: tuple[int, ...]) -> list[dict]:
@@ -382,9 +328,14 @@ def engine_rows(ctx: Context, kind: str) -> tuple[list[dict], list[dict], str]:
 
 
 def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
-    rows, lookups, notes, skipped = [], [], [], []
+    rows, lookups, notes, skipped, restart = [], [], [], [], []
     for kind in engines:
         try:
+            if kind == "disk":
+                got, restart, version = disktier.rows(ctx)
+                rows += got
+                notes.append(version)
+                continue
             got, lat, version = engine_rows(ctx, kind)
         except (EngineUnavailable, ImportError) as exc:
             skipped.append(f"{kind}: {exc}")
@@ -399,7 +350,13 @@ def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
               for r in rows for what in ("demote_vs_raw_put", "promote_vs_raw_get")}
     ratios.update({f"{r['engine']}_lookup_{r['keys']}_miss_vs_local": r["miss_vs_local"] for r in lookups})
     targets = []
-    for kind in dict.fromkeys(r["engine"] for r in rows):
+    disk = [r for r in rows if r["engine"] == "disk"]
+    if disk:
+        ratios.update({f"disk_{r['blocks']}x{r['block_bytes'] >> 10}KiB_{what}": r[what] for r in disk
+                       for what in ("lookup_pending_vs_local", "lookup1_pending_vs_local")})
+        ratios["disk_restart_first_block_ready_s"] = restart[0]["first_block_ready_s"]
+        targets += disktier.targets(disk, restart)
+    for kind in dict.fromkeys(r["engine"] for r in rows if r["engine"] != "disk"):
         mine = [r for r in rows if r["engine"] == kind]
         targets += [target(f"tier {kind}: demote vs the engine's raw put, blocks/s (worst block size)",
                            min(r["demote_vs_raw_put"] for r in mine), 0.8, "higher"),
@@ -408,14 +365,21 @@ def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
         targets.append(target(f"tier {kind}: lookup-miss p50 vs a local lookup of the same keys (worst key count)",
                               max(r["miss_vs_local"] for r in lookups if r["engine"] == kind), 2, "lower"))
     notes += [f"skipped {s}" for s in skipped]
-    notes.append("raw: the engine's own client in this process (Mooncake batch_put_from/batch_get_into on one "
-                 "registered buffer; Redis: redis-py cluster pipeline, GET values copied into place). demote: node A's "
-                 "daemon writes its N blocks X to the tier in one put once a store takes its last free pages, X "
-                 "its only READY blocks then (the put's round trip, timed by the daemon; the engine then holds all "
-                 "of X); promote: node B, first lookup to all N READY (existence check, allocation, "
-                 "get into the region, READY), then loaded and checked. Both through each daemon's tier companion. "
-                 "Fresh keys every repetition; median of the repetitions after a warm-up")
-    return {"rows": rows, "more": {"lookup": lookups}, "ratios": ratios, "targets": targets, "notes": notes}
+    if len(disk) < len(rows):
+        notes.append("raw: the engine's own client in this process (Mooncake batch_put_from/batch_get_into on one "
+                     "registered buffer; Redis: redis-py cluster pipeline, GET values copied into place). demote: node "
+                     "A's daemon writes its N blocks X to the tier in one put once a store takes its last free pages, "
+                     "X its only READY blocks then (the put's round trip, timed by the daemon; the engine then holds "
+                     "all of X); promote: node B, first lookup to all N READY (existence check, allocation, get into "
+                     "the region, READY), then loaded and checked. Both through each daemon's tier companion. Fresh "
+                     "keys every repetition; median of the repetitions after a warm-up")
+    if disk:
+        notes.append("disk: one node demotes N blocks X to its disk tier and promotes them back, against the same "
+                     "blocks written and read with O_DIRECT in the same directory (the faster of one stream and "
+                     f"{disktier.IO_THREADS}); lookups of keys held only on disk against the same keys READY; a "
+                     "restart on a directory of R blocks to the first disk block READY (kvtierbench/disktier.py)")
+    return {"rows": rows, "more": {"lookup": lookups, "disk lookup": disk, "disk restart": restart}, "ratios": ratios,
+            "targets": targets, "notes": notes}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
 
 from . import __version__, config
-from .contract.paths import DEFAULT_NAME, DaemonPaths, admin_socket_for, default_directory
+from .contract.paths import DaemonPaths, access_problem
 from .contract.protocol import StatsReply
 
 
@@ -55,12 +56,30 @@ def daemon_main(argv: list[str] | None = None) -> int:
 # inspect and check read the region's files, so they also work when the daemon is down.
 
 
+def daemon_paths(args: argparse.Namespace, environ: dict[str, str] | None = None) -> DaemonPaths:
+    """The files of the daemon the command line points at: one way for every command.
+
+    ``--socket`` (or ``$KVTIERD_SOCKET``) names the daemon by its client socket, <dir>/<name>.sock;
+    else ``--dir``/``--name`` do; what they leave unset comes from the daemon's own settings, read as
+    the daemon reads them: its config file (``--config``, ``$KVTIERD_CONFIG``, or
+    /etc/kvtierd/kvtierd.toml when it exists), then ``$KVTIERD_DIR``/``$KVTIERD_NAME``. Flags beat
+    the environment: ``--dir``, ``--name`` or ``--config`` set ``$KVTIERD_SOCKET`` aside."""
+    environ = os.environ if environ is None else environ
+    if args.socket:
+        return DaemonPaths.of_socket(args.socket)
+    if environ.get("KVTIERD_SOCKET") and not (args.dir or args.name or args.config):
+        return DaemonPaths.of_socket(environ["KVTIERD_SOCKET"])
+    # The settings of the daemon's that name its files, from its file and environment alone (other
+    # KVTIERD_* variables are no business of kvtierctl's).
+    env = {var: environ[var] for var in ("KVTIERD_DIR", "KVTIERD_NAME") if var in environ}
+    cfg = config.load(None, args.config or environ.get("KVTIERD_CONFIG"), environ=env)
+    return DaemonPaths(args.dir or cfg.dir, args.name or cfg.name)
+
+
 def _paths(args: argparse.Namespace) -> tuple[str, str, DaemonPaths, str]:
     """(socket, admin socket, the region's paths, lock) of the daemon the flags/env point at."""
-    paths = DaemonPaths(args.dir or os.environ.get("KVTIERD_DIR") or default_directory(),
-                        args.name or os.environ.get("KVTIERD_NAME") or DEFAULT_NAME)
-    socket = args.socket or paths.socket
-    return socket, admin_socket_for(socket), paths, paths.lock
+    paths = daemon_paths(args)
+    return paths.socket, paths.admin_socket, paths, paths.lock
 
 
 def _call(path: str, timeout: float, op: str, **fields: Any) -> dict[str, Any]:
@@ -82,6 +101,8 @@ def daemon_running(lock_path: str) -> bool:
         fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
+    except PermissionError:
+        raise SystemExit(f"kvtierctl: {access_problem(lock_path) or f'permission denied: {lock_path}'}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False
@@ -109,7 +130,7 @@ def _pairs(data: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
                 key.endswith("_bytes") or key.startswith("bytes_")):
             text = f"{value} ({_human_bytes(value)})"
         elif isinstance(value, float):
-            text = f"{value:.1f}"
+            text = f"{value:.6g}"       # 0.05 stays 0.05 (a fixed one decimal showed 0.1)
         else:
             text = "-" if value is None else str(value)
         rows.append((key, text))
@@ -147,7 +168,9 @@ def fetch_stats(args: argparse.Namespace) -> dict:
 # What `kvtierctl status` shows of the second tier (protocol.StatsReply.tier; all of it: stats).
 TIER_STATUS_FIELDS = ("backend", "address", "state", "pid", "last_error", "breaker", "inflight", "restarts",
                       "demoted_blocks", "demoting_blocks", "demote_dropped_blocks", "promoted_blocks",
-                      "promoting_blocks", "promote_failed_blocks", "lookup_keys")
+                      "promoting_blocks", "promote_failed_blocks", "seal_rejected_blocks", "lookup_keys")
+# What it shows of the disk tier's own state (the companion's latest stats), as disk_<name>.
+DISK_STATUS_FIELDS = ("direct", "writable", "blocks", "used_bytes", "capacity_bytes", "errors")
 
 
 def tier_status(tier: dict) -> dict:
@@ -156,6 +179,10 @@ def tier_status(tier: dict) -> dict:
         return {"backend": "off"}
     out = {name: tier[name] for name in TIER_STATUS_FIELDS if name in tier}
     out["errors"] = sum(e["calls"] for e in tier.get("errors", []))
+    engine = tier.get("engine", {})
+    out["seal_key_id"] = engine.get("seal_key_id")
+    if engine.get("engine") == "disk":
+        out.update({f"disk_{name}": engine[name] for name in DISK_STATUS_FIELDS if name in engine})
     return {k: " ".join(f"{a}:{b}" for a, b in sorted(v.items())) if isinstance(v, dict) else v
             for k, v in out.items()}
 
@@ -166,17 +193,28 @@ def fetch_status(args: argparse.Namespace) -> dict:
         s = _stats(socket, args.timeout)
         return {"daemon": "running", **{name: getattr(s, name) for name in STATUS_FIELDS},
                 "tier": tier_status(s.tier)}
+    return {"daemon": "not running", **_read_region(region, lambda off, view: off.status(view, region))}
+
+
+def _read_region(paths: DaemonPaths, fn):
+    """``fn(offline, view)`` on a read-only view of the region's files; a file this user may not
+    read is explained (the metadata file is the daemon user's alone), not shown as a raw EACCES."""
     from . import offline
-    with offline.open_region(region) as view:
-        return {"daemon": "not running", **offline.status(view, region)}
+    try:
+        with offline.open_region(paths) as view:
+            return fn(offline, view)
+    except PermissionError:
+        problem = access_problem(paths.meta) or access_problem(paths.region)
+        if problem is None:
+            raise
+        raise SystemExit(f"kvtierctl: {problem}. Commands that read the region's files (status with the daemon "
+                         "down, namespaces, entries, inspect, check) need to; stats talks to a running daemon "
+                         "instead") from None
 
 
 def _offline(fn):
     def fetch(args: argparse.Namespace):
-        from . import offline
-        region = _paths(args)[2]
-        with offline.open_region(region) as view:
-            return fn(offline, view, args)
+        return _read_region(_paths(args)[2], lambda off, view: fn(off, view, args))
     return fetch
 
 
@@ -189,9 +227,25 @@ def _key(text: str) -> bytes:
 
 fetch_namespaces = _offline(lambda off, view, args: off.namespaces(view))
 fetch_entries = _offline(lambda off, view, args: off.entries(view, args.namespace, args.sort, args.limit))
-fetch_inspect = _offline(lambda off, view, args: (
-    {"entries": off.inspect_key(view, _key(args.value))} if args.what == "key"
-    else off.inspect_page(view, int(args.value))))
+
+
+def _page(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"kvtierctl: page {text!r} is not a page number (0 .. pages_total - 1, "
+                         "as kvtierctl status shows)") from None
+
+
+def fetch_inspect(args: argparse.Namespace) -> dict:
+    # The value is checked before the region is read: a typo is a usage error wherever the files are.
+    if args.what == "key":
+        key = _key(args.value)
+        return _offline(lambda off, view, a: {"entries": off.inspect_key(view, key)})(args)
+    page = _page(args.value)
+    return _offline(lambda off, view, a: off.inspect_page(view, page))(args)
+
+
 fetch_check = _offline(lambda off, view, args: off.check(view, daemon_running(_paths(args)[3]), args.checksums))
 
 
@@ -288,7 +342,7 @@ COMMANDS: dict[str, tuple] = {
                 lambda p: (p.add_argument("--namespace", help="only this namespace (as kvtierctl namespaces names it)"),
                            p.add_argument("--sort", choices=("age", "size"), default="age",
                                           help="age: least recently used first; size: largest first"),
-                           p.add_argument("--limit", type=int, help="at most this many rows")),
+                           p.add_argument("--limit", type=_count, help="at most this many rows (0 or more)")),
                 fetch_entries,
                 lambda d, a: _table(d, ["slot", "state", "length", "page_count", "last_access_tick", "key",
                                         "namespace"]), None),
@@ -304,7 +358,7 @@ COMMANDS: dict[str, tuple] = {
                                                    "leases", "leased_keys", "namespace"]), None),
     "evict": ("evict entries, the eviction policy's first victims first; leased, pinned and in-flight ones stay "
               "(admin socket; the second tier keeps its copies)",
-              lambda p: (p.add_argument("--count", type=int, required=True, help="how many entries"),
+              lambda p: (p.add_argument("--count", type=_count, required=True, help="how many entries (0 or more)"),
                          p.add_argument("--namespace", help="only from this namespace")),
               fetch_evict, format_eviction, None),
     "clear": ("evict every evictable entry of a namespace, or of all, and remove its blocks from the second tier; "
@@ -322,6 +376,32 @@ COMMANDS: dict[str, tuple] = {
 }
 
 
+def _count(text: str) -> int:
+    """A count on the command line: a whole number, 0 or more (a negative one used to slice rows off
+    the end: entries --limit -1 dropped the last entry)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give 0 or more")
+    return value
+
+
+def _json(data: Any) -> str:
+    """JSON for scripts: a histogram's +Inf bound (and any other non-finite float) as the string
+    Prometheus writes it, since JSON has no Infinity (strict parsers, Node's among them, reject it)."""
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+    return json.dumps(finite(data), indent=2, sort_keys=True, allow_nan=False)
+
+
 def _bench():
     import kvtierbench  # the bench's dependencies (torch, redis) only when benchmarking
     return kvtierbench
@@ -333,11 +413,17 @@ def ctl_parser() -> argparse.ArgumentParser:
         description="Inspect and manage a kvtierd. status, namespaces, entries, inspect and check read the region's "
                     "files and work with the daemon down; stats, clients, evict and clear talk to the daemon "
                     "(clients, evict and clear on its admin socket, which only the daemon's user can open); bench "
-                    "starts daemons of its own.")
-    parser.add_argument("--dir", help="daemon directory [env KVTIERD_DIR; default as kvtierd's]")
-    parser.add_argument("--name", help="daemon name [env KVTIERD_NAME; default kvtierd]")
-    parser.add_argument("--socket", default=os.environ.get("KVTIERD_SOCKET"),
-                        help="client socket, instead of <dir>/<name>.sock [env KVTIERD_SOCKET]")
+                    "starts daemons of its own. Every command finds the daemon the same way: --socket names it by "
+                    "its client socket; else --dir and --name; else the daemon's config file (--config) and "
+                    "KVTIERD_* variables, read as the daemon reads them.")
+    parser.add_argument("--socket", help="the daemon's client socket <dir>/<name>.sock: names the daemon for every "
+                                         "command [env KVTIERD_SOCKET]")
+    parser.add_argument("--dir", help="the daemon's directory [env KVTIERD_DIR; else its config file's; default as "
+                                      "kvtierd's]")
+    parser.add_argument("--name", help="the daemon's name [env KVTIERD_NAME; else its config file's; default kvtierd]")
+    parser.add_argument("--config", metavar="FILE", help=f"the daemon's TOML config file, for its dir and name "
+                                                         f"[env KVTIERD_CONFIG; default {config.DEFAULT_CONFIG_FILE} "
+                                                         "when it exists]")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     parser.add_argument("--version", action="version", version=f"kvtierctl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -362,5 +448,12 @@ def ctl_main(argv: list[str] | None = None) -> int:
     except (OSError, FormatError, ValueError) as exc:
         print(f"kvtierctl: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(data, indent=2, sort_keys=True) if args.json else fmt(data, args))
+    try:
+        print(_json(data) if args.json else fmt(data, args))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (kvtierctl status | head -1): stop quietly, as a shell tool does. The
+        # interpreter's last flush at exit would fail again, so stdout goes to /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141      # 128 + SIGPIPE, what a shell reports for a writer whose reader left
     return exit_code(data) if exit_code else 0

@@ -5,8 +5,10 @@ environment variables and the settings reference. Precedence, lowest to highest:
 default < config file < environment < command line. ``load`` returns the effective values and,
 for each, where it came from.
 
-Sizes accept binary units (``64KiB``, ``512MiB``, ``64GiB``) or plain byte counts; durations
-are seconds (floats).
+Sizes accept binary units (``64KiB``, ``512MiB``, ``64GiB``) or plain byte counts; ``KB``, ``MB``,
+``GB``, ``TB`` (and ``K``, ``M``, ``G``, ``T``) are accepted as the same binary units, and every
+place that documents a size says so (``64GB`` is 64 × 2^30 bytes, not 64 × 10^9). Durations are
+seconds (floats).
 """
 
 from __future__ import annotations
@@ -35,13 +37,18 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1 << 10, "m": 1 << 
           "g": 1 << 30, "gib": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tib": 1 << 40, "tb": 1 << 40}
 
 
+# What a size may be, said alike by the docs, the --help of every size setting and the error for a bad one.
+SIZE_UNITS = ("binary units: 65536, 64KiB, 512MiB, 64GiB; KB, MB, GB, TB are read as the same binary units "
+              "(64GB = 64GiB = 64 × 2^30 bytes)")
+
+
 def parse_size(text: str | int) -> int:
     """'64KiB' → 65536. Binary units throughout (KB and KiB both mean 1024)."""
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (examples: 65536, 64KiB, 512MiB, 64GiB)")
+        raise ValueError(f"{text!r} is not a size ({SIZE_UNITS})")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -167,9 +174,18 @@ SETTINGS: tuple[Setting, ...] = (
             "cut to it; the shortest is 10 ms).", lo=0.01, hi=86400),
     Setting("max_leased_keys_per_engine", "int", "262144", "Entries one engine's leases may hold, counted per "
             "lease, plus one per lease; a lookup past it leases the prefix that fits (its reply says how many). "
-            "Bounds the capacity one engine can keep from eviction.", lo=1, hi=1 << 30),
+            "Bounds the daemon memory leases take; the capacity an engine keeps from eviction is bounded by "
+            "max_held_share_per_engine.", lo=1, hi=1 << 30),
     Setting("max_leased_keys", "int", "1048576", "Entries the leases of all engines may hold together (as "
             "max_leased_keys_per_engine counts them).", lo=1, hi=1 << 32),
+    Setting("max_held_share_per_engine", "float", "0.25", "Share of the region's pages one engine may keep out of "
+            "eviction through its leases and its load jobs' pins together, each counted on its own. A lookup past it "
+            "leases the prefix that fits (its reply says how many), a load pins the prefix that fits (the rest are "
+            "misses); a load of leased keys is never cut.", lo=0.01, hi=1.0),
+    Setting("max_held_share_per_namespace", "float", "0.4", "The same, for all engines of one namespace together.",
+            lo=0.01, hi=1.0),
+    Setting("max_held_share", "float", "0.75", "The same, for all engines together: the rest of the region stays "
+            "evictable, so that any engine's store finds room.", lo=0.01, hi=1.0),
     Setting("checksums", "bool", "false", "Writers hash each block (xxh64) after copying; the hash is kept in the "
             "entry table and verified when a restarted daemon recovers the region and by kvtierctl check "
             "--checksums. Turned on, a restart drops the entries stored while it was off.", ),
@@ -191,6 +207,10 @@ SETTINGS: tuple[Setting, ...] = (
             "it gets LIMIT.", lo=1, hi=1 << 20),
     Setting("max_sessions_per_peer", "int", "128", "Attached sessions at most from one peer (see "
             "max_connections_per_peer).", lo=1, hi=1 << 20),
+    Setting("max_writer_rows_per_peer", "int", "256", "Rows of the region's writer table one peer (see "
+            "max_connections_per_peer) may hold: its writer sessions attached, and its writers gone whose pages stay "
+            "fenced until they are proven done (fence_grace for those the daemon cannot watch). A writer hello past "
+            "it gets LIMIT; all peers together hold at most 4,096 rows (the region format).", lo=1, hi=4096),
     Setting("max_job_keys_per_engine", "int", "262144", "Keys (plus one per job) one engine's open jobs may hold; "
             "a job past it gets LIMIT. About 120 bytes of daemon memory per key.", lo=1024, hi=1 << 30),
     Setting("max_job_keys", "int", "1048576", "Keys (plus one per job) the open jobs of all engines may hold "
@@ -207,14 +227,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefault_threads", "int", "4", "Threads that prefault the region at start.", lo=1, hi=256),
     Setting("log_level", "choice", "info", "Log level.", choices=("debug", "info", "warning", "error")),
     # The second tier (docs/tier.md, docs/operations.md): off unless a backend is named.
-    Setting("tier_backend", "choice", "off", "Second tier behind the region: off, mooncake (Mooncake Store) or redis "
-            "(Valkey/Redis Cluster). Evicted blocks are demoted to it and lookup misses promoted from it, through a "
-            "companion process the daemon owns.", choices=("off", "mooncake", "redis")),
-    Setting("tier_address", "str", "", "Where the second tier is: the Mooncake master's HOST:PORT, or Valkey/Redis "
-            "Cluster nodes as HOST:PORT,HOST:PORT (seeds)."),
+    Setting("tier_backend", "choice", "off", "Second tier behind the region: off, mooncake (Mooncake Store), redis "
+            "(Valkey/Redis Cluster) or disk (the node's own disk: slab files in a local directory, kept across "
+            "restarts and reboots). Evicted blocks are demoted to it and lookup misses promoted from it, through a "
+            "companion process the daemon owns.", choices=("off", "mooncake", "redis", "disk")),
+    Setting("tier_address", "str", "", "Where the second tier is: the Mooncake master's HOST:PORT, Valkey/Redis "
+            "Cluster nodes as HOST:PORT,HOST:PORT (seeds), or the disk tier's directory on a local filesystem."),
     Setting("tier_settings", "json", "{}", "The backend's further settings as a JSON object (a TOML inline table in "
-            "the config file), e.g. {\"protocol\": \"tcp\", \"device\": \"\"} for Mooncake or {\"ttl_s\": 3600} for "
-            "Redis; docs/operations.md lists them."),
+            "the config file), e.g. {\"protocol\": \"tcp\", \"device\": \"\"} for Mooncake, {\"ttl_s\": 3600} for "
+            "Redis, {\"capacity\": \"2TiB\"} for disk; docs/operations.md lists them. A key "
+            "the backend does not take is an error at start."),
+    Setting("tier_key_file", "str", "", "File of the key (64 hex digits, mode 0600) that seals every block in the "
+            "second tier, checked before a promoted block becomes READY; generated when the file does not exist. "
+            "Give every node that shares a tier the same key. Default: <tier_address>/seal.key for disk, else "
+            "<dir>/<name>.tier.key (node-local: other nodes' blocks then fail their check)."),
     Setting("tier_timeout", "float", "0.5", "Seconds an existence check, remove or clear may take in the second tier "
             "before it counts as failed.", lo=0.01, hi=600),
     Setting("tier_data_timeout", "float", "10", "Seconds a batch of block transfers (demote or promote) may take "
@@ -260,7 +286,8 @@ class Config:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; flags default to None so that unset ones do not override."""
     for s in SETTINGS:
-        kwargs: dict[str, Any] = {"dest": s.name, "default": None, "help": f"{s.doc} [env {s.env}]"}
+        doc = f"{s.doc} Sizes take {SIZE_UNITS}." if s.type == "size" else s.doc
+        kwargs: dict[str, Any] = {"dest": s.name, "default": None, "help": f"{doc} [env {s.env}]"}
         if s.type == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -283,6 +310,9 @@ def load(args: argparse.Namespace | None = None, config_file: str | None = None,
                 table = tomllib.load(f)
         except FileNotFoundError:
             raise ValueError(f"config file {path} not found (--config / KVTIERD_CONFIG)") from None
+        except OSError as exc:      # a directory, a file this user may not read
+            raise ValueError(f"config file {path}: {exc.strerror} (--config / KVTIERD_CONFIG names a TOML "
+                             "file)") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {path}: {exc}") from None
         table = table.get("kvtierd", table)
@@ -324,7 +354,7 @@ def markdown() -> str:
         f"TOML file (`--config FILE`, `KVTIERD_CONFIG`, or `{DEFAULT_CONFIG_FILE}` when it exists; keys",
         "at top level or under a `[kvtierd]` table), as an environment variable, or as a flag.",
         "`kvtierd --print-config` shows the effective value of each and where it came from.",
-        "Sizes take binary units (`64KiB`, `512MiB`, `64GiB`); durations are seconds.",
+        f"Sizes take {SIZE_UNITS}; durations are seconds.",
         "",
         "| setting | flag | environment | type | default | bounds | description |",
         "|---|---|---|---|---|---|---|",
@@ -339,13 +369,21 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+# What the shipped deployment (deploy/systemd: user kvtierd, group kvtier) needs, set in the example
+# config rather than commented out: the unit sets no KVTIERD_* variable, which would override the file.
+DEPLOYED = {"dir": "/dev/shm/kvtierd", "group": "kvtier"}
+
+
 def example_toml() -> str:
     """deploy/kvtierd.example.toml, generated from the table (``make docs``)."""
     lines = ["# kvtierd configuration (TOML). Generated from kvtierd/config.py by `make docs`.",
-             f"# Install as {DEFAULT_CONFIG_FILE}. Every key is optional; shown are the defaults.", ""]
+             f"# Install as {DEFAULT_CONFIG_FILE}. Every key is optional; shown commented out are the defaults,",
+             "# set are the values the systemd unit and deploy/systemd/kvtierd.sysusers.conf go with.", ""]
     for s in SETTINGS:
         lines.append(f"# {s.doc}")
-        if callable(s.default):
+        if s.name in DEPLOYED:
+            lines.append(f"{s.name} = \"{DEPLOYED[s.name]}\"")
+        elif callable(s.default):
             lines.append(f"# {s.name} = \"{s.default()}\"")
         elif s.type in ("int", "float", "bool"):
             lines.append(f"# {s.name} = {s.default}")

@@ -15,12 +15,16 @@ import resource
 import sys
 import time
 
-from . import tiering
 from .config import Config, format_size
+from .contract.paths import DaemonPaths, check_socket_path
+from .contract.region_format import WRITER_SLOTS
+from .metrics import Endpoint
 from .region import Region, RegionError
 from .server import Server
 from .store import Store
 from .systemd import Notifier
+from .tiering.tier import build as build_tier
+from .tiering.tier import check as check_tier
 
 log = logging.getLogger("kvtierd")
 
@@ -65,25 +69,43 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def fit_fd_caps(nofile: int, max_connections: int, max_sessions: int) -> tuple[int, int]:
-    """(connections, sessions) caps that fit the open-files limit: every connection takes a
-    descriptor, every watched session a pidfd, and FD_RESERVE stay free for everything else."""
+def fit_fd_caps(nofile: int, max_connections: int, max_sessions: int,
+                writer_rows: int = WRITER_SLOTS) -> tuple[int, int, int]:
+    """(connections, sessions, writer rows) caps that fit the open-files limit: every connection
+    takes a descriptor, every watched session a pidfd, every writer gone whose pages are still
+    fenced a pidfd (while the daemon watches its process), and FD_RESERVE stay free for
+    everything else."""
     room = nofile - FD_RESERVE
-    if room >= max_connections + max_sessions:
-        return max_connections, max_sessions
-    connections = max(16, room * max_connections // (max_connections + max_sessions))
-    sessions = max(1, room - connections)
-    log.warning("the open-files limit (%d) cannot hold max_connections=%d plus max_sessions=%d; serving at most %d "
-                "connections and %d sessions. Raise the hard limit (LimitNOFILE= in the unit, ulimit -Hn) to lift "
-                "this", nofile, max_connections, max_sessions, connections, sessions)
-    return connections, sessions
+    wanted = max_connections + max_sessions + writer_rows
+    if room >= wanted:
+        return max_connections, max_sessions, writer_rows
+    connections = max(16, room * max_connections // wanted)
+    sessions = max(1, room * max_sessions // wanted)
+    rows = max(1, room - connections - sessions)
+    log.warning("the open-files limit (%d) cannot hold max_connections=%d plus max_sessions=%d plus %d writer rows "
+                "(a pidfd each); serving at most %d connections, %d sessions and %d writer rows. Raise the hard limit "
+                "(LimitNOFILE= in the unit, ulimit -Hn) to lift this", nofile, max_connections, max_sessions,
+                writer_rows, connections, sessions, rows)
+    return connections, sessions, rows
+
+
+def preflight(c: Config) -> None:
+    """Every check of the settings that costs nothing, made before the daemon touches memory: one
+    found after the prefault costs minutes of a large region's start, and Restart=on-failure repeats
+    it. (The region's own — directory, group, lock, huge pages, space, memlock for pin=mlock — come
+    first in Region.open, before it prefaults; the metrics address is bound right after this.)"""
+    paths = DaemonPaths(c.dir, c.name)
+    for path in (paths.socket, paths.admin_socket):
+        check_socket_path(path)
+    check_tier(c)
 
 
 class Daemon:
     def __init__(self, config: Config):
         self.config = config
         c = config
-        max_connections, max_sessions = fit_fd_caps(raise_fd_limit(), c.max_connections, c.max_sessions)
+        max_connections, max_sessions, max_writer_rows = fit_fd_caps(raise_fd_limit(), c.max_connections,
+                                                                     c.max_sessions)
         self.notifier = Notifier()
         last = [-1]
 
@@ -95,69 +117,33 @@ class Daemon:
                 log.info("prefault %d%% (%s of %s)", pct, format_size(done), format_size(total))
 
         started = time.monotonic()
-        self.notifier.status("prefaulting region")
-        self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
-                                  recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress,
-                                  huge=c.hugepages)
+        preflight(c)
+        # Bound before the prefault: a bad or taken address fails the start at once.
+        self.metrics = None if c.metrics_address == "off" else Endpoint(c.metrics_address, c.metrics_cache_seconds)
         try:
-            self.store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
-                               fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
-                               max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
-                               lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
-                               max_leased_keys_per_engine=c.max_leased_keys_per_engine,
-                               max_leased_keys=c.max_leased_keys)
-            # The recovered index (up to millions of entries) lives as long as the daemon: keep it
-            # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
-            gc.freeze()
-            rec = self.store.recovered
-            if self.region.adopted:
-                log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
-                         "damaged discarded, %d pages fenced for writers not proven gone", self.region.paths.region,
-                         "clean" if self.region.was_clean else "unclean", rec["ready"],
-                         rec["writing_discarded"], rec["corrupt_discarded"], rec["pages_fenced"])
-                if rec["writing_discarded"] or rec["corrupt_discarded"]:
-                    # The tables were rebuilt: page numbers a client held may mean other entries now.
-                    log.info("region rebuilt: new generation %x (clients remap on re-attach)",
-                             self.region.new_generation())
-            log.info("eviction policy: %s", c.policy)
-            geo = self.region.geometry
-            self.store.tiering = tiering.build(c, self.region.paths.region, geo.data_offset, geo.capacity_bytes,
-                                               geo.page_size, self.region.paths.directory, c.name, self.store.index,
-                                               self.store.fence)
-            if self.store.tiering is not None:
-                self.store.tiering.start()
-                log.info("second tier: %s at %s (demote %s, promote %s, low watermark %.2f); companion log %s",
-                         c.tier_backend, c.tier_address, c.tier_demote, c.tier_promote, c.tier_low_watermark,
-                         self.store.tiering.link.log_path)
-            self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
-                                 drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
-                                 region_check_interval=c.region_check_interval, max_connections=max_connections,
-                                 max_connections_per_peer=c.max_connections_per_peer, max_sessions=max_sessions,
-                                 max_sessions_per_peer=c.max_sessions_per_peer)
-            try:
-                self.server.listen()
-            except BaseException:
-                self.server.close()
-                raise
+            self.notifier.status("prefaulting region")
+            self.region = Region.open(c.dir, c.name, c.size, c.page_size, pin=c.pin, group=c.group or None,
+                                      recreate=c.recreate, prefault_threads=c.prefault_threads, progress=progress,
+                                      huge=c.hugepages)
         except BaseException:
-            if getattr(self, "store", None) is not None and self.store.tiering is not None:
-                self.store.tiering.close()
-            self.region.close(clean=False)
+            if self.metrics is not None:
+                self.metrics.close()
             raise
-        self.metrics_server = None
-        if c.metrics_address != "off":
-            from .metrics import start_endpoint   # prometheus-client only where metrics are served
-            try:
-                self.metrics_server, bound = start_endpoint(
-                    c.metrics_address, lambda: self.server.call_in_loop(self.server.stats), c.metrics_cache_seconds)
-            except ValueError:
+        self.store: Store | None = None
+        self.server: Server | None = None
+        try:
+            self._serve(c, max_connections, max_sessions, max_writer_rows)
+        except BaseException:
+            # Every failed start leaves nothing behind: sockets, the companion, the lock, and a
+            # region this start created (it caches nothing yet and holds its size in memory).
+            if self.server is not None:
                 self.server.close()
-                if self.store.tiering is not None:
-                    self.store.tiering.close()
-                self.region.close(clean=False)
-                raise
-            self.server.metrics_address = bound
-            log.info("metrics: http://%s/metrics", bound)
+            if self.store is not None:
+                self.store.tier.close()
+            if self.metrics is not None:
+                self.metrics.close()
+            self.region.close(clean=False, remove=not self.region.adopted)
+            raise
         geo, backing = self.region.geometry, self.region.backing
         log.info("ready: socket=%s region=%s size=%s pages=%d page_size=%s capacity=%s data_offset=%d "
                  "pinned=%s prefault=%s hugepages=%s huge_page_size=%s huge_bytes=%s generation=%x started_in=%.2fs "
@@ -169,6 +155,47 @@ class Daemon:
         self.notifier.notify(READY=1, STATUS=f"serving {self.server.socket_path}: {geo.num_pages} pages of "
                                              f"{format_size(geo.page_size)}, pinned={self.region.pinned}, "
                                              f"{backing.describe()}")
+
+    def _serve(self, c: Config, max_connections: int, max_sessions: int, max_writer_rows: int) -> None:
+        """The store on the region, its second tier, the sockets, the metrics: from here clients connect."""
+        self.store = self._open_store(c, max_writer_rows)
+        self.store.tier.start()
+        self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
+                             drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
+                             region_check_interval=c.region_check_interval, max_connections=max_connections,
+                             max_connections_per_peer=c.max_connections_per_peer, max_sessions=max_sessions,
+                             max_sessions_per_peer=c.max_sessions_per_peer)
+        self.server.listen()
+        if self.metrics is not None:
+            self.metrics.serve(lambda: self.server.call_in_loop(self.server.stats))
+            self.server.metrics_address = self.metrics.address
+            log.info("metrics: http://%s/metrics", self.metrics.address)
+
+    def _open_store(self, c: Config, max_writer_rows: int) -> Store:
+        """The store over the region (its index recovered from the tables) and its second tier."""
+        store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
+                      fence_grace=c.fence_grace, max_job_keys=c.max_job_keys,
+                      max_job_keys_per_engine=c.max_job_keys_per_engine, max_tombstones=c.max_tombstones,
+                      lease_ttl=c.lease_ttl, max_lease_ttl=c.max_lease_ttl,
+                      max_leased_keys_per_engine=c.max_leased_keys_per_engine, max_leased_keys=c.max_leased_keys,
+                      max_writer_rows=max_writer_rows, max_writer_rows_per_peer=c.max_writer_rows_per_peer,
+                      held_shares=(c.max_held_share_per_engine, c.max_held_share_per_namespace, c.max_held_share),
+                      tier=build_tier(c, self.region.paths, self.region.geometry))
+        # The recovered index (up to millions of entries) lives as long as the daemon: keep it
+        # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
+        gc.freeze()
+        rec = store.recovered
+        if self.region.adopted:
+            log.info("adopted region %s (last stop %s): %d ready entries recovered, %d unfinished and %d "
+                     "damaged discarded, %d pages fenced for writers not proven gone", self.region.paths.region,
+                     "clean" if self.region.was_clean else "unclean", rec["ready"],
+                     rec["writing_discarded"], rec["corrupt_discarded"], rec["pages_fenced"])
+            if rec["writing_discarded"] or rec["corrupt_discarded"]:
+                # The tables were rebuilt: page numbers a client held may mean other entries now.
+                log.info("region rebuilt: new generation %x (clients remap on re-attach)",
+                         self.region.new_generation())
+        log.info("eviction policy: %s", c.policy)
+        return store
 
     def run(self) -> None:
         self.server.install_signal_handlers()
@@ -182,9 +209,8 @@ class Daemon:
             return
         log.info("stopping")
         self.notifier.notify(STOPPING=1)
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.store.shutdown()
         self.region.close(clean=True)
         self.notifier.close()

@@ -14,7 +14,9 @@ entries go at once but the pages stay fenced, *parked* under the writer (``park`
   proof, ``reattached``;
 - its process dies: a pidfd, for a process the daemon can see (its PID namespace or a child of
   it); after a restart, its recorded pid no longer names a process with its start time, or the
-  boot changed: ``died``, ``recover``;
+  boot changed: ``died``, ``recover``. Only that is a proof: when the daemon cannot check the
+  process (out of descriptors or memory: EMFILE, ENFILE, ENOMEM), the pages stay fenced and the
+  check is made again every ``RECHECK_SECONDS`` (``expire``);
 - only for a writer the daemon cannot watch (pid 0: a sibling PID namespace, e.g. another pod),
   ``grace`` seconds after it was last seen: ``expire``. A writer frozen longer than that could
   still scribble over reused pages; docs/reliability.md states that residual risk;
@@ -26,8 +28,15 @@ entries go at once but the pages stay fenced, *parked* under the writer (``park`
 A watchable writer keeps its pages for as long as it lives, however long it stalls: they are
 reported (``stats``: fenced pages by reason, and the age of the oldest), never released on a
 timer. A lost heartbeat is not a proof of death: the session's rights (votes, pins) end, its
-pages stay. The fence owns no free list: whatever it releases it returns, and the caller gives
-the pages back to the index.
+pages stay. The fence owns no free list: whatever it releases it returns, and the caller (the
+fenced write, ``kvtierd.writes``) gives the pages back to the index.
+
+The writer table is bounded: ``max_rows`` rows in all (the region format's WRITER_SLOTS, fewer
+when the daemon's open-files limit cannot hold a pidfd for each: ``kvtierd.daemon.fit_fd_caps``),
+and ``max_rows_per_peer`` from one peer (a process; every process of a uid the daemon cannot see,
+together: as sessions are counted, ``kvtierd.peers``), counting the rows of writers gone whose
+pages are still fenced. A writer looping "hello, store, close the socket" thus fills its own
+share only, and is told which bound it hit.
 
 Persistence: a row is written, its state last, before any page names it; all pages naming a row
 are cleared before the row is freed. ``last_seen`` is stamped on CLOCK_MONOTONIC (system-wide,
@@ -58,6 +67,10 @@ from .recovery import RegionScan
 log = logging.getLogger(__name__)
 
 NO_PAGES = np.zeros(0, dtype=PAGES_DTYPE)
+# Seconds between checks of a gone writer whose process could not be checked (the daemon was out of
+# descriptors or memory): until one proves it dead or watches it, its pages stay fenced.
+RECHECK_SECONDS = 1.0
+ROW_CAPS = ("total", "per_peer")    # the bounds a writer row is refused past (kvtierd_writer_rows_refused_total)
 
 
 class Release(str, enum.Enum):
@@ -77,6 +90,7 @@ class Reason(str, enum.Enum):
     WRITER_ALIVE = "writer_alive"           # its session is attached, or its process lives (pidfd)
     RESTART_RECOVERY = "restart_recovery"   # held across a restart: until death, re-attach or grace
     GRACE = "grace"                         # not watchable and not seen: until its re-attach or the grace
+    UNPROVEN = "unproven"                   # its process could not be checked (EMFILE, ENOMEM, ...): retried
 
 
 @dataclass(eq=False)
@@ -91,6 +105,7 @@ class Writer:
     pidfd: int | None = None    # watched while detached
     parked: dict = field(default_factory=dict)      # job id (None: found by recovery) → fenced pages
     parked_since: float | None = None
+    peer: tuple | None = None   # (uid, pid; 0 when not visible), as sessions count peers; None: no socket
 
     @property
     def parked_count(self) -> int:
@@ -102,13 +117,16 @@ class Writer:
             return Reason.WRITER_ALIVE
         if self.recovered:
             return Reason.RESTART_RECOVERY
-        return Reason.WRITER_ALIVE if self.pidfd is not None else Reason.GRACE
+        if self.pidfd is not None:
+            return Reason.WRITER_ALIVE
+        return Reason.UNPROVEN if self.process.watchable else Reason.GRACE
 
 
 class Fence:
     """The writer rows and the per-page fence of a region. ``recover`` must run before use."""
 
-    def __init__(self, view: RegionView, grace: float = 600.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, view: RegionView, grace: float = 600.0, clock: Callable[[], float] = time.monotonic,
+                 max_rows: int = WRITER_SLOTS, max_rows_per_peer: int = 256):
         self.view = view
         self.table = view.fence                 # page → writer row, or FENCE_NONE
         self.rows = view.writers
@@ -122,6 +140,13 @@ class Fence:
         self._free_rows = FreeStack(WRITER_SLOTS)
         self._gone: dict[tuple[int, int], Writer] = {}         # (session, token) → writers without a session
         self._graces: list[tuple[float, int, int, Writer]] = []  # (deadline, seq, row, writer)
+        self._unproven: dict[int, Writer] = {}                  # row → gone writer whose process was not checked
+        self._recheck_at = 0.0
+        self.check_failures = 0                                 # checks of a process that could not be done
+        self.max_rows = min(max_rows, WRITER_SLOTS)             # fewer when the open-files limit is short
+        self.max_rows_per_peer = max_rows_per_peer
+        self.per_peer: Counter = Counter()                      # peer → its rows
+        self.refused: Counter = Counter()                       # writer rows refused: total | per_peer
         self._seq = itertools.count()
         self._watch: Callable[[int], None] = lambda fd: None
         self._unwatch: Callable[[int], None] = lambda fd: None
@@ -171,13 +196,12 @@ class Fence:
                 self._release(writer, Release.DIED)
                 continue
             if writer.process.watchable:
-                fd = open_if_same(writer.process.pid, writer.process.start_ticks)
-                if fd is None:
+                if not self._watch_process(writer):
                     log.info("%s; its process is gone: released", what)
                     self._release(writer, Release.DIED)
                     continue
-                self._watch_fd(writer, fd)
-                log.warning("%s; its process lives: fenced until it dies or re-attaches", what)
+                log.warning("%s; its process lives (or could not be checked): fenced until it dies or re-attaches",
+                            what)
             else:
                 self._wait_grace(writer)
                 log.warning("%s; it cannot be watched from here: fenced until it re-attaches or %.0fs after it was "
@@ -190,12 +214,27 @@ class Fence:
 
     # ------------------------------------------------------------------ writers
     def add(self, session: int, token: int, process: Process, engine: str, rank: int) -> Writer:
-        """A row for a new writer session (written before any page can name it)."""
-        rows = self._free_rows.alloc(1)
+        """A row for a new writer session (written before any page can name it). Its peer (the
+        process; every process of a uid the daemon cannot see, together) holds at most
+        ``max_rows_per_peer`` rows, attached or gone with pages fenced (LIMIT past it); all peers
+        together at most ``max_rows`` (NO_SPACE)."""
+        peer = (process.uid, process.pid) if process.uid is not None else None   # None: no socket (the tier's)
+        if peer is not None and self.per_peer[peer] >= self.max_rows_per_peer:
+            self.refused["per_peer"] += 1
+            who = f"uid {process.uid} pid {process.pid or '(not visible)'}"
+            raise RequestError(ErrorCode.LIMIT, f"{who} already holds {self.max_rows_per_peer} writer rows: writers "
+                               "attached, and writers gone whose pages stay fenced until they are proven done "
+                               "(setting max_writer_rows_per_peer; fence_grace for writers the daemon cannot watch); "
+                               "retry later")
+        rows = self._free_rows.alloc(1) if len(self.writers) < self.max_rows else None
         if rows is None:
+            self.refused["total"] += 1
+            bound = ("the region format's bound" if self.max_rows == WRITER_SLOTS
+                     else "what the open-files limit holds: raise LimitNOFILE")
             raise RequestError(ErrorCode.NO_SPACE,
-                               f"all {WRITER_SLOTS} writer rows are taken by attached writers and by writers gone "
-                               "whose pages are still fenced (kvtierctl stats: fenced_pages); retry later")
+                               f"all {self.max_rows} writer rows ({bound}) are taken by attached writers and by "
+                               "writers gone whose pages are still fenced (kvtierctl stats: writer_rows, "
+                               "fenced_pages); retry later")
         row = rows[0]
         now = self.clock()
         rec = np.zeros((), WRITER_DTYPE)
@@ -205,9 +244,15 @@ class Fence:
         rec["engine"] = engine.encode()[:64]
         self.rows[row] = rec
         self.rows["state"][row] = WriterState.ATTACHED      # last: the row is whole before it counts
-        writer = Writer(row, session, token, process, now)
+        writer = Writer(row, session, token, process, now, peer=peer)
         self.writers[row] = writer
+        if peer is not None:
+            self.per_peer[peer] += 1
         return writer
+
+    def holds(self, writer: Writer) -> bool:
+        """Whether ``writer``'s row is still in use (not released)."""
+        return self.writers.get(writer.row) is writer
 
     def hand(self, writer: Writer, pages: np.ndarray) -> None:
         """``pages`` go to ``writer`` to copy into: fenced before the reply carries them."""
@@ -250,10 +295,8 @@ class Fence:
         self.rows["state"][writer.row] = WriterState.DETACHED
         self._gone[(writer.session, writer.token)] = writer
         if writer.process.watchable:
-            fd = open_if_same(writer.process.pid, writer.process.start_ticks)
-            if fd is None:
+            if not self._watch_process(writer):
                 return self._release(writer, Release.DIED)
-            self._watch_fd(writer, fd)
         else:
             self._wait_grace(writer)
         log.info("writer row %d (session %d, pid %d) left with %d pages fenced (%s)", writer.row, writer.session,
@@ -274,9 +317,17 @@ class Fence:
         return NO_PAGES if writer is None else self._release(writer, Release.DIED)
 
     def expire(self, now: float) -> tuple[np.ndarray, float | None]:
-        """Release the writers the daemon cannot watch whose grace period ended. Returns (the pages
-        released, the next grace deadline)."""
+        """Release the writers the daemon cannot watch whose grace period ended, and check again the
+        processes that could not be checked (those proven gone are released). Returns (the pages
+        released, when to come back: the next grace deadline or check)."""
         freed = []
+        if self._unproven and now >= self._recheck_at:
+            self._recheck_at = now + RECHECK_SECONDS
+            for writer in list(self._unproven.values()):
+                if not self._watch_process(writer):
+                    log.info("writer row %d (session %d, pid %d) is gone: its %d fenced pages are released",
+                             writer.row, writer.session, writer.process.pid, writer.parked_count)
+                    freed.append(self._release(writer, Release.DIED))
         while self._graces and self._graces[0][0] <= now:
             _, _, row, writer = heapq.heappop(self._graces)
             if self.writers.get(row) is writer and not writer.attached and writer.pidfd is None:
@@ -284,7 +335,10 @@ class Fence:
                             "are released (fence_grace)", row, writer.session, now - writer.last_seen,
                             writer.parked_count)
                 freed.append(self._release(writer, Release.GRACE))
-        return (np.concatenate(freed) if freed else NO_PAGES), (self._graces[0][0] if self._graces else None)
+        deadlines = [self._graces[0][0]] if self._graces else []
+        if self._unproven:
+            deadlines.append(self._recheck_at)
+        return (np.concatenate(freed) if freed else NO_PAGES), min(deadlines, default=None)
 
     def stamp(self, seen: list[tuple[Writer, float]]) -> None:
         """Attached writers' last proofs of life, persisted (a restarted daemon counts grace from them)."""
@@ -303,10 +357,30 @@ class Fence:
         return np.concatenate(freed) if freed else NO_PAGES
 
     # ------------------------------------------------------------------ internals
-    def _watch_fd(self, writer: Writer, fd: int) -> None:
+    def _watch_process(self, writer: Writer) -> bool:
+        """Watch a gone writer's process through a pidfd. False when it is proven gone (ESRCH, or
+        another process has its pid); a check that could not be done (the daemon out of descriptors
+        or memory: EMFILE, ENFILE, ENOMEM, ...) proves nothing: its pages stay fenced and it is
+        checked again ``RECHECK_SECONDS`` later (``expire``)."""
+        try:
+            fd = open_if_same(writer.process.pid, writer.process.start_ticks)
+        except OSError as exc:
+            self.check_failures += 1
+            if writer.row not in self._unproven:
+                if not self._unproven:
+                    self._recheck_at = self.clock() + RECHECK_SECONDS
+                self._unproven[writer.row] = writer
+                log.warning("cannot check writer row %d's process (pid %d): %s; its %d pages stay fenced, checked "
+                            "again every %.0fs", writer.row, writer.process.pid, exc.strerror or exc,
+                            writer.parked_count, RECHECK_SECONDS)
+            return True
+        self._unproven.pop(writer.row, None)
+        if fd is None:
+            return False
         writer.pidfd = fd
         self.pidfds[fd] = writer
         self._watch(fd)
+        return True
 
     def _wait_grace(self, writer: Writer) -> None:
         heapq.heappush(self._graces, (writer.last_seen + self.grace, next(self._seq), writer.row, writer))
@@ -327,6 +401,11 @@ class Fence:
             os.close(writer.pidfd)
             writer.pidfd = None
         self._gone.pop((writer.session, writer.token), None)
+        self._unproven.pop(writer.row, None)
+        if writer.peer is not None:
+            self.per_peer[writer.peer] -= 1
+            if not self.per_peer[writer.peer]:
+                del self.per_peer[writer.peer]
         del self.writers[writer.row]
         self.rows["state"][writer.row] = WriterState.FREE
         self._free_rows.free([writer.row])
@@ -353,6 +432,8 @@ class Fence:
             "fence_oldest_seconds": oldest,
             "fence_grace_seconds": self.grace,
             "writer_rows": len(self.writers),
+            "fence_check_failures": self.check_failures,
+            "writer_rows_refused": {cap: self.refused[cap] for cap in ROW_CAPS},
         }
 
     def verify(self, handed: dict[int, list[np.ndarray]]) -> None:
@@ -366,6 +447,9 @@ class Fence:
             want = np.sort(np.concatenate([*writer.parked.values(), *handed.get(row, []), NO_PAGES]).astype(np.int64))
             got = named[table[named] == row]
             assert np.array_equal(want, got), f"writer row {row}: fence table {got.tolist()} != {want.tolist()}"
+        assert self.per_peer == Counter(w.peer for w in self.writers.values() if w.peer is not None), "rows per peer"
+        assert all(self.writers.get(row) is w and not w.attached and w.pidfd is None
+                   for row, w in self._unproven.items()), "an unproven writer that is watched or attached"
         in_use = np.flatnonzero(self.rows["state"] != WriterState.FREE)
         assert set(in_use.tolist()) == set(self.writers), "writer rows in use differ from the writers"
 

@@ -1,22 +1,22 @@
-"""The entry index: namespaces, the (namespace, key) → entry map, pages and entry slots, eviction,
-the access clock, and recovery from the region's tables. No sockets, no threads, no jobs.
+"""The entry index: the (namespace, key) → entry map, pages and entry slots, eviction, the access
+clock, and recovery from the region's tables. No sockets, no threads, no jobs.
 
-An entry is one cached block of one namespace. It is WRITING from the moment a store job is
-given its pages until every rank of the job has voted (``make_ready``), then READY: visible to
-lookup and load, and evictable unless a load pins it or a lease holds it (``kvtierd.leases``).
-Its record in the region's entry table mirrors it; READY is the last byte written there, FREE
-the first (invariant 1: a restarted daemon never takes a half-written record for a ready one).
+An entry is one cached block of one namespace (``kvtierd.namespaces``). It is WRITING from the
+moment a write (``kvtierd.writes``: a store job, a promote) is given its pages until the write
+completes (``make_ready``), then READY: visible to lookup and load, and evictable unless a hold
+keeps it (``kvtierd.holds``: a load's or a demote's pin, a lease). Its record in the region's
+entry table mirrors it; READY is the last byte written there, FREE the first (invariant 1).
 
-Eviction: the policy (``kvtierd.policy``) holds exactly the READY entries that no load pins and
-no lease holds, and chooses among them, across all namespaces; the index frees what it chooses
-(invariants 2 and 10: WRITING, pinned and leased entries are never in the policy, so they are
-never chosen). Pins and leases are two counts per entry slot (NumPy arrays, so that a job's or a
-lease's thousands of entries are held in a few passes); an entry leaves the policy's set when the
-first hold of either kind comes and re-enters it when the last one goes (``pinned``/``unpinned``).
+Page ownership (invariant 12). A page is free, held by an entry, or fenced (``kvtierd.fence``).
+Everything that frees entries — eviction for room, the tier's frees ahead of need, operator
+evictions, a namespace's takeover, the region's replacement, a write's abort — goes through
+``_free``, which refuses an entry a writer may still write (WRITING: only its write frees it) or
+a reader may still read (held); a takeover only takes a namespace nothing of which is held or
+written. Fenced pages come back only through the writes (``release_pages``).
 
-A page is free, held by an entry, or fenced (``kvtierd.fence``): held by no entry, but kept from
-everyone until the writer that was handed it is proven unable to write. Recovery asks the fence
-which pages those are; the job machine gives the pages it releases back (``release_pages``).
+Eviction: the policy (``kvtierd.policy``) holds exactly the READY entries nothing holds and
+chooses among them, across all namespaces (``victims``); the index frees what it chooses
+(invariants 2 and 10). The index tells its ``Events`` (``kvtierd.events``) what becomes of entries.
 
 Per-key work is done in C-level passes (map over attribute getters, NumPy fancy indexing of the
 entry table) rather than Python loops: a job carries up to thousands of keys, and the daemon's
@@ -30,24 +30,24 @@ import logging
 from collections import Counter, deque
 from itertools import repeat
 from operator import attrgetter
-from typing import Any, Callable
+from typing import Any, Iterator
 
 import numpy as np
 
 from .contract.namespace import NamespaceId
 from .contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
-from .contract.region_format import (ENTRY_DTYPE, NS_CHECKSUMS, TICK_LIMIT, EntryState, RegionView, entry_checksum,
-                                     entry_record_sums, namespace_identities, namespace_record)
+from .contract.region_format import ENTRY_DTYPE, TICK_LIMIT, EntryState, RegionView, entry_checksum, entry_record_sums
+from .events import EntryEvents, Events, Gone
 from .fence import Fence
+from .holds import Holder, Holds
+from .namespaces import Namespace, Namespaces
 from .pages import FreeStack
-from .policy import Policy
 from .recovery import scan
 
 log = logging.getLogger(__name__)
 
 _SLOT = attrgetter("slot")
 _KEY = attrgetter("key")
-_STATE = attrgetter("state")
 _PAGES = attrgetter("pages")
 
 
@@ -55,95 +55,46 @@ def _slots(entries: list) -> np.ndarray:
     return np.fromiter(map(_SLOT, entries), np.intp, len(entries))
 
 
-class _Absent:
-    """Stands in for a key the index does not hold, so that a state can be read for every key."""
-    state = EntryState.FREE
-
-
-_ABSENT = _Absent()
-_READY = bytes([EntryState.READY])
-
 # Monotonic counters the index keeps (Store.stats reports them with the job machine's).
-COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "store_written_keys", "store_present_keys",
-            "store_no_space_keys", "evictions", "operator_evictions")
+COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "evictions", "operator_evictions")
+# The counter each way of leaving counts in (an aborted write's entries were never READY: none).
+_COUNTED = {Gone.EVICTED: "evictions", Gone.AHEAD: "evictions", Gone.RECLAIMED: "evictions",
+            Gone.CLEARED: "operator_evictions", Gone.REGION_REPLACED: "operator_evictions"}
 
 
 class Entry:
-    __slots__ = ("slot", "ns", "key", "state", "pages", "job", "in_tier")
+    __slots__ = ("slot", "ns", "key", "state", "pages", "write")
 
-    def __init__(self, slot: int, ns: "Namespace", key: bytes, state: EntryState, pages: bytes, job=None):
+    def __init__(self, slot: int, ns: Namespace, key: bytes, state: EntryState, pages: bytes, write=None):
         self.slot = slot
         self.ns = ns
         self.key = key
         self.state = state
         self.pages = pages      # the whole chain, PAGES_DTYPE bytes (sent to clients as slices)
-        self.job = job          # the store (or promote) job writing it (WRITING only)
-        self.in_tier = False    # the second tier holds it (demoted or promoted; not kept across restarts)
-
-
-class Namespace:
-    """One namespace's entries, and what every entry of it has in common."""
-
-    __slots__ = ("slot", "id", "index", "shards", "pages_per_shard", "entry_pages", "shard_bytes", "record",
-                 "users", "identity")
-
-    def __init__(self, slot: int, ns_id: NamespaceId, page_size: int, identity: int):
-        self.slot = slot                  # in the region's namespace table
-        self.id = ns_id
-        self.identity = identity          # namespace_identities of its record: every entry's record_sum covers it
-        self.index: dict[bytes, Entry] = {}
-        self.shards = ns_id.shards
-        self.pages_per_shard = ns_id.pages_per_shard(page_size)
-        self.entry_pages = ns_id.entry_pages(page_size)
-        self.shard_bytes = self.pages_per_shard * 4   # bytes of one shard's page list
-        self.users = 0                    # attached engines of this namespace
-        # What every new entry record of this namespace starts from.
-        self.record = np.zeros(1, ENTRY_DTYPE)
-        self.record[["state", "ns", "page_count", "length"]] = (EntryState.WRITING, slot, self.entry_pages,
-                                                                 ns_id.entry_bytes)
-
-    def pages_for(self, entries: list[Entry], rank: int) -> list[bytes]:
-        """The pages ``rank`` copies of each entry, in order: the whole chain of a replicated
-        entry (its one copy: rank 0 writes it, every rank loads it), run ``rank`` of a sharded one.
-
-        One call for a job's entries: per entry it would be a Python frame per key."""
-        if self.shards == 1:
-            return list(map(_PAGES, entries))
-        lo, hi = rank * self.shard_bytes, (rank + 1) * self.shard_bytes
-        return [e.pages[lo:hi] for e in entries]
-
-    def shard_pages(self, entries: list[Entry]) -> np.ndarray:
-        """The entries' pages as [entry, shard, page of the shard] (one shard when replicated)."""
-        return np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).reshape(
-            len(entries), self.shards, self.pages_per_shard)
+        self.write = write      # the write (kvtierd.writes) writing it (WRITING only)
 
 
 class Index:
-    def __init__(self, view: RegionView, policy: Policy, fence: Fence, verify_checksums: bool = False):
+    def __init__(self, view: RegionView, holds: Holds, fence: Fence, verify_checksums: bool = False,
+                 events: EntryEvents | None = None):
+        """``holds``: the entries' holds, over the eviction policy (``holds.policy``)."""
         self.view = view
         self.fence = fence
         self.geometry = view.geometry
         self.page_size = view.geometry.page_size
-        self.policy = policy
-        self.namespaces: dict[NamespaceId, Namespace] = {}
-        self.ns_by_slot: dict[int, Namespace] = {}
+        self.policy = holds.policy
+        self.events = events if events is not None else Events()
+        self.ns = Namespaces(view, self.page_size, verify_checksums)
         self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
         self.entry_count = {EntryState.WRITING: 0, EntryState.READY: 0}
-        # What holds each slot's entry out of the policy: load jobs (pins) and leases, counted per
-        # slot so that a job's or a lease's thousands of entries are held in a few NumPy passes.
-        self._pins = np.zeros(self.geometry.entry_slots, np.uint32)
-        self._leases = np.zeros(self.geometry.entry_slots, np.uint32)
-        self.pinned_entries = 0
-        self.leased_entries = 0
+        self.holds = holds
         self.checksums = verify_checksums         # entries carry data checksums (their namespaces' flag)
         self.tick = 0                             # the access clock (recovery orders by it)
         self.counters: Counter = Counter()
-        # Told of every eviction, before the entries are freed: (entries, counter name). The second
-        # tier counts the blocks a store's room took that it could not demote (kvtierd.tiering).
-        self.evicting: Callable[[list[Entry], str], None] | None = None
         self._states = view.entries["state"]      # columns of the entry table, for vectorised writes
         self._ticks = view.entries["tick"]
         self._sums = view.entries["record_sum"]
+        self._ns_slots = view.entries["ns"]
         # The entry table as rows of bytes: NumPy scatters whole structured records ~100x slower
         # than the same bytes as uint8 rows.
         self._records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
@@ -156,6 +107,10 @@ class Index:
         finally:
             if collecting:
                 gc.enable()
+
+    @property
+    def namespaces(self) -> dict[NamespaceId, Namespace]:
+        return self.ns.by_id
 
     # ------------------------------------------------------------------ recovery
     def _recover(self, verify_checksums: bool) -> dict[str, int]:
@@ -172,16 +127,7 @@ class Index:
         # With checksums on, an entry stored without one (the setting was off) is not kept: every
         # entry served was verified at recovery.
         found = scan(view, verify_checksums=verify_checksums, require_checksums=verify_checksums)
-        for slot, why in found.damaged_namespaces.items():
-            log.warning("namespace slot %d is damaged (%s); discarding it and its entries", slot, why)
-            view.namespaces[slot]["in_use"] = 0
-        flag = NS_CHECKSUMS if verify_checksums else 0
-        for slot, ns_id in found.namespaces.items():
-            ns = Namespace(slot, ns_id, self.page_size, int(namespace_identities(view.namespaces[slot:slot + 1])[0]))
-            self.namespaces[ns_id] = ns
-            self.ns_by_slot[slot] = ns
-            if int(view.namespaces[slot]["flags"]) & NS_CHECKSUMS != flag:
-                view.namespaces[slot] = namespace_record(ns_id, flag)   # the setting changed: it follows
+        self.ns.recover(found)
         states = self._states
         for slot, why in found.problems:
             log.warning("entry %d discarded: %s", slot, why)
@@ -190,10 +136,10 @@ class Index:
         self._sums[states != EntryState.READY] = 0
         # A region holds millions of entries: the objects are built with C-level loops (map, zip).
         slots = found.ready_slots.tolist()
-        kept = list(map(Entry, slots, map(self.ns_by_slot.__getitem__, found.ready_ns.tolist()), found.ready_keys,
+        kept = list(map(Entry, slots, map(self.ns.at, found.ready_ns.tolist()), found.ready_keys,
                         repeat(EntryState.READY), found.ready_pages))
-        if len(self.namespaces) == 1:
-            next(iter(self.namespaces.values())).index.update(zip(found.ready_keys, kept))
+        if len(self.ns) == 1:
+            next(iter(self.ns)).index.update(zip(found.ready_keys, kept))
         else:
             for key, entry in zip(found.ready_keys, kept):
                 entry.ns.index[key] = entry
@@ -216,62 +162,67 @@ class Index:
         table is full, the slot of a namespace no attached engine uses is taken over — the one
         whose entries were used least recently, its entries evicted — so namespaces that an engine
         (or an attacker) left behind cannot keep new models out, across restarts too."""
-        ns = self.namespaces.get(ns_id)
+        ns = self.ns.get(ns_id)
         if ns is not None:
             return ns
         if ns_id.entry_pages(self.page_size) > self.geometry.num_pages:
             raise RequestError(ErrorCode.NO_SPACE,
                                f"one block of {ns_id.name()} needs {ns_id.entry_pages(self.page_size)} pages; "
                                f"the region has {self.geometry.num_pages}")
-        table = self.view.namespaces
-        free = np.flatnonzero(table["in_use"] == 0)
-        slot = int(free[0]) if len(free) else self._reclaim_namespace()
-        table[slot] = namespace_record(ns_id, NS_CHECKSUMS if self.checksums else 0)
-        ns = Namespace(slot, ns_id, self.page_size, int(namespace_identities(table[slot:slot + 1])[0]))
-        self.namespaces[ns_id] = ns
-        self.ns_by_slot[slot] = ns
-        log.info("namespace %d: %s", slot, ns_id.name())
-        return ns
+        slot = self.ns.free_slot()
+        return self.ns.add(ns_id, self._reclaim_namespace() if slot is None else slot)
 
     def _reclaim_namespace(self) -> int:
-        """Free the table slot of the unused namespace used least recently (evicting its entries)."""
-        unused = [n for n in self.namespaces.values() if not n.users]
+        """Free the table slot of the unused namespace used least recently, evicting its entries.
+
+        A namespace no engine uses may still have entries someone touches: a demote's put reading
+        them, a promote writing them (the second tier's work belongs to no engine). Such a
+        namespace is not taken now (``_busy``); the next one is — its slot is worth nothing more
+        than another's, and the tier's work ends within its deadlines (issue 26, case E)."""
+        unused = [ns for ns in self.ns if not ns.users]
         if not unused:
             raise RequestError(ErrorCode.NO_SPACE, f"all {len(self.view.namespaces)} namespace slots are held by "
                                                    "attached engines")
 
         def last_used(ns: Namespace) -> int:
-            return int(self._ticks[list(map(_SLOT, ns.index.values()))].max()) if ns.index else -1
-        victim = min(unused, key=last_used)
-        entries = list(victim.index.values())   # no engine uses it: no job holds them, none pinned
-        self._evict(entries)
-        del self.namespaces[victim.id]
-        del self.ns_by_slot[victim.slot]
-        self.view.namespaces[victim.slot]["in_use"] = 0
-        log.warning("namespace table full: namespace %d (%s) taken over, %d of its entries evicted", victim.slot,
-                    victim.id.name(), len(entries))
-        return victim.slot
+            return int(self._ticks[_slots(list(ns.index.values()))].max()) if ns.index else -1
+        for victim in sorted(unused, key=last_used):
+            entries = list(victim.index.values())
+            if self._busy(entries):
+                continue
+            self._free(entries, Gone.RECLAIMED)
+            self.ns.drop(victim)
+            log.warning("namespace table full: namespace %d (%s) taken over, %d of its entries evicted", victim.slot,
+                        victim.id.name(), len(entries))
+            return victim.slot
+        raise RequestError(ErrorCode.NO_SPACE, f"all {len(self.view.namespaces)} namespace slots are held by attached "
+                                               f"engines or by blocks the second tier is moving ({len(unused)}): "
+                                               "retry in a few seconds")
+
+    def _busy(self, entries: list[Entry]) -> bool:
+        """Whether a writer or a reader may still touch any of these entries' pages."""
+        slots = _slots(entries)
+        return bool(len(slots)) and bool(((self._states[slots] != EntryState.READY) | self.holds.held(slots)).any())
+
+    def namespace_at(self, slot: int) -> Namespace:
+        """The namespace recorded in table slot ``slot``."""
+        return self.ns.at(slot)
+
+    def live(self, ns: Namespace) -> bool:
+        """Whether ``ns`` is still in the table (a namespace taken over is not, even if its id comes back)."""
+        return self.ns.get(ns.id) is ns
 
     def namespace_stats(self) -> list[dict]:
-        return [{"slot": ns.slot, "name": ns.id.name(), "entries": len(ns.index),
-                 "entry_pages": ns.entry_pages} for ns in self.namespaces.values()]
+        return self.ns.stats()
 
     # ------------------------------------------------------------------ lookup and access
     def lookup(self, ns: Namespace, keys: list[bytes]) -> list[Entry]:
         """The entries of the leading keys that are READY, counted as looked up. The caller
         accesses them (they are about to be used), or leases them (``lease``)."""
-        hits = self.ready_prefix(ns, keys)
+        hits = ns.ready(keys)
         self.counters["lookup_hit_keys"] += len(hits)
         self.counters["lookup_miss_keys"] += len(keys) - len(hits)
         return hits
-
-    @staticmethod
-    def ready_prefix(ns: Namespace, keys: list[bytes]) -> list[Entry]:
-        """The entries of the leading keys that are in the namespace and READY."""
-        entries = list(map(ns.index.get, keys, repeat(_ABSENT)))
-        states = bytes(map(_STATE, entries))               # one byte per key
-        hits = len(states) - len(states.lstrip(_READY))
-        return entries if hits == len(entries) else entries[:hits]
 
     def access(self, entries: list[Entry]) -> None:
         """The entries were just used: the policy hears it, and they get a new tick."""
@@ -285,72 +236,48 @@ class Index:
         self.tick += 1
         self._ticks[slots if isinstance(slots, np.ndarray) else np.fromiter(slots, np.intp, len(slots))] = self.tick
 
-    def pin(self, entries: list[Entry], access: bool = True) -> None:
-        """A load (or a demote to the second tier) holds the (distinct) entries: those held by
-        nothing else leave the policy; all get a new tick, unless the pin is no access (a demote
-        reads them for the daemon itself)."""
+    def ticks_of(self, entries: list[Entry]) -> np.ndarray:
+        """The entries' last-access ticks (a later access gives an entry a new one)."""
+        return self._ticks[_slots(entries)].copy()
+
+    # ------------------------------------------------------------------ holds
+    def pin(self, entries: list[Entry], holder: Holder | None = None, access: bool = True) -> None:
+        """A load of ``holder`` (or, holder None, a demote to the second tier) reads the (distinct,
+        READY) entries: those held by nothing else leave the policy; all get a new tick, unless the
+        pin is no access (a demote reads them for the daemon itself)."""
         slots = _slots(entries)
-        self.pinned_entries += self._hold(self._pins, self._leases, slots)
+        self.holds.pin(slots, holder)
         if len(slots) and access:   # pinned: out of the policy until released; only the tick moves
             self.stamp(slots)
 
-    def unpin(self, entries: list[Entry]) -> None:
-        self.pinned_entries -= self._let_go(self._pins, self._leases, _slots(entries))
+    def unpin(self, entries: list[Entry], holder: Holder | None = None) -> None:
+        self.holds.unpin(_slots(entries), holder)
 
-    def lease(self, entries: list[Entry]) -> None:
-        """A lease holds the (distinct, READY) entries: those held by nothing else leave the
-        policy, as a pin's do; all get a new tick (just looked up: they are not accessed in the
-        policy first, since they leave it)."""
+    def lease(self, entries: list[Entry], holder: Holder) -> None:
+        """A lease of ``holder`` holds the (distinct, READY) entries: those held by nothing else
+        leave the policy, as a pin's do; all get a new tick (just looked up: they are not accessed
+        in the policy first, since they leave it)."""
         slots = _slots(entries)
-        self.leased_entries += self._hold(self._leases, self._pins, slots)
+        self.holds.lease(slots, holder)
         if len(slots):
             self.stamp(slots)
 
-    def unlease(self, entries: list[Entry]) -> None:
-        self.leased_entries -= self._let_go(self._leases, self._pins, _slots(entries))
-
-    def _hold(self, mine: np.ndarray, other: np.ndarray, slots: np.ndarray) -> int:
-        """One more hold of one kind (``mine``, beside the ``other`` kind) on each slot: those
-        held by nothing before leave the policy. Returns how many had no hold of this kind."""
-        before = mine[slots]
-        mine[slots] = before + 1
-        fresh = slots[before == 0]
-        self.policy.pinned(fresh[other[fresh] == 0].tolist())
-        return len(fresh)
-
-    def _let_go(self, mine: np.ndarray, other: np.ndarray, slots: np.ndarray) -> int:
-        """One hold of this kind less on each slot: those held by nothing now re-enter the policy.
-        Returns how many have no hold of this kind left."""
-        after = mine[slots] - 1
-        mine[slots] = after
-        gone = slots[after == 0]
-        self.policy.unpinned(gone[other[gone] == 0].tolist())
-        return len(gone)
-
-    def holds(self, slot: int) -> tuple[int, int]:
-        """(load pins, leases) holding the entry of ``slot``."""
-        return int(self._pins[slot]), int(self._leases[slot])
+    def unlease(self, entries: list[Entry], holder: Holder) -> None:
+        self.holds.unlease(_slots(entries), holder)
 
     # ------------------------------------------------------------------ store decisions
-    def decide_store(self, ns: Namespace, keys: list[bytes], job: Any) -> tuple[list[StoreOutcome], list[Entry]]:
-        """A store job's decision (``place``), counted. Returns (outcomes, new entries)."""
-        outcomes, entries, present = self.place(ns, keys, job)
-        self.counters["store_written_keys"] += len(entries)
-        self.counters["store_present_keys"] += present
-        self.counters["store_no_space_keys"] += len(keys) - len(entries) - present
-        return outcomes, entries
-
-    def place(self, ns: Namespace, keys: list[bytes], job: Any) -> tuple[list[StoreOutcome], list[Entry], int]:
-        """Per key: PRESENT (READY, or WRITING by another job: accessed and never evicted for this
-        job), WRITE (a new WRITING entry with pages, written by ``job``), or NO_SPACE — after the
-        first key that does not fit, every later new key. Returns (outcomes, new entries, how many
-        were present). A store job's decision, and a promote's from the second tier."""
+    def place(self, ns: Namespace, keys: list[bytes], write: Any) -> tuple[list[StoreOutcome], list[Entry], int]:
+        """Per key: PRESENT (READY, or WRITING by another write: accessed and never evicted for
+        this one), WRITE (a new WRITING entry with pages, written by ``write``), or NO_SPACE —
+        after the first key that does not fit, every later new key. Returns (outcomes, new entries,
+        how many were present). The decision of every write (``kvtierd.writes``): an engine's store
+        job, a promote from the second tier."""
         found = list(map(ns.index.get, keys))    # keys of a job are distinct (protocol)
         present = [e for e in found if e is not None]
         self.access([e for e in present if e.state is EntryState.READY])
         new_keys = [k for k, e in zip(keys, found) if e is None]
         fit = self._make_room(len(new_keys), ns.entry_pages, set(map(_SLOT, present)))
-        entries = self._new_entries(ns, new_keys[:fit], job)
+        entries = self._new_entries(ns, new_keys[:fit], write)
         decided = iter([StoreOutcome.WRITE] * fit + [StoreOutcome.NO_SPACE] * (len(new_keys) - fit))
         outcomes = [StoreOutcome.PRESENT if e is not None else next(decided) for e in found]
         return outcomes, entries, len(present)
@@ -362,15 +289,15 @@ class Index:
         need = count * entry_pages - self.pages.free_count
         if need > 0:
             victims = []
-            for slot in self.policy.victims(exclude):
-                victims.append(self.by_slot[slot])
-                need -= victims[-1].ns.entry_pages
+            for entry in self.victims(exclude):
+                victims.append(entry)
+                need -= entry.ns.entry_pages
                 if need <= 0:
                     break
-            self._evict(victims)
+            self._free(victims, Gone.EVICTED)
         return min(count, self.pages.free_count // entry_pages)
 
-    def _new_entries(self, ns: Namespace, keys: list[bytes], job: Any) -> list[Entry]:
+    def _new_entries(self, ns: Namespace, keys: list[bytes], write: Any) -> list[Entry]:
         """WRITING entries for ``keys``, with pages (there is room: ``_make_room``) and records."""
         n = len(keys)
         if n == 0:
@@ -392,7 +319,7 @@ class Index:
         self._records[np.asarray(slots)] = rec.view(np.uint8).reshape(n, -1)
         self.view.write_chain(pages)
         entries = list(map(Entry, slots, repeat(ns), keys, repeat(EntryState.WRITING),
-                           pages.view(f"V{pages.shape[1] * 4}").ravel().tolist(), repeat(job)))
+                           pages.view(f"V{pages.shape[1] * 4}").ravel().tolist(), repeat(write)))
         ns.index.update(zip(keys, entries))
         deque(map(self.by_slot.__setitem__, slots, entries), 0)
         self.entry_count[EntryState.WRITING] += n
@@ -405,70 +332,90 @@ class Index:
         ``chain`` and ``cold`` tell the policy what the store request said: its keys are a prefix
         chain; its last ``cold`` entries are expected not to be reused."""
         self.tick += 1
-        slots = list(map(_SLOT, entries))
+        slots = _slots(entries)
         for entry in entries:
             entry.state = EntryState.READY
-            entry.job = None
+            entry.write = None
         self._ticks[slots] = self.tick
         self.view.entries["checksum"][slots] = [entry_checksum([sums[i] for sums in shard_sums])
                                                 for i in range(len(entries))] if shard_sums else 0
-        if entries:          # the record is complete: its sum (a job's entries share a namespace)
-            ns = entries[0].ns
-            chains = np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).reshape(len(entries), ns.entry_pages)
-            self._sums[slots] = entry_record_sums(self._records[slots], chains, None, ns.identity)
+        if not entries:
+            return
+        ns = entries[0].ns          # the record is complete: its sum (a write's entries share a namespace)
+        chains = np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).reshape(len(entries), ns.entry_pages)
+        self._sums[slots] = entry_record_sums(self._records[slots], chains, None, ns.identity)
         self._states[slots] = EntryState.READY    # last: the records are complete before they say READY
-        self.policy.inserted(slots, list(map(_KEY, entries)), chain, cold)
+        keys = list(map(_KEY, entries))
+        self.policy.inserted(slots.tolist(), keys, chain, cold)
         self.entry_count[EntryState.WRITING] -= len(entries)
         self.entry_count[EntryState.READY] += len(entries)
+        self.events.ready(ns, slots, keys)
 
     def abandon(self, entries: list[Entry]) -> None:
-        """Forget the WRITING entries of an aborted job. Their pages stay taken: the job machine
-        fences those a writer may still copy into and frees the others (``release_pages``)."""
-        self._free_entries(entries)
+        """Forget the WRITING entries of a write that ended without them. Their pages stay taken:
+        the write fences those a writer may still copy into and frees the others (``release_pages``)."""
+        if any(e.state is not EntryState.WRITING for e in entries):
+            raise RuntimeError("only WRITING entries are abandoned")
+        self._forget(entries, Gone.ABORTED)
 
     def release_pages(self, pages: np.ndarray) -> None:
+        """Pages that no writer can touch any more come back (``kvtierd.writes`` alone)."""
         self.pages.free(pages.tolist())
 
     # ------------------------------------------------------------------ eviction and freeing
-    def evict(self, namespace: str | None, count: int | None) -> int:
+    def victims(self, exclude: set[int] | frozenset[int] = frozenset()) -> Iterator[Entry]:
+        """The entries eviction may take (READY, held by nothing), the policy's best victim first."""
+        return map(self.by_slot.__getitem__, self.policy.victims(exclude))
+
+    def evict(self, namespace: str | None, count: int | None, cause: Gone = Gone.CLEARED) -> int:
         """Operator eviction: up to ``count`` (None: all) of the policy's victims in the namespace
         named ``namespace`` (None: any). Pinned, leased and WRITING entries stay."""
-        if namespace is not None and not any(ns.id.name() == namespace for ns in self.namespaces.values()):
+        if namespace is not None and not any(ns.id.name() == namespace for ns in self.ns):
             raise RequestError(ErrorCode.BAD_REQUEST, f"no namespace {namespace!r}; kvtierctl namespaces lists them")
-        victims = [self.by_slot[slot] for slot in self.policy.victims()
-                   if namespace is None or self.by_slot[slot].ns.id.name() == namespace]
+        victims = [e for e in self.victims() if namespace is None or e.ns.id.name() == namespace]
         victims = victims if count is None else victims[:count]
-        self._evict(victims, "operator_evictions")
-        if victims:
+        self._free(victims, cause)
+        if victims and cause is Gone.CLEARED:
             log.info("operator evicted %d entries (namespace %s)", len(victims), namespace or "any")
         return len(victims)
 
-    def evict_entries(self, entries: list[Entry]) -> None:
-        """Free READY, unpinned entries taken from the policy's victims ahead of need (the second
-        tier holds them): counted as evictions for room."""
-        self._evict(entries)
+    def free_ahead(self, entries: list[Entry]) -> int:
+        """Free those of the entries that nothing holds or writes (the second tier's frees ahead
+        of need: it holds them, or could not take them). Returns how many were freed."""
+        slots = _slots(entries)
+        free = (self._states[slots] == EntryState.READY) & ~self.holds.held(slots) if len(slots) else []
+        chosen = [e for e, ok in zip(entries, free) if ok]
+        self._free(chosen, Gone.AHEAD)
+        return len(chosen)
 
-    def ticks_of(self, entries: list[Entry]) -> np.ndarray:
-        """The entries' last-access ticks (a later access gives an entry a new one)."""
-        return self._ticks[list(map(_SLOT, entries))].copy()
+    @property
+    def free_pages(self) -> int:
+        return self.pages.free_count
 
-    def _evict(self, entries: list[Entry], counter: str = "evictions") -> None:
-        if self.evicting is not None and entries:
-            self.evicting(entries, counter)
-        pages = self._pages_of(entries)
-        self._free_entries(entries)
-        self.pages.free(pages)
-        self.counters[counter] += len(entries)
+    @property
+    def total_pages(self) -> int:
+        return self.pages.total
 
-    @staticmethod
-    def _pages_of(entries: list[Entry]) -> list[int]:
-        return np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).tolist()
-
-    def _free_entries(self, entries: list[Entry]) -> None:
-        """Forget entries: out of the table first (state FREE), the index and the policy."""
+    def _free(self, entries: list[Entry], cause: Gone) -> None:
+        """The one way READY entries and their pages go. Raises (changing nothing) when a writer
+        or a reader may still touch one of them: that would be a bug of the caller, and a page
+        given to two owners at once is a wrong block for someone (invariant 12)."""
         if not entries:
             return
-        slots = list(map(_SLOT, entries))
+        if self._busy(entries):
+            raise RuntimeError(f"{cause.value}: an entry a writer or a reader may still touch cannot be freed")
+        pages = np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).tolist()
+        self._forget(entries, cause)
+        self.pages.free(pages)
+        self.counters[_COUNTED[cause]] += len(entries)
+
+    def _forget(self, entries: list[Entry], cause: Gone) -> None:
+        """Entries leave: the listeners hear it, then out of the table first (state FREE), the
+        index and the policy."""
+        if not entries:
+            return
+        slots = _slots(entries)
+        self.events.leaving(cause, slots, list(map(_KEY, entries)), self._ns_slots[slots].astype(np.intp))
         self._states[slots] = EntryState.FREE
         self._sums[slots] = 0       # a stale record whose state byte came back to READY is no entry
         by_slot, count = self.by_slot, self.entry_count
@@ -477,8 +424,9 @@ class Index:
             by_slot[entry.slot] = None
             count[entry.state] -= 1
             entry.state = EntryState.FREE
-        self.policy.removed(slots)
-        self.slots.free(slots)
+        free = slots.tolist()
+        self.policy.removed(free)
+        self.slots.free(free)
 
     # ------------------------------------------------------------------ stats and checks
     def stats(self) -> dict:
@@ -492,10 +440,10 @@ class Index:
             "used_bytes": pages.used_count * page_size,
             "entries_ready": self.entry_count[EntryState.READY],
             "entries_writing": self.entry_count[EntryState.WRITING],
-            "entries_pinned": self.pinned_entries,
-            "entries_leased": self.leased_entries,
+            "entries_pinned": self.holds.pinned,
+            "entries_leased": self.holds.leased,
             "evictable": len(self.policy),
-            "namespaces": len(self.namespaces),
+            "namespaces": len(self.ns),
             **self.policy_stats(),
         }
 
@@ -508,7 +456,7 @@ class Index:
     def verify(self) -> None:
         """Check the index against itself and the entry table (tests, ``Store.verify``): every
         page is exactly one of free, held by one live entry, or parked by the fence; every slot
-        is free or holds one entry; the policy holds exactly the READY unpinned entries; the
+        is free or holds one entry; the policy holds exactly the READY entries nothing holds; the
         table's records match the index. (The lease counts are ``Leases.verify``'s.)"""
         owner = np.full(self.geometry.num_pages, -1, dtype=np.int64)
         free = self.pages.free_ids()
@@ -521,30 +469,30 @@ class Index:
         free_slots = self.slots.free_ids()
         assert len(np.unique(free_slots)) == len(free_slots), "an entry slot is free twice"
         assert all(self.by_slot[s] is None for s in free_slots.tolist()), "a free slot holds an entry"
-        assert len(free_slots) + sum(map(len, (ns.index for ns in self.namespaces.values()))) == \
-            self.geometry.entry_slots, "entry slots leaked"
+        assert len(free_slots) + sum(len(ns.index) for ns in self.ns) == self.geometry.entry_slots, "entry slots leaked"
         table = self.view.entries
-        for ns in self.namespaces.values():
+        held_slots = self.holds.held(np.arange(self.geometry.entry_slots))
+        for ns in self.ns:
+            assert self.ns.at(ns.slot) is ns and int(self.view.namespaces["in_use"][ns.slot]), f"namespace {ns.slot}"
             for key, entry in ns.index.items():
                 pages = np.frombuffer(entry.pages, PAGES_DTYPE).astype(np.int64)
                 assert len(pages) == ns.entry_pages, f"entry {entry.slot} has {len(pages)} pages"
                 assert (owner[pages] == -1).all(), f"entry {entry.slot} shares a page"
                 owner[pages] = entry.slot
-                assert self.by_slot[entry.slot] is entry
+                assert self.by_slot[entry.slot] is entry and entry.ns is ns
                 rec = table[entry.slot]
                 assert int(rec["state"]) == entry.state and bytes(rec["key"][: rec["key_len"]]) == key
+                assert int(rec["ns"]) == ns.slot, f"entry {entry.slot} names namespace {int(rec['ns'])}"
                 assert np.array_equal(self.view.chain_of(entry.slot), pages)
-                held = self._pins[entry.slot] or self._leases[entry.slot]
+                held = held_slots[entry.slot]
                 assert (entry.slot in self.policy) == (entry.state is EntryState.READY and not held), \
                     f"entry {entry.slot} policy membership"
                 assert entry.state is EntryState.READY or not held, f"entry {entry.slot} held"
+                assert (entry.state is EntryState.WRITING) == (entry.write is not None), f"entry {entry.slot} write"
         assert (owner != -1).all(), f"{int((owner == -1).sum())} pages leaked"
-        free = np.asarray(free_slots, np.intp)
-        assert not self._pins[free].any() and not self._leases[free].any(), "a free slot is held"
+        self.holds.verify(np.asarray(free_slots, np.intp))
         assert len(self.policy) == sum(1 for e in self.by_slot if e is not None and e.state is EntryState.READY
-                                       and not self._pins[e.slot] and not self._leases[e.slot])
-        assert self.pinned_entries == int(np.count_nonzero(self._pins))
-        assert self.leased_entries == int(np.count_nonzero(self._leases))
+                                       and not held_slots[e.slot])
 
     def persist_tick(self) -> None:
         """Write the access clock to the header (a clean stop)."""

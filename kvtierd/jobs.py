@@ -15,8 +15,8 @@ released the job, then unpinned (invariant 2). A load job may name a lease of it
 (``kvtierd.leases``): its first request pins the hits, then ends the lease (consumed), so the
 leased entries are never evictable in between and a load of leased keys is never short.
 
-The page fence (``kvtierd.fence``, invariant 9): the pages a writer is handed are fenced for it
-before the reply carries them, and settled when its commit is accepted. Abort (failed vote,
+A store job is a fenced write (``kvtierd.writes``, invariant 9): a writer's pages are fenced for
+it before the reply carries them, and settled when its commit is accepted. Abort (failed vote,
 conflict, timeout, a rank leaving or dying, the engine leaving): WRITING entries leave the index
 at once, so nobody can see them; the pages of every writer that was handed them and has not
 committed stay fenced, parked under that writer, until it commits the job after all or is proven
@@ -43,55 +43,23 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import numpy as np
-
+from .attachments import Engine, Session, SessionEnd
 from .contract.namespace import Sharding
-from .contract.protocol import PAGES_DTYPE, AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
-from .fence import Fence
+from .contract.protocol import AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
 from .histogram import Histogram
-from .index import Index, Namespace
-from .sessions import Session, SessionEnd
-
-if TYPE_CHECKING:
-    from .leases import Leases
+from .holds import Holds
+from .index import Index
+from .leases import Leases
+from .writes import Write, Writes, WriterKind
 
 log = logging.getLogger(__name__)
 
 
 # Monotonic counters the job machine keeps (Store.stats reports them with the index's).
-COUNTERS = ("store_aborted_keys", "store_jobs_done", "load_hit_keys", "load_miss_keys", "load_jobs_done",
-            "bytes_written", "bytes_saved_dedup")
-
-
-_ENGINE_SERIALS = itertools.count(1)
-
-
-@dataclass(eq=False)
-class Engine:
-    """An attached engine: its sessions by role and its jobs."""
-
-    id: str
-    world_size: int
-    ns: Namespace
-    ranks: dict[int, Session] = field(default_factory=dict)
-    coordinators: set = field(default_factory=set)
-    jobs: dict[int, "Job"] = field(default_factory=dict)
-    # Who may attach more sessions to it: the uid its first session came from (None without a
-    # socket, as in unit tests) and the digest of the secret that session presented, if any.
-    uid: int | None = None
-    secret: bytes | None = None
-    open_keys: int = 0                  # keys (+1 per job) of its open jobs
-    # Its tombstones are keyed by this serial, not the id: they go with the engine, since a
-    # restarted engine (new sessions, same id) may count job ids from 0 again.
-    serial: int = field(default_factory=lambda: next(_ENGINE_SERIALS))
-
-    @property
-    def writers(self) -> frozenset[int]:
-        if self.ns.id.sharding is Sharding.REPLICATED:
-            return frozenset({0})
-        return frozenset(range(self.world_size))
+COUNTERS = ("store_written_keys", "store_present_keys", "store_no_space_keys", "store_aborted_keys",
+            "store_jobs_done", "load_hit_keys", "load_miss_keys", "load_jobs_done", "bytes_written",
+            "bytes_saved_dedup")
 
 
 @dataclass(eq=False)
@@ -102,35 +70,42 @@ class Job:
     keys: list
     deadline: float
     outcomes: list = field(default_factory=list)   # store: StoreOutcome per key
-    entries: list = field(default_factory=list)    # store: entries being written; load: pinned hits
+    write: Write | None = None                     # store: its fenced write (entries, writers handed pages)
+    entries: list = field(default_factory=list)    # load: the pinned hits
     seen: set = field(default_factory=set)         # ranks that got the decision
     done_ranks: set = field(default_factory=set)   # store: voted; load: released
     state: JobState = JobState.OPEN
     cause: AbortCause | None = None
-    # store: writer rank → the writer handed its pages that has not committed; an aborted job
-    # stays findable while one is left, so that its late commit is recognised.
-    handed: dict = field(default_factory=dict)
     opened: float = 0.0                             # clock() at the first request (vote-wait metric)
     chain: bool = True                              # store: the keys are a prefix chain (the policy's hint)
     cold: int = 0                                   # store: written keys the client expects no reuse of
     shard_sums: dict = field(default_factory=dict)  # writer rank → checksum of its shard per entry
     cost: int = 0                                   # what it counts against the open-job key bounds
 
+    @property
+    def handed(self) -> dict:
+        """store: writer rank → its handed pages, not committed; an aborted job stays findable
+        while one is left, so that its late commit is recognised."""
+        return self.write.handed if self.write is not None else {}
+
 
 class Jobs:
-    def __init__(self, index: Index, fence: Fence, leases: "Leases", job_timeout: float = 30.0, clock=time.monotonic,
-                 checksums: bool = False, max_job_keys: int = 1 << 20, max_job_keys_per_engine: int = 1 << 18,
-                 max_tombstones: int = 1 << 17):
+    def __init__(self, index: Index, writes: Writes, leases: Leases, holds: Holds, engines: dict[str, Engine],
+                 job_timeout: float = 30.0, clock=time.monotonic, checksums: bool = False, max_job_keys: int = 1 << 20,
+                 max_job_keys_per_engine: int = 1 << 18, max_tombstones: int = 1 << 17):
+        """``engines``: the attached engines by id (``Attachments.engines``), whose jobs these are;
+        ``holds``: what a load may pin of the region (``Holds.fit``)."""
         self.index = index
-        self.fence = fence
+        self.writes = writes
         self.leases = leases
+        self.holds = holds
         self.job_timeout = job_timeout
         self.clock = clock
         self.checksums = checksums        # keep writers' checksums of their shards
         self.max_job_keys = max_job_keys
         self.max_job_keys_per_engine = max_job_keys_per_engine
         self.max_tombstones = max_tombstones
-        self.engines: dict[str, Engine] = {}
+        self.engines = engines
         self.open_keys = 0                # keys (+1 per job) of every open job
         # Finished and aborted jobs, oldest first: (engine serial, job id) → (kind, state, cause),
         # the value one shared tuple per combination.
@@ -152,7 +127,7 @@ class Jobs:
         job = engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
             if job is not None:     # aborted, a writer's pages still fenced: the id stays taken
-                self._refuse_aborted(job.kind, job_id, job.cause)   # (its tombstone may be gone)
+                self._refuse_settled(job.kind, job.state, job.cause, job_id)   # (its tombstone may be gone)
             self._refuse_finished(engine, job_id)
             cost = self._admit(engine, len(keys))
             now = self.clock()
@@ -184,23 +159,22 @@ class Jobs:
 
     def _refuse_finished(self, engine: Engine, job_id: int) -> None:
         tomb = self.tombstones.get((engine.serial, job_id))
-        if tomb is None:
-            return
-        kind, state, cause = tomb
-        if state is JobState.ABORTED:
-            self._refuse_aborted(kind, job_id, cause)
-        raise RequestError(ErrorCode.CONFLICT, f"{kind.value} job {job_id} already finished; job ids are not reused")
+        if tomb is not None:
+            self._refuse_settled(*tomb, job_id)
 
     @staticmethod
-    def _refuse_aborted(kind: JobKind, job_id: int, cause: AbortCause) -> None:
-        code = ErrorCode.TIMEOUT if cause is AbortCause.TIMEOUT else ErrorCode.ABORTED
-        raise RequestError(code, f"{kind.value} job {job_id} was aborted ({cause.value})")
+    def _refuse_settled(kind: JobKind, state: JobState, cause: AbortCause | None, job_id: int) -> None:
+        """The precise error for a request naming a job that is no longer open."""
+        if state is JobState.ABORTED:
+            code = ErrorCode.TIMEOUT if cause is AbortCause.TIMEOUT else ErrorCode.ABORTED
+            raise RequestError(code, f"{kind.value} job {job_id} was aborted ({cause.value})")
+        raise RequestError(ErrorCode.CONFLICT, f"{kind.value} job {job_id} already finished; job ids are not reused")
 
     def _open_job(self, session: Session, job_id: int, kind: JobKind) -> Job:
         job = session.engine.jobs.get(job_id)
         if job is None or job.state is not JobState.OPEN:
             if job is not None:
-                self._refuse_aborted(job.kind, job_id, job.cause)
+                self._refuse_settled(job.kind, job.state, job.cause, job_id)
             self._refuse_finished(session.engine, job_id)
             raise RequestError(ErrorCode.UNKNOWN_JOB, f"no job {job_id} for engine {session.engine.id!r}")
         if job.kind is not kind:
@@ -225,7 +199,11 @@ class Jobs:
         """
         job, new = self._job(session, job_id, JobKind.STORE, keys)
         if new:
-            job.outcomes, job.entries = self.index.decide_store(job.engine.ns, keys, job)
+            job.write, job.outcomes, present = self.writes.begin(WriterKind.RANK, job_id, job.engine.ns, keys)
+            written = len(job.write.entries)
+            self.counters["store_written_keys"] += written
+            self.counters["store_present_keys"] += present
+            self.counters["store_no_space_keys"] += len(keys) - written - present
             job.chain = chain
             if cold_tail:
                 job.cold = job.outcomes[max(0, len(keys) - cold_tail):].count(StoreOutcome.WRITE)
@@ -234,11 +212,13 @@ class Jobs:
             return job.outcomes, []
         job.seen.add(rank)
         if rank in job.engine.writers:
-            pages = job.engine.ns.pages_for(job.entries, rank)
-            if pages:       # fenced for this writer before the reply hands them out
-                self.fence.hand(session.writer, np.frombuffer(b"".join(pages), PAGES_DTYPE))
-                job.handed[rank] = session.writer
-            return job.outcomes, pages
+            if rank in job.done_ranks:
+                # Its commit settled its pages: handing them again would fence READY pages for it
+                # and keep the job past its end, waiting for a second commit (issue 26 A).
+                raise RequestError(ErrorCode.CONFLICT, f"rank {rank} already committed store job {job_id}: a writer "
+                                                       "stores a job once, then commits it once")
+            # fenced for this writer before the reply hands them out
+            return job.outcomes, self.writes.hand(job.write, rank, session.writer, rank)
         self._vote(job, rank)
         return job.outcomes, []
 
@@ -247,26 +227,23 @@ class Jobs:
         checksums of their shard of each entry when the daemon keeps checksums."""
         rank = self._rank_of(session, "vote")
         job = self._find_for_vote(session, job_id)
-        if job.state is JobState.ABORTED:       # a writer acknowledging an aborted job's copy
-            writer = job.handed.pop(rank)
-            self.index.release_pages(self.fence.release_job(writer, job.id))
+        if job.state is JobState.ABORTED:       # a writer acknowledging an aborted job's copy (a late final)
+            self.writes.settle(job.write, rank)
             self._drop_if_settled(job)
-            self._refuse_aborted(job.kind, job_id, job.cause)
+            self._refuse_settled(job.kind, job.state, job.cause, job_id)
         if rank not in job.seen:
             raise RequestError(ErrorCode.CONFLICT, f"rank {rank} commits store job {job_id} before storing it")
         if ok and checksums is None and self.checksums and rank in job.engine.writers:
             raise RequestError(ErrorCode.BAD_REQUEST, f"this kvtierd keeps checksums (setting checksums): the commit "
                                f"of job {job_id} must carry the checksum of rank {rank}'s shard of each entry")
         if checksums is not None and ok:
-            writes = len(job.entries) if rank in job.engine.writers else 0
-            if rank not in job.engine.writers or len(checksums) != len(job.entries):
+            entries = len(job.write.entries)
+            writes = entries if rank in job.engine.writers else 0
+            if rank not in job.engine.writers or len(checksums) != entries:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"commit of job {job_id} carries {len(checksums)} "
                                    f"checksums; rank {rank} writes {writes} entries")
             job.shard_sums[rank] = checksums
-        writer = job.handed.pop(rank, None)
-        if writer is not None:                  # its copy is over, whatever its vote: no more fence
-            pages = job.engine.ns.pages_for(job.entries, rank)
-            self.fence.settle(writer, np.frombuffer(b"".join(pages), PAGES_DTYPE))
+        self.writes.settle(job.write, rank)     # its copy is over, whatever its vote: no more fence
         if not ok:
             self._abort(job, AbortCause.VOTE_FAILED)
             return
@@ -288,8 +265,7 @@ class Jobs:
         writers = sorted(engine.writers)
         sums = [job.shard_sums[r] for r in writers] if self.checksums and all(
             r in job.shard_sums for r in writers) else None
-        self.index.make_ready(job.entries, sums, job.chain, job.cold)
-        n = len(job.entries)
+        n = len(self.writes.complete(job.write, sums=sums, chain=job.chain, cold=job.cold))
         ns_id = engine.ns.id
         self.counters["bytes_written"] += n * ns_id.entry_bytes
         if ns_id.sharding is Sharding.REPLICATED:
@@ -303,14 +279,18 @@ class Jobs:
              ) -> tuple[int, list[bytes]]:
         """Open or join a load job. Returns (hits, this rank's pages per hit key).
 
-        The first request pins the READY prefix of ``keys``; they stay pinned until every rank
-        released the job (or it is aborted). It also consumes ``lease``, after pinning (later
-        requests of the job ignore it).
+        The first request pins the READY prefix of ``keys`` — as much of it as the engine may
+        hold (``kvtierd.holds``; the rest are misses); they stay pinned until every rank released
+        the job (or it is aborted). It also consumes ``lease``, after pinning (later requests of
+        the job ignore it); the lease's pages count as room, so a load of leased keys is whole.
         """
         job, new = self._job(session, job_id, JobKind.LOAD, keys)
         if new:
-            job.entries = self.index.ready_prefix(job.engine.ns, keys)
-            self.index.pin(job.entries)
+            engine = job.engine
+            ready = engine.ns.ready(keys)
+            returned = self.leases.pages_of(engine, lease) if lease is not None else 0
+            job.entries = ready[:self.holds.fit(engine, len(ready), returned)]
+            self.index.pin(job.entries, engine)
             if lease is not None:
                 self.leases.consume(job.engine, lease)
             self.counters["load_hit_keys"] += len(job.entries)
@@ -334,7 +314,7 @@ class Jobs:
             self._finish(job, JobState.DONE)
 
     def _unpin(self, job: Job) -> None:
-        self.index.unpin(job.entries)
+        self.index.unpin(job.entries, job.engine)
         job.entries = []
 
     # ------------------------------------------------------------------ abort and finish
@@ -354,29 +334,13 @@ class Jobs:
             return
         job.cause = cause
         if job.kind is JobKind.STORE:
-            self.counters["store_aborted_keys"] += len(job.entries)
-            self._fence_aborted(job)
+            self.counters["store_aborted_keys"] += len(job.write.entries)
+            self.writes.abort(job.write)
         else:
             self._unpin(job)
         self.aborted[cause.value] += 1
         log.info("%s job %d of engine %r aborted: %s", job.kind.value, job.id, job.engine.id, cause.value)
         self._finish(job, JobState.ABORTED)
-
-    def _fence_aborted(self, job: Job) -> None:
-        """The aborted job's entries go; the shards of writers that were handed them and have not
-        committed stay fenced (parked under each writer), the rest of the pages are free."""
-        if not job.entries:
-            return
-        ns = job.engine.ns
-        shards = ns.shard_pages(job.entries)
-        self.index.abandon(job.entries)
-        job.entries = []
-        fenced = np.zeros(ns.shards, dtype=bool)
-        for rank, writer in job.handed.items():
-            shard = rank if ns.shards > 1 else 0
-            self.fence.park(writer, job.id, shards[:, shard].ravel())
-            fenced[shard] = True
-        self.index.release_pages(shards[:, ~fenced].ravel())
 
     def _drop_if_settled(self, job: Job) -> None:
         """A finished job leaves the engine's open jobs once no writer may still commit it."""
@@ -405,17 +369,15 @@ class Jobs:
             if job.state is JobState.OPEN and rank not in job.done_ranks:
                 self._abort(job, cause)
         for job in list(engine.jobs.values()):
-            if job.handed.pop(rank, None) is not None:
+            if job.write is not None and self.writes.drop_writer(job.write, rank):
                 self._drop_if_settled(job)
 
     def engine_gone(self, engine: Engine) -> None:
-        """The engine's last session ended: its open jobs abort, and it is forgotten (its writers'
-        fenced pages are the fence's; its tombstones, keyed by its serial, are never matched again
-        and age out)."""
+        """The engine's last session ended: its open jobs abort (its writers' fenced pages are the
+        fence's; its tombstones, keyed by its serial, are never matched again and age out)."""
         for job in list(engine.jobs.values()):
             if job.state is JobState.OPEN:
                 self._abort(job, AbortCause.ENGINE_LEFT)
-        del self.engines[engine.id]
 
     # ------------------------------------------------------------------ deadlines
     def _push_deadline(self, deadline: float, engine_id: str, job_id: int) -> None:
@@ -468,23 +430,28 @@ class Jobs:
         return sum(1 for e in self.engines.values() for j in e.jobs.values()
                    if j.state is JobState.OPEN and (kind is None or j.kind is kind))
 
-    def handed(self) -> dict[int, list[np.ndarray]]:
-        """Writer row → the pages of open jobs it was handed and has not committed (``Fence.verify``)."""
-        out: dict[int, list[np.ndarray]] = {}
-        for engine in self.engines.values():
-            for job in engine.jobs.values():
-                if job.state is JobState.OPEN:
-                    for rank, writer in job.handed.items():
-                        pages = engine.ns.pages_for(job.entries, rank)
-                        out.setdefault(writer.row, []).append(np.frombuffer(b"".join(pages), PAGES_DTYPE))
-        return out
-
     def stats(self) -> dict:
         return {
-            "engines": len(self.engines),
             "open_jobs": self.open_jobs(),
+            "jobs_held": sum(len(e.jobs) for e in self.engines.values()),
             "open_job_keys": self.open_keys,
             "tombstones": len(self.tombstones),
             "aborted_jobs": dict(self.aborted),
             "vote_wait": self.vote_wait.snapshot(),
         }
+
+    def held(self) -> Counter:
+        """Engine → the pages its load jobs' pins hold (``Holds.verify_holders``)."""
+        held: Counter = Counter()
+        for engine in self.engines.values():
+            for job in engine.jobs.values():
+                if job.kind is JobKind.LOAD:
+                    held[engine] += len(job.entries) * engine.ns.entry_pages
+        return held
+
+    def verify(self) -> None:
+        """No settled job left in an engine's table: only open ones, and aborted store jobs that
+        wait for a writer's commit (tests, ``Store.verify``)."""
+        for engine in self.engines.values():
+            assert all(job.state is JobState.OPEN or (job.state is JobState.ABORTED and job.handed)
+                       for job in engine.jobs.values()), f"engine {engine.id!r} holds a settled job"

@@ -16,7 +16,7 @@ subscribes to their topics and reads the sequence numbers of the others as gaps 
 and then gets only the batches of the topics it starts (a subscriber of some topics asks for
 what it lacks of those, not for the whole stream; the answer's sequence numbers keep their gaps).
 
-**What it sends, and when.** The publisher is a reader of the event log (kvtierd.events) like
+**What it sends, and when.** The publisher is a reader of the event log (kvtierd.eventlog) like
 any coordinator session, without the wire: ``flush`` (the server loop calls it once per loop
 iteration) reads each namespace from its cursor and publishes one batch per namespace with what
 came: ``BlockStored`` for keys that became READY, ``BlockRemoved`` for keys that left. A
@@ -46,7 +46,7 @@ import zmq
 
 from . import kvevents_wire as wire
 from .contract.events import Kind
-from .events import EventLog
+from .eventlog import EventLog
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,11 @@ How a lease ends (``LeaseEnd``, the ``cause`` of kvtierd_lease_ends_total):
   it re-attached.
 
 Bounds (issue 11's pattern for open jobs): a lease counts its entries plus one against
-``max_leased_keys_per_engine`` and ``max_leased_keys`` (all engines together). A lookup past
-either leases the longest prefix of its hits that fits, or nothing; its reply says how many it
-holds (``leased``), and the keys left out are counted (``lease_capped_keys``).
+``max_leased_keys_per_engine`` and ``max_leased_keys`` (all engines together), which bound the
+records' memory; and its entries' pages against the shares of the region an engine, a namespace
+and all engines may hold out of eviction (``kvtierd.holds``, with load pins). A lookup past any
+leases the longest prefix of its hits that fits, or nothing; its reply says how many it holds
+(``leased``), and the keys left out are counted (``lease_capped_keys``).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+from .attachments import Engine, Session
+from .holds import Holds
 from .index import Entry, Index
-from .jobs import Engine
-from .sessions import Session
 
 MIN_TTL = 0.01          # seconds: the shortest lease granted, whatever the lookup asked for
 
@@ -66,15 +68,21 @@ class Lease:
     live: bool = True
 
     @property
+    def pages(self) -> int:
+        """What it counts against the held shares (``kvtierd.holds``): its entries' pages."""
+        return len(self.entries) * self.engine.ns.entry_pages
+
+    @property
     def cost(self) -> int:
         """What it counts against the caps: its entries plus one (the record itself)."""
         return len(self.entries) + 1
 
 
 class Leases:
-    def __init__(self, index: Index, clock: Callable[[], float] = time.monotonic, ttl: float = 5.0,
+    def __init__(self, index: Index, holds: Holds, clock: Callable[[], float] = time.monotonic, ttl: float = 5.0,
                  max_ttl: float = 60.0, max_keys_per_engine: int = 1 << 18, max_keys: int = 1 << 20):
         self.index = index
+        self.holds = holds
         self.clock = clock
         self.ttl = ttl                                  # setting lease_ttl
         self.max_ttl = max(max_ttl, MIN_TTL)            # setting max_lease_ttl
@@ -106,6 +114,7 @@ class Leases:
         room = min(self.max_keys_per_engine - self._engine_keys[engine],
                    self.max_keys - self.keys) + returned - 1
         n = max(0, min(len(entries), room))
+        n = self.holds.fit(engine, n, old.pages if old is not None else 0)
         self.capped_keys += len(entries) - n
         if n == 0:
             if old is not None:
@@ -113,7 +122,7 @@ class Leases:
             return 0, 0.0
         ttl = min(max(self.ttl if ttl is None else ttl, MIN_TTL), self.max_ttl)
         held = entries[:n]
-        self.index.lease(held)          # before the old lease lets go: never evictable in between
+        self.index.lease(held, engine)  # before the old lease lets go: never evictable in between
         if old is not None:
             self._end(old, LeaseEnd.REPLACED)
         lease = Lease(lease_id, engine, session, held, self.clock() + ttl)
@@ -126,6 +135,11 @@ class Leases:
         return n, ttl
 
     # ------------------------------------------------------------------ ends
+    def pages_of(self, engine: Engine, lease_id: int) -> int:
+        """The pages the live lease ``lease_id`` of ``engine`` holds (0: none is live)."""
+        lease = self._leases.get((engine, lease_id))
+        return 0 if lease is None else lease.pages
+
     def consume(self, engine: Engine, lease_id: int) -> None:
         """A load job of ``engine`` named the lease; the caller pinned the job's entries first."""
         lease = self._leases.get((engine, lease_id))
@@ -177,7 +191,7 @@ class Leases:
         if not self._engine_keys[lease.engine]:
             del self._engine_keys[lease.engine]
         self.keys -= lease.cost
-        self.index.unlease(lease.entries)
+        self.index.unlease(lease.entries, lease.engine)
         self.ends[cause.value] += 1
 
     def _push_deadline(self, lease: Lease) -> None:
@@ -194,6 +208,13 @@ class Leases:
         """Entries held by a lease in the namespace named ``namespace`` (None: all)."""
         return len({entry.slot for lease in self._leases.values()
                     if namespace is None or lease.engine.ns.id.name() == namespace for entry in lease.entries})
+
+    def held(self) -> Counter:
+        """Engine → the pages its leases hold (``Holds.verify_holders``)."""
+        held: Counter = Counter()
+        for lease in self._leases.values():
+            held[lease.engine] += lease.pages
+        return held
 
     def of_session(self, session: Session) -> tuple[int, int]:
         """(leases, entries in them) that ``session`` holds."""
@@ -215,7 +236,7 @@ class Leases:
         assert sum(map(len, self._by_session.values())) == len(self._leases)
         assert self.keys == sum(lease.cost for lease in self._leases.values()) == sum(self._engine_keys.values())
         for slot, count in held.items():
-            assert self.index.holds(slot)[1] == count, f"entry {slot} lease count"
-        assert self.index.leased_entries == len(held)
+            assert self.holds.of(slot)[1] == count, f"entry {slot} lease count"
+        assert self.holds.leased == len(held)
         live = sum(1 for item in self._deadlines if item[2].live)
         assert live == len(self._leases), "a live lease without a deadline"

@@ -17,7 +17,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,9 +27,49 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
-from .contract.protocol import JobKind, StatsReply
+from .contract.protocol import REQUESTS, AbortCause, ErrorCode, JobKind, StatsReply
+from .fence import ROW_CAPS, Reason, Release
+from .histogram import Histogram
+from .holds import CAPS as HOLD_CAPS
+from .leases import LeaseEnd
+from .peers import Cap
+from .policy import policy_class
+from .tier.backend import ERRORS as TIER_ERRORS
+from .tier.disk import CAUSES as DISK_ERROR_CAUSES
+from .tier.link import LinkBusy
+from .tier.seal import REASONS as SEAL_REASONS
+from .tiering.companion import OPS as TIER_OPS
 
 log = logging.getLogger(__name__)
+
+# Every value of each label the daemon fills sparsely (a Counter that holds what happened), from the
+# enums that define them: each series is exported from the daemon's start, 0 until its first event.
+# A series born at its first event has no sample before it, so increase() and rate() cannot see
+# that event (issue 27: KvtierdInternalErrors never fired on a first INTERNAL error, `promtool test
+# rules` shows it). Families whose dicts the daemon fills whole (pages, entries, ...) need no entry;
+# tests/unit/test_metrics.py checks that a fresh daemon's snapshot exports every series.
+LABEL_VALUES: dict[str, Callable[[StatsReply], Iterable[str]]] = {
+    "fenced_pages": lambda s: [r.value for r in Reason],
+    "fence_released_pages": lambda s: [c.value for c in Release],
+    "lease_ends": lambda s: [e.value for e in LeaseEnd],
+    "jobs_completed": lambda s: [k.value for k in JobKind],
+    "aborted_jobs": lambda s: [c.value for c in AbortCause],
+    "connections_refused": lambda s: [c.value for c in Cap],
+    "errors": lambda s: [c.name for c in ErrorCode],
+    "policy_entries": lambda s: policy_class(s.policy).segments,
+    "policy_evictions": lambda s: policy_class(s.policy).segments,
+    "writer_rows_refused": lambda s: ROW_CAPS,
+    "hold_capped_keys": lambda s: HOLD_CAPS,
+    "tier_seal_rejected_blocks": lambda s: SEAL_REASONS,
+    "tier_disk_errors": lambda s: DISK_ERROR_CAUSES,
+}
+TIER_ERROR_CODES = (*TIER_ERRORS, LinkBusy.code)
+
+
+def _every_op(ops: Iterable[str], series: dict[str, dict]) -> dict[str, dict]:
+    """A histogram's series by op, with an empty one for every op that has none yet."""
+    empty = Histogram().snapshot()
+    return {op: series.get(op, empty) for op in {*ops, *series}}
 
 # kvtierd_store_keys_total's outcome label → the StatsReply field it reads.
 STORE_KEY_OUTCOMES = {"written": "store_written_keys", "present": "store_present_keys",
@@ -61,7 +101,8 @@ class DaemonCollector:
 
         def labelled(cls, name: str, doc: str, label: str, values: dict) -> Metric:
             family = cls(f"kvtierd_{name}", doc, labels=[label])
-            for key, value in sorted(values.items()):
+            known = dict.fromkeys(LABEL_VALUES[name](s), 0) if name in LABEL_VALUES else {}
+            for key, value in sorted({**known, **values}.items()):
                 family.add_metric([key], value)
             return family
 
@@ -85,6 +126,12 @@ class DaemonCollector:
                     "fenced after it was last seen.", s.fence_grace_seconds)
         yield gauge("writer_rows", "Rows of the region's writer table in use (writers attached, or gone with pages "
                     "fenced).", s.writer_rows)
+        yield labelled(CounterMetricFamily, "writer_rows_refused", "Writer hellos refused for want of a writer row, "
+                       "by the bound: per_peer (max_writer_rows_per_peer), total (the region's 4,096 rows, or what "
+                       "the open-files limit holds).", "cap", s.writer_rows_refused)
+        yield counter("fence_check_failures", "Checks of a gone writer's process that could not be made (the daemon "
+                      "out of descriptors or memory): its pages stayed fenced (reason unproven), checked again.",
+                      s.fence_check_failures)
         yield labelled(GaugeMetricFamily, "entries", "Entries by state (pinned: READY and held by a load; leased: "
                        "READY and held by a lease; an entry may be both).", "state",
                        {"ready": s.entries_ready, "writing": s.entries_writing, "pinned": s.entries_pinned,
@@ -99,8 +146,15 @@ class DaemonCollector:
         yield counter("lease_missed_loads", "Load jobs that named a lease that was not live (expired, revoked, "
                       "released, or lost with a daemon restart): their keys were pinned only if still ready.",
                       s.lease_missed_loads)
-        yield counter("lease_capped_keys", "Hits a lookup could not lease because of max_leased_keys_per_engine or "
-                      "max_leased_keys.", s.lease_capped_keys)
+        yield counter("lease_capped_keys", "Hits a lookup could not lease because of max_leased_keys_per_engine, "
+                      "max_leased_keys or a max_held_share setting.", s.lease_capped_keys)
+        yield gauge("held_pages", "Pages engines hold out of eviction through leases and load pins, each hold counted "
+                    "on its own (what max_held_share caps).", s.held_pages)
+        yield gauge("held_pages_top_engine", "The most pages one engine holds out of eviction (what "
+                    "max_held_share_per_engine caps).", s.held_pages_top_engine)
+        yield labelled(CounterMetricFamily, "hold_capped_keys", "Keys a lease or a load could not hold, by the cap "
+                       "that bound it: engine (max_held_share_per_engine), namespace (max_held_share_per_namespace), "
+                       "total (max_held_share).", "cap", s.hold_capped_keys)
         yield labelled(CounterMetricFamily, "lookup_keys", "Keys asked by lookup, by result.", "result",
                        {"hit": s.lookup_hit_keys, "miss": s.lookup_miss_keys})
         yield labelled(CounterMetricFamily, "store_keys", "Keys of store jobs by outcome.", "outcome",
@@ -136,11 +190,13 @@ class DaemonCollector:
         yield gauge("connections", "Open connections to the client socket.", s.connections)
         yield labelled(CounterMetricFamily, "connections_refused", "Connections closed at once, past a cap "
                        "(total: max_connections; per_peer: max_connections_per_peer).", "cap",
-                       {"total": 0, "per_peer": 0, **s.connections_refused})
+                       s.connections_refused)
         yield gauge("open_jobs", "Jobs waiting for copies, votes or releases.", s.open_jobs)
+        yield gauge("jobs_held", "Job records the daemon holds: the open jobs, and aborted store jobs kept until "
+                    "every writer handed their pages committed or was proven gone.", s.jobs_held)
         yield labelled(CounterMetricFamily, "errors", "Error replies by code.", "code", s.errors)
         yield _histogram("kvtierd_request_duration_seconds", "Time to handle one request, by operation.", "op",
-                         s.latency)
+                         _every_op(REQUESTS, s.latency))
         yield _histogram("kvtierd_vote_wait_seconds", "Time from a store job's first request to its last vote.",
                          None, {"": s.vote_wait})
         if tier is not None:
@@ -148,7 +204,7 @@ class DaemonCollector:
 
 
 def tier_families(t: dict, gauge, counter, labelled) -> Iterator[Metric]:
-    """The second tier's families (``Tiering.stats``), when one is configured."""
+    """The second tier's families (``Tier.stats``), when one is configured."""
     yield InfoMetricFamily("kvtierd_tier", "The second tier (settings tier_backend, tier_address).",
                            value={"backend": t["backend"], "address": t["address"]})
     yield gauge("tier_up", "1 while the tier companion is ready (0: starting, restarting, or its backend "
@@ -180,11 +236,26 @@ def tier_families(t: dict, gauge, counter, labelled) -> Iterator[Metric]:
                   t["cleared_blocks"])
     errors = CounterMetricFamily("kvtierd_tier_errors", "Tier calls that failed, by op and TierError code.",
                                  labels=["op", "code"])
-    for e in t["errors"]:
-        errors.add_metric([e["op"], e["code"]], e["calls"])
+    calls = {(op, code): 0 for op in TIER_OPS for code in TIER_ERROR_CODES}
+    calls.update({(e["op"], e["code"]): e["calls"] for e in t["errors"]})
+    for (op, code), n in sorted(calls.items()):
+        errors.add_metric([op, code], n)
     yield errors
     yield _histogram("kvtierd_tier_call_seconds", "Time from a tier request to its answer, by op.", "op",
-                     t["call_seconds"])
+                     _every_op(TIER_OPS, t["call_seconds"]))
+    yield labelled(CounterMetricFamily, "tier_seal_rejected_blocks", "Promoted blocks dropped because their seal "
+                   "failed, by why: mismatch (bytes, namespace or key not the ones sealed: planted, foreign, "
+                   "damaged or torn), other_key (sealed with another tier_key_file's key).", "reason",
+                   t["seal_rejected_blocks"])
+    disk = t["engine"] if t["engine"].get("engine") == "disk" else None
+    if disk is not None and "errors" in disk:
+        yield labelled(GaugeMetricFamily, "tier_disk_bytes", "The disk tier's bytes: used (by its blocks), "
+                       "allocated (preallocated on the filesystem), capacity (its setting).", "kind",
+                       {kind: disk[f"{kind}_bytes"] for kind in ("used", "allocated", "capacity")})
+        yield gauge("tier_disk_blocks", "Blocks the disk tier holds.", disk["blocks"])
+        yield labelled(CounterMetricFamily, "tier_disk_errors", "The disk tier's failures by cause (since its "
+                       "companion started): no_space, io_error, read_only, full (capacity or free floor reached, "
+                       "nothing to evict), slow (an I/O past tier_timeout), other.", "cause", disk["errors"])
 
 
 class CachedPage:
@@ -221,24 +292,40 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def start_endpoint(address: str, snapshot: Callable[[], StatsReply], cache_seconds: float = 1.0) -> tuple[object, str]:
-    """Serve /metrics on ``host:port`` (port 0 picks one). Returns (server, bound host:port)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"metrics address {address!r} must be HOST:PORT (or 'off'); setting metrics_address")
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(snapshot))
-    ProcessCollector(registry=registry)     # process_resident_memory_bytes, open fds, CPU, start time
-    host = host.strip("[]")
+class Endpoint:
+    """The /metrics HTTP endpoint. Bound at construction — before the daemon touches the region, so
+    a bad or taken address fails the start at once, not after minutes of prefault — and served from
+    ``serve`` on, with the daemon's snapshot."""
 
-    class Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    def __init__(self, address: str, cache_seconds: float = 1.0):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"metrics address {address!r} must be HOST:PORT with a port of 0..65535 (0: any free "
+                             "one), or off; setting metrics_address (--metrics-address)")
+        host = host.strip("[]")
 
-    try:
-        server = make_server(host, int(port), CachedPage(registry, cache_seconds), Server, handler_class=_QuietHandler)
-    except OSError as exc:
-        raise ValueError(f"cannot serve metrics on {address}: {exc.strerror}; change metrics_address "
-                         "(--metrics-address) or set it to off") from None
-    threading.Thread(target=server.serve_forever, name="kvtierd-metrics", daemon=True).start()
-    bound_host, bound_port = server.server_address[:2]
-    return server, f"{bound_host}:{bound_port}"
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._registry = CollectorRegistry(auto_describe=False)
+        try:
+            self.server = make_server(host, int(port), CachedPage(self._registry, cache_seconds), Server,
+                                      handler_class=_QuietHandler)
+        except OSError as exc:
+            raise ValueError(f"cannot serve metrics on {address}: {exc.strerror or exc}; change metrics_address "
+                             "(--metrics-address) or set it to off") from None
+        bound_host, bound_port = self.server.server_address[:2]
+        self.address = f"{bound_host}:{bound_port}"
+        self._serving = False
+
+    def serve(self, snapshot: Callable[[], StatsReply]) -> None:
+        """Answer scrapes from now on (connections made since the bind waited in the backlog)."""
+        self._registry.register(DaemonCollector(snapshot))
+        ProcessCollector(registry=self._registry)   # process_resident_memory_bytes, open fds, CPU, start time
+        threading.Thread(target=self.server.serve_forever, name="kvtierd-metrics", daemon=True).start()
+        self._serving = True
+
+    def close(self) -> None:
+        if self._serving:           # shutdown() waits for serve_forever: it would wait forever before it
+            self.server.shutdown()
+        self.server.server_close()

@@ -30,6 +30,7 @@ queue is unbounded (RCVHWM 0): an event that ZMQ dropped would leave a connectio
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import socket
@@ -44,6 +45,13 @@ log = logging.getLogger(__name__)
 
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _CRED = struct.Struct("3i")     # struct ucred: pid, uid, gid
+
+
+class Cap(str, enum.Enum):
+    """The cap a connection was refused past (kvtierd_connections_refused_total's ``cap``)."""
+
+    TOTAL = "total"             # max_connections
+    PER_PEER = "per_peer"       # max_connections_per_peer
 
 
 @dataclass(eq=False)
@@ -92,7 +100,7 @@ class Connections:
         self._on_close = on_close
         self.by_fd: dict[int, Conn] = {}
         self.per_peer: Counter = Counter()
-        self.refused: Counter = Counter()     # why connections were shut down at once: total | per_peer
+        self.refused: Counter = Counter()     # Cap value → connections shut down at once past it
         self._serial = 0
         self.monitor: zmq.Socket | None = None
 
@@ -159,16 +167,17 @@ class Connections:
         self._serial += 1
         conn = Conn(self._serial, fd, pid, uid, gid)
         if len(self.by_fd) >= self.max_total:
-            self._refuse(conn, "total", f"kvtierd holds its maximum of {self.max_total} connections "
+            self._refuse(conn, Cap.TOTAL, f"kvtierd holds its maximum of {self.max_total} connections "
                                         "(setting max_connections)")
         elif self.per_peer[conn.peer] >= self.max_per_peer:
-            self._refuse(conn, "per_peer", f"{conn.describe()} already holds {self.max_per_peer} connections "
+            self._refuse(conn, Cap.PER_PEER, f"{conn.describe()} already holds {self.max_per_peer} connections "
                                            "(setting max_connections_per_peer)")
         else:
             self.by_fd[fd] = conn
             self.per_peer[conn.peer] += 1
 
-    def _refuse(self, conn: Conn, why: str, message: str) -> None:
+    def _refuse(self, conn: Conn, cap: Cap, message: str) -> None:
+        why = cap.value
         if not self.refused[why] & (self.refused[why] - 1):    # log the 1st, 2nd, 4th, 8th, ... refusal
             log.warning("refusing a connection: %s (%d refused so far)", message, self.refused[why] + 1)
         self.refused[why] += 1

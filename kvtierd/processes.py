@@ -62,20 +62,32 @@ def own_pid_namespace() -> int | None:
 
 
 def boot_id() -> int:
-    """64 bits of this boot's id (0 where the kernel does not tell)."""
+    """64 bits of this boot's id (0 where the kernel does not tell). A failure to read it for want
+    of descriptors or memory is raised: a 0 would make every recorded writer one of another boot,
+    proven dead."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return int(f.read().strip().replace("-", "")[:16], 16)
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError):
         return 0
 
 
 def start_ticks(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks since boot, or None when there is none."""
+    """The start time of process ``pid`` in clock ticks since boot, or None when there is none
+    (or /proc could not be read)."""
+    try:
+        return _start_ticks(pid)
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """``start_ticks``, None only when /proc has no such process: any other failure to read it
+    (EMFILE, ENFILE, ENOMEM, ...) says nothing of the process and is raised."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     # Field 2 (comm) may hold spaces and parentheses: the fields after it start after the last ')'.
     fields = stat[stat.rfind(b")") + 2:].split()
@@ -86,16 +98,24 @@ def start_ticks(pid: int) -> int | None:
 
 
 def open_if_same(pid: int, ticks: int) -> int | None:
-    """A pidfd on ``pid`` if it is still the process that started at ``ticks``; None if it is gone.
+    """A pidfd on ``pid`` if it is still the process that started at ``ticks``; None if it is
+    proven gone: no such process (ESRCH), or another one with that pid (another start time).
 
     The pidfd is opened first and the start time read after: if the process died in between, the
-    pid is free or another process's (another start time) and the pidfd is closed again.
+    pid is free or another process's (another start time) and the pidfd is closed again. Any
+    other failure (EMFILE, ENFILE, ENOMEM, ...) proves nothing about the process: it is raised
+    as OSError, and the caller keeps what it holds for the process and asks again later.
     """
     try:
         fd = os.pidfd_open(pid)
-    except OSError:
+    except ProcessLookupError:
         return None
-    if start_ticks(pid) != ticks:
+    try:
+        same = _start_ticks(pid) == ticks
+    except BaseException:
+        os.close(fd)
+        raise
+    if not same:
         os.close(fd)
         return None
     return fd

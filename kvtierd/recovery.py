@@ -95,6 +95,67 @@ def scan(view: RegionView, verify_checksums: bool = False, require_checksums: bo
     first, since whether they are kept depends on which older ones were.
     """
     geo = view.geometry
+    namespaces, damaged, ns_pages, ns_identity, ns_checksums = _namespaces(view)
+    ents = view.entries
+    states = ents["state"]
+    writing = np.flatnonzero(states == EntryState.WRITING)
+    garbage = np.flatnonzero((states != EntryState.FREE) & (states != EntryState.READY)
+                             & (states != EntryState.WRITING))
+    problems = [(int(s), f"unknown state {int(states[s])}") for s in garbage]
+    ready = np.flatnonzero(states == EntryState.READY)
+    ready = ready[np.argsort(ents["tick"][ready], kind="stable")]
+    counts = ents["page_count"][ready].astype(np.int64)
+    key_len = ents["key_len"][ready].astype(np.int64)
+    ns_of = ents["ns"][ready].astype(np.int64)
+    why = np.zeros(len(ready), dtype=np.int8)
+    # Records whose count, namespace or key is not sound are judged before any chain walk: a
+    # damaged count must not size the walk.
+    why[(key_len == 0) | (key_len > MAX_KEY_BYTES)] = _BAD_KEY
+    wrong_count = (counts != ns_pages[ns_of]) & (why == 0)
+    why[wrong_count & (ns_pages[ns_of] < 0)] = _BAD_NS
+    why[wrong_count & (ns_pages[ns_of] >= 0)] = _BAD_COUNT
+    why[(why == 0) & (ents["tick"][ready] >= TICK_LIMIT)] = _BAD_TICK
+    chains = _walk(view, ents["first_page"][ready].astype(np.int64), np.where(why == 0, counts, 0), why)
+    records = ents.view(np.uint8).reshape(len(ents), ENTRY_DTYPE.itemsize)
+    whole = np.flatnonzero(why == 0)
+    for lo in range(0, len(whole), 1 << 16):     # the record sums, 64 Ki records at a time
+        at = whole[lo:lo + (1 << 16)]
+        sums = entry_record_sums(records[ready[at]], chains[at], counts[at], ns_identity[ns_of[at]])
+        why[at[sums != ents["record_sum"][ready[at]]]] = _BAD_SUM
+    no_sum = (why == 0) & (ents["checksum"][ready] == 0)
+    why[no_sum & (ns_checksums[ns_of] | require_checksums)] = _NO_CHECKSUM
+
+    # The candidates (sound so far), oldest first: their keys, and which of them meet another
+    # candidate on a page or on a key of the same namespace (equal fingerprints).
+    cand = np.flatnonzero(why == 0)
+    slots, counts, ns_of = ready[cand], counts[cand], ns_of[cand]
+    key_at = ENTRY_DTYPE.fields["key"][1]        # gathering byte rows is ~10x faster than the field
+    keys, fingerprint = _keys(records[slots, key_at:key_at + MAX_KEY_BYTES], key_len[cand], ns_of)
+    pages, holder, involved = _meetings(chains[cand], counts, fingerprint, geo.num_pages)
+
+    judged: list[tuple[int, int, str]] = [(int(i), int(ready[i]), _REASONS[why[i]])
+                                          for i in np.flatnonzero(why).tolist()]
+    checksum = np.where(ns_checksums[ns_of], ents["checksum"][slots], 0)   # what verification checks
+    keep, owner = _judge_in_order(view, namespaces, chains, cand, slots, counts, ns_of, keys, involved,
+                                  checksum if verify_checksums else np.zeros_like(checksum), judged)
+    alone = ~involved & keep
+    owner[pages[alone[holder]]] = np.repeat(slots[alone], counts[alone])
+    problems += [(slot, reason) for _, slot, reason in sorted(judged)]
+    kept = np.flatnonzero(keep)
+    fenced, fenced_rows, writers, stale = _fence(view, owner)
+    header_tick = int(view.header["tick"])
+    return RegionScan(namespaces, damaged, slots[kept], ns_of[kept],
+                      keys if len(kept) == len(keys) else [keys[i] for i in kept.tolist()],
+                      _rows_as_bytes(chains[cand[kept]].view(np.uint8), 4 * counts[kept]),
+                      writing, problems, owner, fenced, fenced_rows, writers, stale,
+                      [f"header tick {header_tick} out of range"] if header_tick >= TICK_LIMIT else [])
+
+
+def _namespaces(view: RegionView) -> tuple[dict[int, NamespaceId], dict[int, str], np.ndarray, np.ndarray,
+                                            np.ndarray]:
+    """The namespace records judged: (sound ones by slot, damaged ones' reasons by slot, and by
+    slot: entry pages (-1: none), identities, whether their entries carry data checksums)."""
+    geo = view.geometry
     namespaces: dict[int, NamespaceId] = {}
     damaged: dict[int, str] = {}
     ns_pages = np.full(1 << 16, -1, dtype=np.int64)   # entry pages by namespace slot (u2)
@@ -121,34 +182,19 @@ def scan(view: RegionView, verify_checksums: bool = False, require_checksums: bo
         namespaces[slot] = ns_id
         ns_pages[slot] = ns_id.entry_pages(geo.page_size)
         ns_checksums[slot] = bool(int(view.namespaces[slot]["flags"]) & NS_CHECKSUMS)
+    return namespaces, damaged, ns_pages, ns_identity, ns_checksums
 
-    ents = view.entries
-    states = ents["state"]
-    writing = np.flatnonzero(states == EntryState.WRITING)
-    garbage = np.flatnonzero((states != EntryState.FREE) & (states != EntryState.READY)
-                             & (states != EntryState.WRITING))
-    problems = [(int(s), f"unknown state {int(states[s])}") for s in garbage]
-    ready = np.flatnonzero(states == EntryState.READY)
-    ready = ready[np.argsort(ents["tick"][ready], kind="stable")]
-    counts = ents["page_count"][ready].astype(np.int64)
-    key_len = ents["key_len"][ready].astype(np.int64)
-    ns_of = ents["ns"][ready].astype(np.int64)
-    why = np.zeros(len(ready), dtype=np.int8)
-    # Records whose count, namespace or key is not sound are judged before any chain walk: a
-    # damaged count must not size the walk.
-    why[(key_len == 0) | (key_len > MAX_KEY_BYTES)] = _BAD_KEY
-    wrong_count = (counts != ns_pages[ns_of]) & (why == 0)
-    why[wrong_count & (ns_pages[ns_of] < 0)] = _BAD_NS
-    why[wrong_count & (ns_pages[ns_of] >= 0)] = _BAD_COUNT
-    why[(why == 0) & (ents["tick"][ready] >= TICK_LIMIT)] = _BAD_TICK
-    walk = np.where(why == 0, counts, 0)
-    # Walk every chain at once, one link per step (steps = the longest chain).
-    max_count = int(walk.max()) if len(ready) else 0
-    chains = np.full((len(ready), max_count), CHAIN_END, dtype=PAGES_DTYPE)
-    cur = ents["first_page"][ready].astype(np.int64)
+
+def _walk(view: RegionView, first: np.ndarray, walk: np.ndarray, why: np.ndarray) -> np.ndarray:
+    """Every chain at once, one link per step (steps = the longest chain): [record, link], ``walk``
+    links each (0: not walked). A chain that leaves the data area or goes on past its count is
+    judged in ``why`` (_CHAIN_OUT, _CHAIN_LONG)."""
+    max_count = int(walk.max()) if len(walk) else 0
+    chains = np.full((len(walk), max_count), CHAIN_END, dtype=PAGES_DTYPE)
+    cur = first
     for step in range(max_count):
         active = (walk > step) & (why == 0)
-        out = active & (cur >= geo.num_pages)
+        out = active & (cur >= view.geometry.num_pages)
         why[out] = _CHAIN_OUT
         active &= ~out
         chains[active, step] = cur[active]
@@ -156,47 +202,44 @@ def scan(view: RegionView, verify_checksums: bool = False, require_checksums: bo
         nxt[active] = view.chain[cur[active]]
         cur = nxt
     why[(why == 0) & (cur != CHAIN_END)] = _CHAIN_LONG
-    records = ents.view(np.uint8).reshape(len(ents), ENTRY_DTYPE.itemsize)
-    whole = np.flatnonzero(why == 0)
-    for lo in range(0, len(whole), 1 << 16):     # the record sums, 64 Ki records at a time
-        at = whole[lo:lo + (1 << 16)]
-        sums = entry_record_sums(records[ready[at]], chains[at], counts[at], ns_identity[ns_of[at]])
-        why[at[sums != ents["record_sum"][ready[at]]]] = _BAD_SUM
-    no_sum = (why == 0) & (ents["checksum"][ready] == 0)
-    why[no_sum & (ns_checksums[ns_of] | require_checksums)] = _NO_CHECKSUM
+    return chains
 
-    # The candidates (sound so far), oldest first: their keys, and which of them meet another
-    # candidate on a page or on a key of the same namespace (equal fingerprints).
-    cand = np.flatnonzero(why == 0)
-    slots, counts, ns_of = ready[cand], counts[cand], ns_of[cand]
-    key_at = ENTRY_DTYPE.fields["key"][1]        # gathering byte rows is ~10x faster than the field
-    keys, fingerprint = _keys(records[slots, key_at:key_at + MAX_KEY_BYTES], key_len[cand], ns_of)
-    in_chain = np.arange(max_count)[None, :] < counts[:, None]
-    pages = chains[cand][in_chain]                       # every candidate's pages, in order
-    holder = np.repeat(np.arange(len(cand)), counts)     # the candidate each page belongs to
-    involved = np.zeros(len(cand), dtype=bool)
-    involved[holder[np.bincount(pages, minlength=geo.num_pages)[pages] > 1]] = True
+
+def _meetings(chains: np.ndarray, counts: np.ndarray, fingerprint: np.ndarray, num_pages: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(every candidate's pages in order, the candidate each belongs to, which candidates meet
+    another on a page or on a key fingerprint) for the candidates' ``chains``."""
+    in_chain = np.arange(chains.shape[1])[None, :] < counts[:, None]
+    pages = chains[in_chain]
+    holder = np.repeat(np.arange(len(counts)), counts)
+    involved = np.zeros(len(counts), dtype=bool)
+    involved[holder[np.bincount(pages, minlength=num_pages)[pages] > 1]] = True
     ordered = np.sort(fingerprint)
     if (ordered[1:] == ordered[:-1]).any():              # rare: find which candidates they are
         order = np.argsort(fingerprint, kind="stable")
         twins = np.flatnonzero(fingerprint[order][1:] == fingerprint[order][:-1])
         involved[order[twins]] = involved[order[twins + 1]] = True
+    return pages, holder, involved
 
-    keep = np.ones(len(cand), dtype=bool)
-    judged: list[tuple[int, int, str]] = [(int(i), int(ready[i]), _REASONS[why[i]])
-                                          for i in np.flatnonzero(why).tolist()]
-    checksum = np.where(ns_checksums[ns_of], ents["checksum"][slots], 0)   # what verification checks
-    owner = np.full(geo.num_pages, -1, dtype=np.int64)
+
+def _judge_in_order(view: RegionView, namespaces: dict[int, NamespaceId], chains: np.ndarray, cand: np.ndarray,
+                    slots: np.ndarray, counts: np.ndarray, ns_of: np.ndarray, keys: list[bytes], involved: np.ndarray,
+                    checksum: np.ndarray, judged: list) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates (``cand``: rows of ``chains``) that meet another on a page or a key, judged
+    one by one, oldest first (whether one is kept depends on which older ones were), and every
+    candidate's data ``checksum`` (0: none to verify). Returns (kept, the page owners so far); what
+    is not kept is added to ``judged``."""
+    keep = np.ones(len(slots), dtype=bool)
+    owner = np.full(view.geometry.num_pages, -1, dtype=np.int64)
     keys_seen: set[tuple[int, bytes]] = set()
-    for i in np.flatnonzero(involved).tolist():          # the original judgement, oldest first
+    for i in np.flatnonzero(involved).tolist():
         slot, entry_pages = int(slots[i]), chains[cand[i], : counts[i]]
         problem = None
         if (owner[entry_pages] >= 0).any():
             problem = f"shares a page with entry {int(owner[entry_pages][owner[entry_pages] >= 0][0])}"
         elif (int(ns_of[i]), keys[i]) in keys_seen:
             problem = "duplicate key in its namespace"
-        elif verify_checksums and checksum[i] and not _checksum_matches(
-                view, namespaces[int(ns_of[i])], entry_pages, int(checksum[i])):
+        elif checksum[i] and not _checksum_matches(view, namespaces[int(ns_of[i])], entry_pages, int(checksum[i])):
             problem = "checksum mismatch"
         if problem:
             keep[i] = False
@@ -204,22 +247,11 @@ def scan(view: RegionView, verify_checksums: bool = False, require_checksums: bo
         else:
             keys_seen.add((int(ns_of[i]), keys[i]))
             owner[entry_pages] = slot
-    if verify_checksums:
-        for i in np.flatnonzero(~involved & (checksum != 0)).tolist():
-            if not _checksum_matches(view, namespaces[int(ns_of[i])], chains[cand[i], : counts[i]], int(checksum[i])):
-                keep[i] = False
-                judged.append((int(cand[i]), int(slots[i]), "checksum mismatch"))
-    alone = ~involved & keep
-    owner[pages[alone[holder]]] = np.repeat(slots[alone], counts[alone])
-    problems += [(slot, reason) for _, slot, reason in sorted(judged)]
-    kept = np.flatnonzero(keep)
-    fenced, fenced_rows, writers, stale = _fence(view, owner)
-    header_tick = int(view.header["tick"])
-    return RegionScan(namespaces, damaged, slots[kept], ns_of[kept],
-                      keys if len(kept) == len(keys) else [keys[i] for i in kept.tolist()],
-                      _rows_as_bytes(chains[cand[kept]].view(np.uint8), 4 * counts[kept]),
-                      writing, problems, owner, fenced, fenced_rows, writers, stale,
-                      [f"header tick {header_tick} out of range"] if header_tick >= TICK_LIMIT else [])
+    for i in np.flatnonzero(~involved & (checksum != 0)).tolist():
+        if not _checksum_matches(view, namespaces[int(ns_of[i])], chains[cand[i], : counts[i]], int(checksum[i])):
+            keep[i] = False
+            judged.append((int(cand[i]), int(slots[i]), "checksum mismatch"))
+    return keep, owner
 
 
 def _fence(view: RegionView, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

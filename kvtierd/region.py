@@ -46,7 +46,7 @@ import time
 import numpy as np
 
 from . import hugepages
-from .contract.mapping import Mapping
+from .contract.mapping import Mapping, mlock_refusal
 from .contract.paths import DaemonPaths
 from .contract.region_format import HEADER_BYTES, DataHeader, FormatError, Geometry, RegionView, read_geometry
 
@@ -208,6 +208,10 @@ class Region:
         if plan.note:
             log.info("%s", plan.note)
         meta_length, data_length = _lengths(wanted, plan)
+        refusal = mlock_refusal(data_length) if pin == "mlock" else None
+        if refusal is not None:
+            os.close(lock_fd)
+            raise RegionError(refusal)
         created: list[str] = []
         meta = data = None
         try:
@@ -279,8 +283,10 @@ class Region:
         _write_data_header(self.paths.region, DataHeader.of(self.geometry, gen), self.data)
         return gen
 
-    def close(self, clean: bool = True) -> None:
-        """Unmap and release the lock. ``clean`` records a clean shutdown in the header."""
+    def close(self, clean: bool = True, remove: bool = False) -> None:
+        """Unmap and release the lock. ``clean`` records a clean shutdown in the header; ``remove``
+        deletes the region's files (a failed start's fresh region: nothing cached, its size held in
+        memory), while the lock is still held."""
         if self.meta.address is None:
             return
         if clean:
@@ -288,6 +294,10 @@ class Region:
         self.view = None  # drop NumPy views before the memory goes away
         self.data.close()
         self.meta.close()
+        if remove:
+            for path in (self.paths.region, self.paths.meta):
+                if os.path.lexists(path):
+                    os.unlink(path)
         os.close(self._lock_fd)
 
 

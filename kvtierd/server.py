@@ -12,7 +12,8 @@ same echo through zmq.asyncio on uvloop (docs/design.md has the figures and the 
 Two sockets, bound by ``listen``: the client socket (mode 0660: the daemon's user and the client
 group) serves the protocol's REQUESTS; the admin socket (mode 0600: the daemon's user alone)
 serves ADMIN_REQUESTS (clients, evict, clear). ``handle`` and ``handle_admin`` turn one frame into
-one reply without touching a socket, so dispatch runs (and is tested) without them. Other threads
+one reply without touching a socket — decode, the op's handler (``kvtierd.handlers``), the
+declared reply — so dispatch runs (and is tested) without them. Other threads
 (the metrics endpoint) never touch the store; they hand a function to ``call_in_loop`` and the
 loop runs it between requests.
 
@@ -21,13 +22,11 @@ message are dropped without being copied (``_drain``). Each request comes with t
 arrived on (``peers.Connections``: the peer's uid and pid, counted and capped per peer and in
 all); a session is tied to its connection and ends with it.
 
-Every reply is built from its shape declared in ``protocol`` (``REPLIES``, ``ADMIN_REPLIES``).
-Sessions and their liveness are the ``SessionRegistry``'s (``kvtierd.sessions``); the loop polls
-their pidfds and those of writers gone whose pages are still fenced (``kvtierd.fence``), and
-sweeps heartbeats. Who a client is comes from the kernel, not from its word: the connection's
-credentials (SO_PEERCRED: uid, and the pid as the daemon's PID namespace sees it, 0 when it
-cannot) decide whether its session is watched through a pidfd, which process a writer row
-records, and whether a pid claimed in the daemon's own PID namespace is true (``_process``).
+Every reply is built from its shape declared in ``protocol`` (``REPLIES``, ``ADMIN_REPLIES``);
+one that does not encode costs its request only. Sessions' liveness is the ``SessionRegistry``'s
+(``kvtierd.sessions``); the loop polls their pidfds and those of writers gone whose pages are
+still fenced (``kvtierd.fence``), and sweeps heartbeats.
+
 The region's files are checked every ``region_check_interval`` (``Region.check_files``): a
 truncated metadata file stops the daemon; a truncated data file (any member of the client group
 can do that) is replaced while the daemon serves on (``_replace_data``): every session ends,
@@ -35,11 +34,12 @@ every entry goes (its bytes went with the file), the tier companion is killed an
 on the new file, the fence is reset (the pages it named went too), and clients re-attach to the
 new file under a new generation.
 
-With a second tier (``Store.tiering``), the companion's socket is in the poller too, and the
-loop hands the tier its replies and its turn (``Tiering.pump``) at every wake-up and at least
-every 100 ms; an admin ``clear`` is answered once the tier said how it went (``Later``).
+The second tier (``Store.tier``, ``kvtierd.tiering``; ``NoTier`` without one) has its sockets in
+the poller, and the loop gives it its turn (``Tier.pump``) at every wake-up and at least as
+often as it asks; an admin ``clear`` is answered once the tier said how it went (``Later``).
 
-Stopping (SIGTERM/SIGINT) drains: new jobs and new sessions are refused with SHUTTING_DOWN,
+Stopping (SIGTERM/SIGINT) drains: new jobs, new sessions and new leases (a lease promises a load,
+a new job) are refused with SHUTTING_DOWN (clients then wait for the daemon that follows),
 requests of jobs already open are still served, and the loop ends when no job is open any more
 (store copies in flight and loads) or ``drain_timeout`` passed, whichever comes first. Pages a
 writer may still copy into stay fenced in the region for the next daemon.
@@ -58,14 +58,15 @@ from typing import Any, Callable
 
 import zmq
 
+from .attachments import SessionEnd
 from .contract import protocol as P
-from .contract.namespace import NamespaceId
+from .contract.paths import check_socket_path
 from .contract.protocol import ErrorCode, RequestError
+from .handlers import Handlers, Later
 from .histogram import Histogram
 from .peers import Conn, Connections
-from .processes import Process, start_ticks
 from .region import Region
-from .sessions import Session, SessionEnd, SessionRegistry
+from .sessions import SessionRegistry
 from .store import Store
 from .systemd import Notifier
 
@@ -77,7 +78,6 @@ BURST = 256
 # peer's replies (ROUTER_MANDATORY off) instead of growing the daemon's memory: 60,000 unread
 # stats replies took an unbounded daemon from 56 to 163 MiB. The peer only hurts itself.
 REPLY_QUEUE_PER_PEER = 1000
-MAX_SOCKET_PATH = 107          # sun_path is 108 bytes with the terminating NUL
 PRESSURE_LOG_SECONDS = 10.0    # how often eviction pressure is reported in the log
 
 
@@ -89,25 +89,6 @@ def _describe(exc: BaseException) -> str:
     except Exception:
         text = "?"
     return f"{type(exc).__name__}: {text[:P.MAX_ERROR_CHARS]}"
-
-
-class Later:
-    """An admin reply sent when it is known: a handler returns it, the tier resolves it later."""
-
-    def __init__(self, rid: int):
-        self.rid = rid
-        self.reply: dict | None = None
-        self._send: Callable[[dict], None] | None = None
-
-    def resolve(self, reply: P.Reply) -> None:
-        self.reply = P.ok_reply(self.rid, reply)
-        if self._send is not None:
-            self._send(self.reply)
-
-    def deliver_with(self, send: Callable[[dict], None]) -> None:
-        self._send = send
-        if self.reply is not None:
-            send(self.reply)
 
 
 class Server:
@@ -130,9 +111,9 @@ class Server:
         self.admin: zmq.Socket | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
-        self.tiering = store.tiering
-        if self.tiering is not None:
-            self.poller.register(self.tiering.link.socket, zmq.POLLIN)
+        self.tier = store.tier
+        for sock in self.tier.sockets():
+            self.poller.register(sock, zmq.POLLIN)
         watch = lambda fd: self.poller.register(fd, zmq.POLLIN)  # noqa: E731
         self.sessions = SessionRegistry(store.detach, heartbeat_timeout, watch=watch, unwatch=self.poller.unregister,
                                         clock=store.clock, fence=store.fence, max_sessions=max_sessions,
@@ -146,28 +127,19 @@ class Server:
         self.latency: dict[str, Histogram] = {op: Histogram() for op in P.REQUESTS}
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self.metrics_address: str | None = None
-        self.handlers: dict[str, Callable[[bytes, Session | None, dict], P.Reply]] = {
-            "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
-            "store": self._store, "commit": self._commit, "load": self._load, "unlease": self._unlease,
-            "release": self._release, "abort": self._abort, "jobs": self._jobs, "stats": self._stats,
-        }
-        self.admin_handlers: dict[str, Callable[[dict], P.Reply | Later]] = {
-            "stats": lambda msg: self.stats(), "ping": lambda msg: P.AdminPingReply(self.region.generation),
-            "clients": self._clients, "evict": self._evict, "clear": self._clear,
-        }
+        self.ops = Handlers(store, region, self.sessions, heartbeat_timeout, lambda: self.stopping,
+                            lambda: self.sock is not None, self.stats)
 
     def listen(self) -> None:
         """Bind the client and admin sockets: from now on clients can connect."""
         self.sock = self._bind(self.socket_path, 0o117, self.gid, self.connections)   # 0660, client group
-        self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
         self.poller.register(self.connections.monitor, zmq.POLLIN)
         self.poller.register(self.sock, zmq.POLLIN)
+        self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
         self.poller.register(self.admin, zmq.POLLIN)
 
     def _bind(self, path: str, umask: int, gid: int | None, connections: Connections | None = None) -> zmq.Socket:
-        if len(path.encode()) > MAX_SOCKET_PATH:
-            raise ValueError(f"socket path {path} is {len(path)} bytes; ipc paths are limited to "
-                             f"{MAX_SOCKET_PATH}. Choose a shorter --dir or --name")
+        check_socket_path(path)
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         if connections is not None:
             connections.watch(sock)
@@ -228,10 +200,10 @@ class Server:
         next_region_check = time.monotonic() + self.region_check_interval
         next_sweep = time.monotonic() + 0.5
         drain_deadline = None
-        tiering = self.tiering
+        tier = self.tier
         while True:
             now = time.monotonic()
-            next_tier = now + tiering.pump(now) if tiering is not None else None
+            next_tier = now + tier.pump(now)
             if self.stopping:
                 if drain_deadline is None:
                     drain_deadline = now + self.drain_timeout
@@ -313,11 +285,22 @@ class Server:
                 if isinstance(reply, Later):
                     reply.deliver_with(lambda r, to=identity, on=sock: self._send_later(on, to, r))
                     continue
-            sock.send_multipart([identity, P.encode(reply)], copy=False)
+            sock.send_multipart([identity, self._encode(reply)], copy=False)
 
     def _send_later(self, sock: zmq.Socket, identity: bytes, reply: dict) -> None:
         if sock in (self.sock, self.admin):       # not closed meanwhile (the daemon stopped)
-            sock.send_multipart([identity, P.encode(reply)], copy=False)
+            sock.send_multipart([identity, self._encode(reply)], copy=False)
+
+    def _encode(self, reply: dict) -> bytes:
+        """A reply's frame. One that does not encode (a bug: a value msgpack does not know) costs
+        its request only, as a handler's exception does, never the loop."""
+        try:
+            return P.encode(reply)
+        except Exception as exc:
+            log.exception("internal error encoding a reply")
+            self._count_error(ErrorCode.INTERNAL)
+            return P.encode(P.error_reply(reply.get("rid", 0) if isinstance(reply.get("rid"), int) else 0,
+                                          ErrorCode.INTERNAL, f"internal error: {_describe(exc)}"))
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, frame: bytes,
@@ -339,8 +322,8 @@ class Server:
             if session is None and op not in P.SESSIONLESS_OPS:
                 raise RequestError(ErrorCode.NOT_ATTACHED, f"{op} before hello: attach a session first")
             if op == "hello":          # the one op that needs the connection: the session is tied to it
-                return P.ok_reply(rid, self._hello(identity, session, msg, conn))
-            return P.ok_reply(rid, self.handlers[op](identity, session, msg))
+                return P.ok_reply(rid, self.ops.hello(identity, session, msg, conn))
+            return P.ok_reply(rid, self.ops.client[op](identity, session, msg))
         except RequestError as exc:
             self._count_error(exc.code)
             return P.error_reply(rid, exc.code, exc.message)
@@ -359,7 +342,7 @@ class Server:
         except Exception as exc:
             return self._refusal(frame, exc)
         try:
-            reply = self.admin_handlers[msg["op"]](msg)
+            reply = self.ops.admin[msg["op"]](msg)
             if isinstance(reply, Later):
                 return reply.reply if reply.reply is not None else reply
             return P.ok_reply(msg.get("rid", 0), reply)
@@ -384,132 +367,11 @@ class Server:
     def _count_error(self, code: ErrorCode) -> None:
         self.errors[ErrorCode(code).name] += 1
 
-    # ------------------------------------------------------------------ sessions
-    def _process(self, msg: dict, conn: Conn | None) -> Process:
-        """Who sent this hello, as the kernel says (``conn``: its connection's peer credentials).
-        A pid claimed in the daemon's own PID namespace must be the peer's."""
-        claimed_pid, claimed_ns = msg.get("pid"), msg.get("pidns")
-        uid, pid = (conn.uid, conn.pid) if conn is not None else (None, 0)
-        if claimed_pid and claimed_ns == self.sessions.pidns and pid and claimed_pid != pid:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"hello claims pid {claimed_pid} in the daemon's PID namespace, "
-                                                      f"but the socket's peer is pid {pid}")
-        ticks = start_ticks(pid) if pid else 0
-        if ticks is None:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"pid {pid} does not exist in the daemon's namespace")
-        return Process(pid, ticks, claimed_pid, claimed_ns, uid)
-
-    def _hello(self, identity: bytes, session: Session | None, msg: dict, conn: Conn | None = None) -> P.HelloReply:
-        if msg["version"] != P.PROTOCOL_VERSION:
-            raise RequestError(ErrorCode.VERSION, f"client speaks protocol {msg['version']}, this kvtierd speaks "
-                                                  f"{P.PROTOCOL_VERSION}; install matching kvtierd versions")
-        if self.stopping:
-            raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
-        if conn is None and self.sock is not None:
-            raise RequestError(ErrorCode.LIMIT, "this connection was closed (by its peer, or past the settings "
-                                                "max_connections, max_connections_per_peer): connect again later")
-        process = self._process(msg, conn)
-        if session is not None:
-            self.sessions.end(session, SessionEnd.REHELLO)
-        if "replaces" in msg:
-            replaced = self.sessions.proven(msg["replaces"], msg.get("replaces_token"))
-            if replaced is not None:
-                self.sessions.end(replaced, SessionEnd.REATTACHED)
-            else:       # dropped, or a session of the daemon before a restart: its writer's pages
-                self.store.reattached(msg["replaces"], msg.get("replaces_token"))
-        # Who may join the engine is checked before anything is ended for this hello.
-        self.store.may_join(msg["engine"], process, msg.get("secret"))
-        held = self.store.rank_holder(msg["engine"], msg["rank"])
-        if held is not None and not held.process.same_as(process):
-            held = None
-        self.sessions.admit(conn, replacing=held)
-        if held is not None:
-            # An orphan of this very process (a Client dropped without close(), a hello whose
-            # reply came too late): the process takes its rank back.
-            self.sessions.end(held, SessionEnd.TAKEN_OVER)
-        ns_id = NamespaceId.from_wire(msg["namespace"], msg["world_size"])
-        session = self.store.attach(msg["engine"], msg["rank"], msg["world_size"], ns_id, process,
-                                    secret=msg.get("secret"))
-        watched = self.sessions.register(identity, session, conn)
-        token = session.token
-        log.info("attach session=%d engine=%r %s world_size=%d pid=%s namespace=%s watched=%s", session.id,
-                 session.engine.id, session.role, msg["world_size"], session.pid, ns_id.name(), watched)
-        ns = session.engine.ns
-        geo = self.region.geometry
-        return P.HelloReply(
-            session=session.id, version=P.PROTOCOL_VERSION, daemon_pid=os.getpid(),
-            region=self.region.paths.region, generation=self.region.generation,
-            file_bytes=geo.data_bytes, page_size=geo.page_size, num_pages=geo.num_pages,
-            data_offset=geo.data_offset, namespace=ns.id.name(), pages_per_shard=ns.pages_per_shard,
-            writers=sorted(session.engine.writers), job_timeout=self.store.job_timeout,
-            watched=watched, token=token, heartbeat_interval=None if watched else self.heartbeat_timeout / 3,
-            checksums=self.store.checksums)
-
-    def _bye(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:
-        self.sessions.end(session, SessionEnd.LEFT)
-        return P.EmptyReply()
-
-    def _ping(self, identity: bytes, session: Session | None, msg: dict) -> P.PingReply:
-        if "session" in msg:       # a heartbeat for a session, possibly from another socket
-            if not self.sessions.heartbeat(msg["session"], msg.get("token")):
-                raise RequestError(ErrorCode.NOT_ATTACHED, f"no session {msg['session']} with that token")
-            return P.PingReply(self.region.generation, True)
-        return P.PingReply(self.region.generation, session is not None)
-
-    # ------------------------------------------------------------------ data ops
-    def _refuse_if_stopping(self, session: Session, job: int) -> None:
-        """While draining, requests of open jobs are served; new jobs are refused."""
-        if self.stopping and job not in session.engine.jobs:
-            raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new jobs")
-
-    def _lookup(self, identity: bytes, session: Session, msg: dict) -> P.LookupReply:
-        keys = msg["keys"]
-        if "lease" not in msg:
-            hits = self.store.lookup(session, keys)
-            return P.LookupReply(hits, None, 0, 0, self.store.pending(session, keys, hits))
-        ttl = msg["ttl_ms"] / 1000 if "ttl_ms" in msg else None
-        found = self.store.lease(session, msg["lease"], keys, ttl)
-        return P.LookupReply(found.hits, found.lease, found.leased, round(found.ttl * 1000),
-                             self.store.pending(session, keys, found.hits))
-
-    def _unlease(self, identity: bytes, session: Session, msg: dict) -> P.UnleaseReply:
-        return P.UnleaseReply(self.store.unlease(session, msg["leases"]))
-
-    def _store(self, identity: bytes, session: Session, msg: dict) -> P.StoreReply:
-        self._refuse_if_stopping(session, msg["job"])
-        outcomes, pages = self.store.store(session, msg["job"], msg["keys"], msg.get("chain", True),
-                                           min(msg.get("cold_tail", 0), len(msg["keys"])))
-        return P.StoreReply(bytes(outcomes), b"".join(pages))
-
-    def _commit(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:
-        self.store.commit(session, msg["job"], msg["ok"], msg.get("checksums"))
-        return P.EmptyReply()
-
-    def _load(self, identity: bytes, session: Session, msg: dict) -> P.LoadReply:
-        self._refuse_if_stopping(session, msg["job"])
-        hits, pages = self.store.load(session, msg["job"], msg["keys"], msg.get("lease"))
-        return P.LoadReply(hits, b"".join(pages))
-
-    def _release(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:
-        self.store.release(session, msg["job"])
-        return P.EmptyReply()
-
-    def _abort(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:
-        self.store.abort(session, msg["job"])
-        return P.EmptyReply()
-
-    def _jobs(self, identity: bytes, session: Session, msg: dict) -> P.JobsReply:
-        return P.JobsReply(self.store.job_states(session, msg["jobs"]))
-
-    def _stats(self, identity: bytes, session: Session | None, msg: dict) -> P.StatsReply:
-        return self.stats()
-
     def stats(self) -> P.StatsReply:
         """Everything kvtierctl stats and the metrics endpoint show (loop thread only)."""
-        roles = Counter("coordinator" if s.rank is None else "rank" for s in self.store.sessions.values())
         return P.StatsReply(
             **self.store.stats(),
             namespace_list=self.store.namespace_stats(),
-            session_roles={"rank": roles["rank"], "coordinator": roles["coordinator"]},
             requests=dict(self.requests),
             errors=dict(self.errors),
             latency={op: h.snapshot() for op, h in self.latency.items() if h.count},
@@ -534,37 +396,10 @@ class Server:
             connections_refused=dict(self.connections.refused),
         )
 
-    # ------------------------------------------------------------------ admin ops
-    def _clients(self, msg: dict) -> P.ClientsReply:
-        now = time.monotonic()
-        clients = []
-        for s in self.store.sessions.values():
-            leases, leased_keys = self.store.leases.of_session(s)
-            clients.append({"session": s.id, "engine": s.engine.id, "role": s.role, "rank": s.rank, "pid": s.pid,
-                            "world_size": s.engine.world_size, "namespace": s.engine.ns.id.name(),
-                            "watched": self.sessions.watched(s), "attached_seconds": now - s.attached_at,
-                            "leases": leases, "leased_keys": leased_keys})
-        return P.ClientsReply(clients)
-
-    def _evict(self, msg: dict) -> P.EvictReply:
-        # Local only: the second tier keeps its copies (a later lookup promotes them again).
-        done = self.store.evict(msg.get("namespace"), msg["count"])
-        return P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases,
-                            "off" if self.tiering is None else "local", None)
-
-    def _clear(self, msg: dict) -> Later:
-        """Every evictable entry of the namespace(s) goes (leased ones too with ``force``); then the
-        second tier is cleared of them."""
-        done = self.store.evict(msg.get("namespace"), None, msg.get("force", False))
-        later = Later(msg.get("rid", 0))
-        self.store.clear_tier(msg.get("namespace"), lambda tier, removed: later.resolve(
-            P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases, tier, removed)))
-        return later
-
     def _replace_data(self) -> None:
         """The data file was truncated under the daemon: its blocks are gone. End every session
         (their jobs abort, their pins drop), kill and restart the tier companion (it maps the old
-        file too; its promote jobs abort and its writer row goes: ``Tiering.data_replaced``), drop
+        file too; its promote jobs abort and its writer row goes: ``Tier.data_replaced``), drop
         every entry, reset the fence (the pages it named are gone; a writer still copying copies
         into its mapping of the old file), and serve a
         fresh data file under a new generation; clients re-attach and remap. The daemon never
@@ -572,8 +407,7 @@ class Server:
         log.critical("region file %s was truncated (a member of the client group can do that): its cached "
                      "blocks are gone; ending every session and replacing it", self.region.paths.region)
         self.sessions.close(SessionEnd.REGION_REPLACED)
-        if self.tiering is not None:      # the companion maps the old file too: it is restarted on the new one
-            self.tiering.data_replaced()
+        self.tier.data_replaced()         # the companion maps the old file too: it is restarted on the new one
         dropped = self.store.drop_all()
         generation = self.region.replace_data()
         log.warning("region file replaced: %d entries dropped, new generation %x", dropped, generation)
@@ -582,21 +416,24 @@ class Server:
     def close(self) -> None:
         """End every session, close the sockets (when bound) and the wake pipe."""
         self.sessions.close()
+        registered = {sock for sock, _ in self.poller.sockets}    # a failed listen registered only some
         if self.connections.monitor is not None:
-            self.poller.unregister(self.connections.monitor)
+            if self.connections.monitor in registered:
+                self.poller.unregister(self.connections.monitor)
             self.connections.close()
         for sock, path in ((self.sock, self.socket_path), (self.admin, self.admin_socket_path)):
             if sock is None:
                 continue
-            self.poller.unregister(sock)
+            if sock in registered:
+                self.poller.unregister(sock)
             sock.close(linger=0)
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
         self.sock = self.admin = None
-        if self.tiering is not None:
-            self.poller.unregister(self.tiering.link.socket)
+        for sock in self.tier.sockets():
+            self.poller.unregister(sock)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         while self._calls:   # nobody will run these any more

@@ -1,10 +1,9 @@
-"""Sessions: a client's attachment in the daemon, and the registry that knows who speaks for it
-and whether its process still lives.
+"""Sessions' liveness: the registry that knows who speaks for a session and whether its process
+still lives.
 
-A ``Session`` is one attached client: a rank of an engine (copies and votes) or the engine's
-coordinator (rank None: looks up and opens jobs). The store creates sessions (``Store.attach``)
-and ends their part in jobs (``Store.detach``); the ``SessionRegistry`` ties each to the ZMQ
-routing identity it speaks from, the token that proves it in heartbeats and re-attaches, and its
+Sessions themselves are ``kvtierd.attachments``' (the store creates them, ``Store.attach``, and
+ends their part in jobs, ``Store.detach``); the ``SessionRegistry`` ties each to the ZMQ routing
+identity it speaks from, the token that proves it in heartbeats and re-attaches, and its
 liveness:
 
 - A client whose process the daemon can see (its pid from the socket's peer credentials is not
@@ -32,60 +31,22 @@ restarted daemon counts the grace of a writer it cannot watch from it.
 
 from __future__ import annotations
 
-import enum
 import errno
 import logging
 import os
 import select
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import Callable
 
+from .attachments import Session, SessionEnd
 from .contract.protocol import ErrorCode, RequestError
-from .processes import Process, own_pid_namespace
-
-if TYPE_CHECKING:
-    from .fence import Fence, Writer
-    from .jobs import Engine
-    from .peers import Conn
+from .fence import Fence
+from .peers import Conn
+from .processes import own_pid_namespace
 
 log = logging.getLogger(__name__)
-
-
-class SessionEnd(str, enum.Enum):
-    """How a session ended; a rank that ends before it voted aborts the job with ``rank_<end>``."""
-
-    LEFT = "left"                       # bye
-    DIED = "died"                       # its pidfd said the process died
-    HEARTBEAT_LOST = "heartbeat_lost"   # no request nor heartbeat for heartbeat_timeout
-    REHELLO = "rehello"                 # the same socket said hello again
-    REATTACHED = "reattached"           # a new hello replaced it, proving it with its token
-    TAKEN_OVER = "taken_over"           # the same process attached as the same rank again (an orphan)
-    DEAD_AT_HELLO = "dead_at_hello"     # its pid was gone by the time of its hello
-    DISCONNECTED = "disconnected"       # the connection it said hello on ended (its process may live on)
-    REGION_REPLACED = "region_replaced"  # the data file was truncated under the daemon and replaced
-    DAEMON_STOPPED = "daemon_stopped"
-
-
-@dataclass(eq=False)
-class Session:
-    id: int
-    engine: "Engine"
-    rank: int | None            # None: a coordinator (the engine's scheduler process)
-    token: int = 0              # proves the session in heartbeats and in a later hello's ``replaces``
-    process: Process = Process()
-    writer: "Writer | None" = None   # its row in the fence (writer ranks)
-    attached_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def role(self) -> str:
-        return "coordinator" if self.rank is None else f"rank {self.rank}"
-
-    @property
-    def pid(self) -> int | None:
-        """The pid the daemon sees, else the one the client claimed (for people to read)."""
-        return self.process.pid or self.process.claimed_pid
 
 
 @dataclass(eq=False)
@@ -100,6 +61,14 @@ class _Link:
 # session is not watched (it owes heartbeats) rather than refused as dead.
 _CANNOT_WATCH = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 DISCONNECT_GRACE = 1.0     # seconds a watched session outlives its connection, for its pidfd to tell a death
+
+
+def readable(fd: int) -> bool:
+    """Whether ``fd`` (a pidfd: its process died) is readable now, without waiting. poll, not
+    select: select() takes no descriptor past 1,023, and the daemon holds thousands (issue 26 C)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class SessionRegistry:
@@ -242,7 +211,7 @@ class SessionRegistry:
         for link in list(self._by_conn.get(conn.serial, ())):
             if link.pidfd is None:
                 self.end(link.session, SessionEnd.DISCONNECTED)
-            elif select.select([link.pidfd], [], [], 0)[0]:
+            elif readable(link.pidfd):
                 self.died(link.pidfd)
             else:
                 self._by_identity.pop(link.identity, None)

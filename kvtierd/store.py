@@ -1,9 +1,9 @@
-"""The daemon's state, as the server sees it: engines and sessions attach and detach, and the
-operations run on the entry index (``kvtierd.index``), the job machine (``kvtierd.jobs``), the
-leases (``kvtierd.leases``) and the writer fence (``kvtierd.fence``): whatever pages the fence
-releases go back to the index here. With a second tier (``tiering``, set by the daemon's wiring:
-``kvtierd.tiering``), lookups also report the keys being promoted from it, and namespace clears
-reach it.
+"""The daemon's state, as the server sees it: engines and sessions attach and detach
+(``kvtierd.attachments``), and the operations run on the entry index (``kvtierd.index``), the
+job machine (``kvtierd.jobs``), the leases (``kvtierd.leases``) and the fenced writes
+(``kvtierd.writes``, over the writer fence ``kvtierd.fence``). The second tier is built with
+the store (``tier``: a factory from ``kvtierd.tiering``; ``NoTier`` when there is none): lookups
+also report the keys being promoted from it, and namespace clears reach it.
 
 No sockets and no threads: the server's single loop calls these methods one request at a time,
 so nothing here locks. Every method either returns a result or raises ``RequestError`` with a
@@ -12,30 +12,26 @@ typed code, having changed nothing it should not have.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import itertools
-import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from .attachments import Attachments, Session, SessionEnd
 from .contract.namespace import NamespaceId
-from .contract.protocol import ErrorCode, RequestError
-from .contract.region_format import RegionView
+from .contract.region_format import WRITER_SLOTS, RegionView
+from .events import Events, Gone
 from .fence import Fence, Release
+from .holds import Holds
 from .index import COUNTERS as INDEX_COUNTERS
 from .index import Index
 from .jobs import COUNTERS as JOB_COUNTERS
-from .jobs import Engine, Jobs
+from .jobs import Jobs
 from .leases import Leases
 from .policy import DEFAULT as DEFAULT_POLICY
 from .policy import create as create_policy
 from .processes import Process
-from .sessions import Session, SessionEnd
-
-if TYPE_CHECKING:
-    from .tiering import Tiering
+from .tiering.interface import TierFactory, no_tier
+from .writes import Writes
 
 # How a session's end bears on its writer's fenced pages: these ends prove the writer cannot
 # write any more (the client waits for its copies before bye and before re-attaching; a dead
@@ -71,16 +67,26 @@ class Store:
     def __init__(self, view: RegionView, job_timeout: float = 30.0, clock=time.monotonic,
                  checksums: bool = False, policy: str = DEFAULT_POLICY, fence_grace: float = 600.0,
                  lease_ttl: float = 5.0, max_lease_ttl: float = 60.0, max_leased_keys_per_engine: int = 1 << 18,
-                 max_leased_keys: int = 1 << 20, **job_limits: int):
-        """``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
+                 max_leased_keys: int = 1 << 20, max_writer_rows: int = WRITER_SLOTS,
+                 max_writer_rows_per_peer: int = 256, held_shares: tuple[float, float, float] = (0.25, 0.4, 0.75),
+                 tier: TierFactory = no_tier, **job_limits: int):
+        """``held_shares``: the shares of the region one engine, one namespace and all engines may
+        hold out of eviction (``holds.Holds``). ``max_writer_rows(_per_peer)``: the writer table's
+        bounds (``fence.Fence``). ``tier``: builds the second tier (``kvtierd.tiering``; none by
+        default). ``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
-        self.fence = Fence(view, fence_grace, clock)
-        self.index = Index(view, create_policy(policy), self.fence, verify_checksums=checksums)
-        self.leases = Leases(self.index, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine, max_leased_keys)
-        self.jobs = Jobs(self.index, self.fence, self.leases, job_timeout, clock, checksums, **job_limits)
-        self.sessions: dict[int, Session] = {}
-        self._session_ids = itertools.count(1)
-        self.tiering: Tiering | None = None     # the second tier, when one is configured
+        self.fence = Fence(view, fence_grace, clock, max_writer_rows, max_writer_rows_per_peer)
+        geometry = view.geometry
+        self.holds = Holds(geometry.entry_slots, geometry.num_pages, create_policy(policy), held_shares)
+        events = Events()
+        self.index = Index(view, self.holds, self.fence, verify_checksums=checksums, events=events)
+        self.writes = Writes(self.index, self.fence)
+        self.leases = Leases(self.index, self.holds, clock, lease_ttl, max_lease_ttl, max_leased_keys_per_engine,
+                             max_leased_keys)
+        self.attachments = Attachments()
+        self.jobs = Jobs(self.index, self.writes, self.leases, self.holds, self.attachments.engines, job_timeout,
+                         clock, checksums, **job_limits)
+        self.tier = tier(self.index, self.writes, events, clock)
 
     @property
     def recovered(self) -> dict[str, int]:
@@ -101,96 +107,43 @@ class Store:
         """A new session of ``engine_id`` (a rank, or the coordinator when ``rank`` is None); the
         engine's first session fixes its world size and namespace, which later ones must match,
         and who may join it (``may_join``). A writer rank gets a row in the fence's writer table."""
-        if rank is not None and rank >= world_size:   # before anything is created for the engine
-            raise RequestError(ErrorCode.BAD_REQUEST, f"rank {rank} >= world_size {world_size}")
-        engines = self.jobs.engines
-        engine = engines.get(engine_id)
-        if engine is None:
-            engine = Engine(engine_id, world_size, self.index.namespace(ns_id), uid=process.uid,
-                            secret=_digest(secret))
-            engine.ns.users += 1
-            engines[engine_id] = engine
-        else:
-            self.may_join(engine_id, process, secret)
-        if engine.world_size != world_size or engine.ns.id != ns_id:
-            raise RequestError(ErrorCode.LAYOUT_MISMATCH,
-                               f"engine {engine_id!r} is attached with world size {engine.world_size} and namespace "
-                               f"{engine.ns.id.name()}; this session asks for world size {world_size} and "
-                               f"{ns_id.name()}")
-        if rank is not None and rank in engine.ranks:
-            other = engine.ranks[rank]
-            raise RequestError(ErrorCode.LAYOUT_MISMATCH,
-                               f"engine {engine_id!r} rank {rank} is already attached (session {other.id}, "
-                               f"pid {other.pid}); every rank attaches once")
-        session_id, token = next(self._session_ids), secrets.randbits(62)
-        try:
-            writer = (self.fence.add(session_id, token, process, engine_id, rank)
-                      if rank is not None and rank in engine.writers else None)
-        except RequestError:
-            if not engine.ranks and not engine.coordinators:
-                self.jobs.engine_gone(engine)
-                engine.ns.users -= 1
-            raise
-        session = Session(session_id, engine, rank, token, process, writer)
-        if rank is None:
-            engine.coordinators.add(session)
-        else:
-            engine.ranks[rank] = session
-        self.sessions[session.id] = session
-        return session
+        return self.attachments.attach(engine_id, rank, world_size, ns_id, process, secret, self.index.namespace,
+                                       self.writes.add_writer)
 
     def may_join(self, engine_id: str, process: Process, secret: bytes | None) -> None:
         """Raise FORBIDDEN unless a session of ``process`` presenting ``secret`` may join engine
-        ``engine_id`` (if attached): it must come from the uid of the engine's first session (the
-        peer's, as the kernel reports it) and present the same secret (or none, if the first had
-        none). A process taking over its own orphaned rank passes this first, like any other."""
-        engine = self.jobs.engines.get(engine_id)
-        if engine is None:
-            return
-        if engine.uid != process.uid:
-            raise RequestError(ErrorCode.FORBIDDEN, f"engine {engine_id!r} is attached from uid {engine.uid}; a "
-                                                    f"session from uid {process.uid} cannot join it (choose another "
-                                                    "engine id)")
-        digest = _digest(secret)
-        if not hmac.compare_digest(engine.secret or b"", digest or b""):
-            raise RequestError(ErrorCode.FORBIDDEN, f"engine {engine_id!r} was attached with "
-                               f"{'a secret' if engine.secret else 'no secret'} and this session presents "
-                               f"{'another' if digest else 'none'}: every session of an engine presents the same "
-                               "one (Client(engine_secret=...), KVTIER_ENGINE_SECRET)")
+        ``engine_id`` (``Attachments.may_join``)."""
+        self.attachments.may_join(engine_id, process, secret)
 
     def rank_holder(self, engine_id: str, rank: int | None) -> Session | None:
         """The session attached as ``rank`` of ``engine_id``, if any."""
-        engine = self.jobs.engines.get(engine_id)
-        return None if engine is None or rank is None else engine.ranks.get(rank)
+        return self.attachments.rank_holder(engine_id, rank)
 
     def detach(self, session: Session, cause: SessionEnd = SessionEnd.LEFT, last_seen: float | None = None) -> None:
         """End a session (bye, death, heartbeat loss, or daemon stop). Jobs that still wait for
         this rank abort; the pages its writer may still copy into stay fenced unless ``cause``
         proves it cannot (``PROOF_OF_END``). ``last_seen``: its last proof of life (default now)."""
-        if self.sessions.pop(session.id, None) is None:
+        if not self.attachments.leave(session):
             return
         self.leases.session_gone(session)
         engine = session.engine
-        if session.rank is None:
-            engine.coordinators.discard(session)
-        else:
-            engine.ranks.pop(session.rank, None)
+        if session.rank is not None:
             self.jobs.rank_gone(engine, session.rank, cause)
-        if not engine.ranks and not engine.coordinators:
+        if not engine.sessions:
             self.jobs.engine_gone(engine)
-            engine.ns.users -= 1
+            self.attachments.forget(engine)
         if session.writer is not None:
             seen = self.clock() if last_seen is None else last_seen
-            self.index.release_pages(self.fence.detach(session.writer, PROOF_OF_END.get(cause), seen))
+            self.writes.writer_ended(session.writer, PROOF_OF_END.get(cause), seen)
 
     def reattached(self, session_id: int, token: int | None) -> None:
         """A hello names a session that is gone (dropped, or of the daemon before a restart) and its
         token: the pages its writer was fenced for are free (the client waited for its copies)."""
-        self.index.release_pages(self.fence.reattached(session_id, token))
+        self.writes.reattached(session_id, token)
 
     def writer_died(self, pidfd: int) -> None:
         """The pidfd of a detached writer's process became readable."""
-        self.index.release_pages(self.fence.died(pidfd))
+        self.writes.died(pidfd)
 
     # ------------------------------------------------------------------ operations
     def lookup(self, session: Session, keys: list[bytes]) -> int:
@@ -215,9 +168,7 @@ class Store:
     def pending(self, session: Session, keys: list[bytes], hits: int) -> int:
         """How many keys after the ``hits`` READY ones are being promoted from the second tier
         (0 without one); starts the promotion of those not asked about yet. Never waits."""
-        if self.tiering is None:
-            return 0
-        return self.tiering.pending(session.engine.ns, keys, hits)
+        return self.tier.pending(session.engine.ns, keys, hits)
 
     def store(self, session: Session, job_id: int, keys: list[bytes], chain: bool = True,
               cold_tail: int = 0) -> tuple[list[int], list[bytes]]:
@@ -242,8 +193,7 @@ class Store:
     def expire(self) -> float | None:
         """Abort jobs past their deadline, end leases past theirs, release unwatchable writers past
         their grace. Returns the next deadline."""
-        pages, grace = self.fence.expire(self.clock())
-        self.index.release_pages(pages)
+        grace = self.writes.expire(self.clock())
         deadline = self.jobs.expire()
         return min(filter(None, (deadline, self.leases.expire(), grace)), default=None)
 
@@ -251,10 +201,10 @@ class Store:
         """Drop every entry and every writer's fence: the data file holding their pages is gone
         (``Fence.reset``). Call with no session attached: no job is open, nothing is pinned, and
         no lease is held (leases die with their sessions). Returns how many entries were dropped."""
-        assert not self.sessions, "drop_all with sessions attached"
+        assert not self.attachments.sessions, "drop_all with sessions attached"
         assert not len(self.leases), "drop_all with leases held"
-        dropped = self.index.evict(None, None)
-        self.index.release_pages(self.fence.reset())
+        dropped = self.index.evict(None, None, Gone.REGION_REPLACED)
+        self.writes.reset()
         return dropped
 
     def evict(self, namespace: str | None, count: int | None, force: bool = False) -> Eviction:
@@ -270,11 +220,8 @@ class Store:
         """Remove the blocks of the namespace named ``namespace`` (None: of every namespace the
         region knows) from the second tier; ``reply(tier, removed)`` once it answered (at once
         when there is none: "off")."""
-        if self.tiering is None:
-            reply("off", None)
-            return
-        self.tiering.clear([ns for ns in self.index.namespaces.values()
-                            if namespace is None or ns.id.name() == namespace], reply)
+        self.tier.clear([ns for ns in self.index.namespaces.values() if namespace is None or ns.id.name() == namespace],
+                        reply)
 
     # ------------------------------------------------------------------ what is going on
     def open_jobs(self) -> int:
@@ -290,40 +237,41 @@ class Store:
         index, jobs = self.index, self.jobs
         counters = {name: index.counters[name] for name in INDEX_COUNTERS}
         counters.update({name: jobs.counters[name] for name in JOB_COUNTERS})
-        tier = self.tiering.stats() if self.tiering is not None else {"backend": "off"}
-        return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.fence.stats(),
-                "sessions": len(self.sessions), **counters, "tier": tier}
+        tier = self.tier.stats()
+        return {**index.stats(), **jobs.stats(), **self.leases.stats(), **self.holds.stats(), **self.fence.stats(),
+                "engines": len(self.attachments.engines), "sessions": len(self.attachments.sessions),
+                "session_roles": self.attachments.roles(), **counters, "tier": tier}
 
     def namespace_stats(self) -> list[dict]:
         return self.index.namespace_stats()
+
+    def clients(self, watched: Callable[[Session], bool], now: float) -> list[dict]:
+        """Every session, as ``kvtierctl clients`` shows it (``watched``: the registry's word on
+        whether a pidfd watches it)."""
+        out = []
+        for s in self.attachments.sessions.values():
+            leases, leased_keys = self.leases.of_session(s)
+            out.append({"session": s.id, "engine": s.engine.id, "role": s.role, "rank": s.rank, "pid": s.pid,
+                        "world_size": s.engine.world_size, "namespace": s.engine.ns.id.name(),
+                        "watched": watched(s), "attached_seconds": now - s.attached_at,
+                        "leases": leases, "leased_keys": leased_keys})
+        return out
 
     def verify(self) -> None:
         """Check the in-memory state against itself and the region's tables (tests)."""
         self.index.verify()
         self.leases.verify()
-        handed = self.jobs.handed()
-        if self.tiering is not None:
-            for row, pages in self.tiering.handed().items():
-                handed.setdefault(row, []).extend(pages)
-        self.fence.verify(handed)
-        engines = self.jobs.engines.values()
-        for engine in engines:
-            assert all(self.sessions.get(s.id) is s and s.engine is engine
-                       for s in [*engine.ranks.values(), *engine.coordinators])
-        for ns in self.index.namespaces.values():
-            assert ns.users == sum(1 for e in engines if e.ns is ns), f"namespace {ns.slot} user count"
-        assert len(self.sessions) == sum(len(e.ranks) + len(e.coordinators) for e in self.jobs.engines.values())
+        self.holds.verify_holders(self.leases.held() + self.jobs.held())
+        self.jobs.verify()
+        self.writes.verify()
+        self.attachments.verify(list(self.index.namespaces.values()))
 
     def shutdown(self) -> None:
         """Abort every open job and persist the access clock. Pages a writer may still copy into
         stay fenced in the region's tables, for the next daemon to recover."""
-        for session in list(self.sessions.values()):
+        for session in list(self.attachments.sessions.values()):
             self.detach(session, SessionEnd.DAEMON_STOPPED)
-        if self.tiering is not None:
-            self.tiering.close()
+        self.tier.close()
         self.fence.close()
         self.index.persist_tick()
 
-
-def _digest(secret: bytes | None) -> bytes | None:
-    return None if secret is None else hashlib.sha256(secret).digest()

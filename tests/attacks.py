@@ -3,15 +3,22 @@ raw unix connections, and edits of files a member of the client group can reach.
 
 Each attack is a function of the daemon's socket path (and what else it needs) that runs the
 attack to its end, checks what the daemon answered, and returns what it observed; it raises
-``AssertionError`` when the daemon answered in a way it must not. The integration tests
-(tests/integration/test_hostile.py) run each once; the hostile soak (tests/soak/hostile_soak.py)
-cycles through them while good engines verify every block they load.
+``AssertionError`` when the daemon answered in a way it must not. ``in_child`` runs one in a
+process of its own (another peer to the daemon), which keeps what it opened until told to exit.
+The integration tests (tests/integration/test_hostile.py for issue 11, test_composition.py for
+issue 26) run each once; the hostile soak (tests/soak/hostile_soak.py) cycles through them while
+good engines verify every block they load.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import resource
 import socket as pysocket
+import subprocess
+import sys
 import time
 
 import msgpack
@@ -20,6 +27,7 @@ import zmq
 from kvtierd.contract import protocol as P
 from kvtierd.contract.protocol import ErrorCode
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMESPACE = {"model": "attacker", "dtype": "uint8", "block_tokens": 16, "block_bytes": 4096,
              "sharding": "replicated"}
 
@@ -107,25 +115,73 @@ def huge_op(socket_path: str) -> dict:
         raw.close()
 
 
+_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tests import attacks
+print(json.dumps(getattr(attacks, sys.argv[2])(*json.loads(sys.argv[3]))), flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def in_child(attack: str, *args):
+    """Run ``attacks.<attack>(*args)`` in a process of its own — to the daemon, another peer —
+    which then lives on, holding what it opened, until the block ends; yields what it returned."""
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, ROOT, attack, json.dumps(args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"attack {attack} failed in its child process (exit {proc.wait(30)})")
+        yield json.loads(line)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 # ------------------------------------------------------------------ item 2: descriptors
+def _raise_nofile(n: int) -> None:
+    """Let this process hold ``n`` more descriptors (up to its hard limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 1024), hard))
+
+
+def _connect(socket_path: str, n: int) -> list[pysocket.socket]:
+    """``n`` raw unix connections to the client socket (fewer if connecting fails), sending nothing."""
+    _raise_nofile(n)
+    socks = []
+    for _ in range(n):
+        s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+        try:
+            s.connect(socket_path)
+        except OSError:
+            s.close()
+            continue
+        socks.append(s)
+    return socks
+
+
+_HELD: list = []        # what a child process (``in_child``) holds until it exits
+
+
+def hold_connections(socket_path: str, n: int) -> dict:
+    """``n`` idle connections, kept open until this process exits (run it ``in_child``)."""
+    _HELD.extend(_connect(socket_path, n))
+    return {"opened": len(_HELD)}
+
+
 def idle_connections(socket_path: str, n: int, during=lambda: None) -> dict:
     """Open ``n`` raw unix connections to the client socket and send nothing; report how many the
     daemon closed at once (those past its per-peer cap) and what ``during()`` returned while they
     were held. Closes them all before returning."""
-    import resource
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < n + 256:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 1024), hard))
-    socks = []
+    socks = _connect(socket_path, n)
     try:
-        for _ in range(n):
-            s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-            try:
-                s.connect(socket_path)
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
         time.sleep(1.0)
         seen = during()
         closed = 0
@@ -277,3 +333,127 @@ def scrape(address: str) -> bytes:
     import urllib.request
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
         return r.read()
+
+
+# ------------------------------------------------------------------ issue 26: trust under composition
+def watched_disconnects(socket_path: str, n: int) -> dict:
+    """``n`` sessions of this process, each on its own connection closed without bye. In the
+    daemon's PID namespace each is watched through a pidfd, which the daemon checks when the
+    connection ends (issue 26 C: select() on a pidfd past descriptor 1,023 ended the daemon)."""
+    ctx = zmq.Context()
+    watched = 0
+    try:
+        for i in range(n):
+            raw = Raw(socket_path, ctx)
+            try:
+                reply = raw.ask(hello(engine=f"watched-{os.getpid()}-{i}", rank=None, pid=os.getpid(), pidns=pidns()))
+                assert reply["ok"], reply
+                watched += reply["watched"]
+            finally:
+                raw.close()
+    finally:
+        ctx.term()
+    return {"sessions": n, "watched": watched}
+
+
+def crowded_disconnects(socket_path: str, connections: int = 1100, peers: int = 5, sessions: int = 8,
+                        during=lambda: None) -> dict:
+    """Issue 26 C: ``connections`` idle connections from ``peers`` processes (each under
+    max_connections_per_peer), so that the daemon holds more than 1,024 descriptors; meanwhile
+    ``watched_disconnects`` (whose pidfds are then past 1,023) and ``during()``."""
+    with contextlib.ExitStack() as held:
+        opened = sum(held.enter_context(in_child("hold_connections", socket_path, -(-connections // peers)))["opened"]
+                     for _ in range(peers))
+        out = watched_disconnects(socket_path, sessions)
+        seen = during()
+    return {"connections": opened, **out, "during": seen}
+
+
+def store_after_commit(socket_path: str, jobs: int, keys: int = 16, engine: str = "recommit") -> dict:
+    """Issue 26 A: rank 0 (the writer) of a replicated world of 2 stores, commits, then stores the
+    same job again; rank 1 votes last. The second store must be refused (CONFLICT), and so must
+    every later request naming the finished job (it answered INTERNAL)."""
+    ctx = zmq.Context()
+    r0, r1 = Raw(socket_path, ctx), Raw(socket_path, ctx)
+    try:
+        for rank, raw in enumerate((r0, r1)):
+            assert raw.ask(hello(engine=engine, rank=rank, world_size=2, pid=os.getpid(), pidns=pidns()))["ok"]
+        for job in range(1, jobs + 1):
+            ks = [job.to_bytes(4, "little") + i.to_bytes(4, "little") for i in range(keys)]
+            store = {"op": "store", "rid": 2, "job": job, "keys": ks}
+            assert r0.ask(store)["ok"] and r0.ask({"op": "commit", "rid": 3, "job": job, "ok": True})["ok"]
+            again = r0.ask(store)
+            refused(again, ErrorCode.CONFLICT)
+            assert "already committed" in again["message"], again
+            assert r1.ask(store)["ok"]                              # the last vote: the job is done
+            refused(r0.ask({"op": "commit", "rid": 4, "job": job, "ok": True}), ErrorCode.CONFLICT)
+            refused(r0.ask(store), ErrorCode.CONFLICT)
+        for raw in (r0, r1):
+            assert raw.ask({"op": "bye", "rid": 5})["ok"]
+        return {"jobs": jobs}
+    finally:
+        r0.close()
+        r1.close()
+        ctx.term()
+
+
+def writer_rows_flood(socket_path: str, rounds: int, ns: int | None = None) -> dict:
+    """Issue 26 B: hello as a writer, store one key, close the socket (no commit, no bye),
+    ``rounds`` times. Each leaves a writer row whose page stays fenced (the daemon cannot know the
+    copy stopped): for fence_grace when it cannot watch this process (``ns``: another PID
+    namespace), for this process's life when it can. Past max_writer_rows_per_peer the hello must
+    be refused, naming the setting. A refusal because this process's sessions of closed
+    connections still count (max_sessions_per_peer, for DISCONNECT_GRACE) is retried."""
+    ctx = zmq.Context()
+    attached = limited = 0
+    try:
+        for i in range(rounds):
+            while True:
+                raw = Raw(socket_path, ctx)
+                try:
+                    reply = raw.ask(hello(engine=f"rows-{os.getpid()}-{i}", pid=os.getpid(),
+                                          pidns=pidns() if ns is None else ns))
+                    if reply["ok"]:
+                        key = f"{os.getpid()}-{i}".encode()     # a key of its own: pages of its own
+                        assert raw.ask({"op": "store", "rid": 2, "job": 1, "keys": [key]})["ok"]
+                        attached += 1
+                        break
+                    refused(reply, ErrorCode.LIMIT)
+                    if "max_writer_rows_per_peer" in reply["message"]:
+                        limited += 1
+                        break
+                    assert "max_sessions_per_peer" in reply["message"], reply
+                finally:
+                    raw.close()
+                time.sleep(0.2)
+    finally:
+        ctx.term()
+    return {"rounds": rounds, "attached": attached, "limit": limited}
+
+
+def lease_the_region(socket_path: str, seconds: float = 3.0, engine: str = "hoard") -> dict:
+    """Issue 26 D: store one block per page of the region, lease every one and renew the lease
+    every 0.5 s for ``seconds``. The daemon must hold well under half of the region for it,
+    answering each renewal with how many keys it holds (``leased``)."""
+    raw = Raw(socket_path, timeout=60)
+    try:
+        welcome = raw.ask(hello(engine=engine, pid=os.getpid(), pidns=pidns()))
+        assert welcome["ok"], welcome
+        pages = welcome["num_pages"]
+        ks = [i.to_bytes(4, "little") + b"hoard" for i in range(min(pages, P.MAX_KEYS_PER_REQUEST))]
+        stored = raw.ask({"op": "store", "rid": 2, "job": 1, "keys": ks})
+        assert stored["ok"] and raw.ask({"op": "commit", "rid": 3, "job": 1, "ok": True})["ok"]
+        hits = leased = 0
+        deadline = time.monotonic() + seconds
+        while True:
+            reply = raw.ask({"op": "lookup", "rid": 4, "keys": ks, "lease": 1, "ttl_ms": 2000})
+            assert reply["ok"], reply
+            assert reply["leased"] <= pages // 2 < len(ks), f"{reply['leased']} of {pages} pages leased"
+            hits, leased = max(hits, reply["hits"]), max(leased, reply["leased"])
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert raw.ask({"op": "bye", "rid": 5})["ok"]
+        return {"pages": pages, "hits": hits, "leased": leased}
+    finally:
+        raw.close()

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvtierd.contract.events import Cause
 from kvtierd.contract.region_format import ENTRY_DTYPE, EntryState
-from kvtierd.events import EventLog, TableSnapshot
+from kvtierd.eventlog import EventLog, TableSnapshot
 
 
 class Table:

@@ -1,5 +1,6 @@
 """What the engine adapters share and nothing else: the engine version gate, the reader of the
-``kvtier_*`` settings in an engine's extra config, and protocol-sized names.
+``kvtier_*`` settings in an engine's extra config, protocol-sized names, and the size of the
+kvtier jobs and lookups they send (``PART_KEYS``).
 
 Engine-agnostic: importing it imports no engine.
 """
@@ -11,7 +12,12 @@ import logging
 import os
 from typing import Any, Mapping
 
+from kvtierd.contract import protocol as P
 from kvtierd.contract.paths import default_socket
+
+# Keys per kvtier job or lookup an adapter sends: a transfer or a lookup with more keys is split.
+# (SGLang batches 128 pages; vLLM's long prompts are thousands of blocks.)
+PART_KEYS = min(4096, P.MAX_KEYS_PER_REQUEST)
 
 
 def check_engine_version(installed: str, supported: bool, *, adapter: str, engine: str, versions: str, pin: str,

@@ -15,11 +15,17 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .errors import DaemonUnavailable, LimitExceeded, from_reply
+from .errors import AccessDenied, DaemonUnavailable, LimitExceeded, from_reply
+from .paths import access_problem
 
 
 class Channel:
     def __init__(self, socket_path: str, timeout: float = 10.0):
+        # Checked first: ZMQ's connect to a socket this process may not open fails silently and
+        # is retried, so the call would wait for its whole timeout and blame a daemon that runs.
+        problem = access_problem(socket_path, write=True)
+        if problem is not None:
+            raise AccessDenied(problem)
         if not os.path.exists(socket_path):
             raise DaemonUnavailable(f"no kvtierd socket at {socket_path}; is the daemon running "
                                     "(systemctl status kvtierd), and is this the socket it printed at start?")

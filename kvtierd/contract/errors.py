@@ -19,6 +19,11 @@ class DaemonUnavailable(KvtierError):
     """kvtierd did not answer (not running, crashed, or the socket is unreachable)."""
 
 
+class AccessDenied(DaemonUnavailable):
+    """This process may not open the socket: not a member of the daemon's client group, or the
+    admin socket of another user."""
+
+
 class DaemonError(KvtierError):
     """kvtierd answered with an error; ``code`` is the wire ErrorCode."""
 

@@ -1,5 +1,5 @@
 """The event stream's wire form: what a record of a namespace's event log says (the events op's
-reply, kvtierd.events), shared by the daemon that writes it and the readers that apply it
+reply, kvtierd.eventlog), shared by the daemon that writes it and the readers that apply it
 (``kvtier.events``).
 
 A record is ``[seq, kind, cause, key_len, keys]``: the namespace log's sequence number, ``Kind``,

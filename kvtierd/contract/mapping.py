@@ -350,3 +350,25 @@ class CudaRuntime:
             for ptr in done:
                 self._unregister(ptr)
         return unregister
+
+
+CAP_IPC_LOCK = 14
+
+
+def mlock_refusal(nbytes: int) -> str | None:
+    """Why ``mlock`` of ``nbytes`` would fail for the memlock limit, known before any memory is
+    touched (pin=mlock is then refused at once, not after the prefault); None when it may succeed.
+    CAP_IPC_LOCK (a container's IPC_LOCK, root) lifts the limit in the kernel."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or soft >= nbytes:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+        if caps >> CAP_IPC_LOCK & 1:
+            return None
+    except (OSError, StopIteration, ValueError):
+        pass
+    return (f"pin=mlock: the region's {nbytes} bytes exceed the memlock limit (RLIMIT_MEMLOCK soft limit {soft}); "
+            "raise it (LimitMEMLOCK=infinity in the unit, ulimit -l unlimited, IPC_LOCK in a container) or use "
+            "pin=auto")

@@ -83,7 +83,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_JOB = 6       # commit/release/status of a job the daemon does not know
     NO_SPACE = 7          # the region (or its namespace table) cannot take the request at all
     TIMEOUT = 8           # the job ran past its deadline and was aborted
-    SHUTTING_DOWN = 9     # the daemon stopped accepting new jobs
+    SHUTTING_DOWN = 9     # the daemon is stopping: no new sessions, jobs or leases
     ABORTED = 10          # the job was aborted (failed vote, conflict, dead rank, ...)
     LIMIT = 11            # a protocol limit was exceeded (frame size, keys, key length)
     FORBIDDEN = 12        # the session's role may not do this (e.g. a coordinator voting)
@@ -561,6 +561,8 @@ class StatsReply(Reply):
     fence_oldest_seconds: float       # since the longest-fenced writer's pages were fenced (0: none)
     fence_grace_seconds: float        # the fence_grace setting
     writer_rows: int                  # rows in the writer table: writers attached or gone with pages fenced
+    writer_rows_refused: dict         # writer hellos refused past a bound: total | per_peer → count
+    fence_check_failures: int         # checks of a gone writer's process that could not be done (EMFILE, ...)
     used_bytes: int
     entries_ready: int
     entries_writing: int
@@ -570,6 +572,7 @@ class StatsReply(Reply):
     engines: int
     sessions: int
     open_jobs: int
+    jobs_held: int                    # job records held: the open jobs and aborted ones awaiting a writer's commit
     open_job_keys: int                # keys (+1 per job) of the open jobs (bounded by max_job_keys)
     tombstones: int                   # finished job ids remembered (bounded by max_tombstones)
     aborted_jobs: dict                # AbortCause value → jobs
@@ -580,7 +583,11 @@ class StatsReply(Reply):
     leases_granted: int               # leases granted or renewed
     lease_ends: dict                  # leases.LeaseEnd value (consumed, released, replaced, ...) → leases
     lease_missed_loads: int           # load jobs that named a lease that was not live
-    lease_capped_keys: int            # hits not leased because of max_leased_keys(_per_engine)
+    lease_capped_keys: int            # hits not leased because of a cap (max_leased_keys*, max_held_share*)
+    # what engines hold out of eviction, leases and load pins (kvtierd.holds)
+    held_pages: int                   # pages their holds count (each hold on its own)
+    held_pages_top_engine: int        # the most one engine's holds count
+    hold_capped_keys: dict            # holds.CAPS value (engine, namespace, total) → keys left out past it
     vote_wait: dict                   # histogram snapshot: first request of a store job → its last vote
     # monotonic counters
     lookup_hit_keys: int
@@ -630,7 +637,7 @@ class StatsReply(Reply):
     connections: int                  # open connections to the client socket
     connections_refused: dict         # why connections were closed at once (total | per_peer) → count
     tier: dict                        # the second tier: {"backend": "off"} or its state and counters
-                                      # (kvtierd.tiering.Tiering.stats; docs/operations.md)
+                                      # (kvtierd.tiering: CompanionTier.stats; docs/operations.md)
 
 
 @_shape

@@ -99,10 +99,15 @@ POLICIES: dict[str, str] = {"lru": "lru:LRUPolicy", "slru": "slru:SLRUPolicy", "
 DEFAULT = "slru"        # chosen by replaying traces through the daemon against LRU and Belady: docs/policy.md
 
 
-def create(name: str = DEFAULT) -> Policy:
-    """A new, empty policy of the given name."""
+def policy_class(name: str) -> type[Policy]:
+    """The class of the policy of the given name (its ``segments`` are a class attribute)."""
     try:
         module, cls = POLICIES[name].split(":")
     except KeyError:
         raise ValueError(f"no eviction policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def create(name: str = DEFAULT) -> Policy:
+    """A new, empty policy of the given name."""
+    return policy_class(name)()

@@ -1,30 +1,46 @@
-"""The second-tier backend interface: what every engine (Mooncake Store, Valkey/Redis Cluster)
-implements, its typed errors, and how a block's bytes are described.
+"""The second-tier backend interface: what every engine (Mooncake Store, Valkey/Redis Cluster,
+the node's own disk) implements, its typed errors, and how a block's bytes are described.
 
 A backend moves whole blocks between the engine and one *registered* memory (the region's data
-area, mapped by the companion process): ``attach(memory)`` once, then every put and get names its
-blocks as **extents** — (offset into that memory, bytes) runs, one per contiguous run of the
-block's pages — so an engine that can read and write registered memory directly (Mooncake's
-``register_buffer`` + multi-buffer put/get, a socket's gather-write and ``recv_into``) never
-copies a block through a staging buffer.
+area, mapped by the companion process): ``attach(memory, owner)`` once, then every put and get
+names its blocks as **extents** — (offset into that memory, bytes) runs, one per contiguous run
+of the block's pages — so an engine that can read and write registered memory directly
+(Mooncake's ``register_buffer`` + multi-buffer put/get, a socket's gather-write and
+``recv_into``, ``O_DIRECT`` reads and writes) never copies a block through a staging buffer.
+
+Every value carries its *seal* (``seal.Seals``: ``SEAL_BYTES`` that bind the block's bytes to
+its namespace and key under the fleet's key): ``put`` stores ``seals.make(i)`` with block ``i``,
+``get`` hands the stored seal to ``seals.check(i, seal)`` once the bytes landed and reports the
+block only when the check passed. Where a backend keeps the seal is its own business (Redis and
+Mooncake: the value's last 32 bytes; the disk: the block's record).
 
 Calls are batched and their outcome is per key: ``put`` and ``get`` return one bool per key
-(``get`` is True only when the whole block arrived with exactly its length). A failure of the
-engine as a whole raises a ``TierError`` subclass: ``TierUnavailable`` (unreachable, down,
-refusing), ``TierTimeout`` (a call ran past its deadline), ``TierRejected`` (the engine refused
-the request as given: a value larger than it allows, bad parameters — the engine itself is
-fine), ``TierFailed`` (anything else the client library raised). Backends keep each network wait
+(``get`` is True only when the whole block arrived with exactly its length and its seal held). A
+failure of the engine as a whole raises a ``TierError`` subclass: ``TierUnavailable``
+(unreachable, down, refusing), ``TierTimeout`` (a call ran past its deadline), ``TierRejected``
+(the engine refused the request as given, or cannot take writes now — a value larger than it
+allows, a full or read-only disk: the engine itself serves, so the breaker is not moved),
+``TierFailed`` (anything else the client library raised). Backends keep each network wait
 bounded by their ``timeout``; ``guard.Guard`` adds the deadline of the whole call and the
 circuit breaker on top.
+
+Each backend's constructor takes ``address`` (``tier_address``: where the engine is) and its own
+settings as keywords (``tier_settings``); ``check_settings`` refuses a key none of them takes
+before anything starts.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from abc import ABC, abstractmethod
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .seal import Seals
 
 Extent = tuple[int, int]            # (offset into the attached memory, bytes)
 Block = Sequence[Extent]
@@ -67,6 +83,16 @@ def error_from(code: str, message: str) -> TierError:
     return ERRORS.get(code, TierFailed)(message)
 
 
+@dataclass(frozen=True)
+class Owner:
+    """Who attaches a backend: the daemon's name (``name`` setting) and the id of the key that
+    seals its values (``seal.SealKey.id_hex``). A backend whose data outlives the companion (the
+    disk) refuses data that another owner wrote."""
+
+    name: str
+    key_id: str
+
+
 class Backend(ABC):
     """One client of a second-tier engine. Not thread-safe: ``guard.Guard`` runs every call on
     its one worker thread."""
@@ -74,7 +100,7 @@ class Backend(ABC):
     name: str = ""
 
     @abstractmethod
-    def attach(self, memory: memoryview) -> None:
+    def attach(self, memory: memoryview, owner: Owner) -> None:
         """Register ``memory`` (writable, contiguous, mapped for the backend's life): the extents of
         every later put and get are offsets into it."""
 
@@ -83,14 +109,16 @@ class Backend(ABC):
         """Whether the engine holds each key (one round trip per engine node, not per key)."""
 
     @abstractmethod
-    def put(self, keys: list[str], blocks: Sequence[Block]) -> list[bool]:
-        """Store each key's block from its extents. True: the engine holds the key (written now, or
-        already there — blocks are immutable, so an existing value is the same block)."""
+    def put(self, keys: list[str], blocks: Sequence[Block], seals: Seals) -> list[bool]:
+        """Store each key's block from its extents with its seal (``seals.make(i)``). True: the
+        engine holds the key (written now, or already there — blocks are immutable, so an existing
+        value is the same block)."""
 
     @abstractmethod
-    def get(self, keys: list[str], blocks: Sequence[Block]) -> list[bool]:
-        """Fetch each key's block into its extents. True only when the engine had the key and its
-        value has exactly the extents' total length; on False the extents' bytes are undefined."""
+    def get(self, keys: list[str], blocks: Sequence[Block], seals: Seals) -> list[bool]:
+        """Fetch each key's block into its extents. True only when the engine had the key, its
+        value has exactly the extents' total length and ``seals.check(i, seal)`` passed; on False
+        the extents' bytes are undefined."""
 
     @abstractmethod
     def remove(self, keys: list[str]) -> int:
@@ -114,16 +142,38 @@ class Backend(ABC):
 
 
 BACKENDS = {"mooncake": "kvtierd.tier.mooncake:MooncakeBackend",
-            "redis": "kvtierd.tier.redis:RedisClusterBackend"}
+            "redis": "kvtierd.tier.redis:RedisClusterBackend",
+            "disk": "kvtierd.tier.disk:DiskBackend"}
 
 
-def open_backend(name: str, **settings) -> Backend:
-    """Import and construct the backend called ``name`` (its engine client is imported only here)."""
+def backend_class(name: str) -> type[Backend]:
+    """The class of the backend called ``name``; importing it imports no engine client (each
+    imports its own when constructed)."""
     try:
         module, cls = BACKENDS[name].split(":")
     except KeyError:
         raise ValueError(f"unknown tier backend {name!r}; choose from {', '.join(BACKENDS)}") from None
-    return getattr(importlib.import_module(module), cls)(**settings)
+    return getattr(importlib.import_module(module), cls)
+
+
+def check_settings(name: str, settings: dict) -> None:
+    """Refuse settings the backend does not take (a typo such as ``ttl`` for ``ttl_s`` would
+    otherwise start a companion that fails, or silently ignore it): ValueError names the key and
+    the valid ones. ``address`` comes from ``tier_address``, not from here."""
+    params = inspect.signature(backend_class(name)).parameters
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    valid = [p for p, param in params.items() if p != "address" and param.kind in keyword]
+    if "address" in settings:
+        raise ValueError(f"tier_settings: set the {name} backend's address with tier_address, not in tier_settings")
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise ValueError(f"tier_settings: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                         f"for the {name} backend; its keys are {', '.join(valid)}")
+
+
+def open_backend(name: str, address: str, **settings) -> Backend:
+    """Construct the backend called ``name`` for the engine at ``address``."""
+    return backend_class(name)(address, **settings)
 
 
 def page_extents(pages: np.ndarray, page_size: int, length: int, base: int = 0) -> list[list[Extent]]:

@@ -16,10 +16,15 @@ it; while open, calls fail at once with ``CircuitOpen`` (counted as ``rejected``
 ``cooldown`` seconds; then one call is let through (half-open): its success closes the breaker,
 its failure opens it for another cooldown. ``TierRejected`` (the engine refused one request as
 given) says nothing about the engine's health and leaves the breaker alone.
+
+Every change is logged once (the companion's log, ``<name>.tier.log``): a call's failure after a
+success (later ones are counted, not logged, until a success), the breaker opening, and the
+first success after failures (the breaker closed again).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -32,10 +37,12 @@ from .backend import Backend, CircuitOpen, TierError, TierFailed, TierRejected, 
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
+log = logging.getLogger("kvtierd.tier")
+
 
 class Guard:
     def __init__(self, backend: Backend, timeout: float = 2.0, failures: int = 3, cooldown: float = 5.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, lane: str = ""):
         if timeout <= 0 or failures < 1 or cooldown < 0:
             raise ValueError("timeout > 0, failures >= 1 and cooldown >= 0 are required")
         self.backend = backend
@@ -43,6 +50,7 @@ class Guard:
         self.failures = failures
         self.cooldown = cooldown
         self.clock = clock
+        self.name = f"{backend.name} {lane} lane" if lane else backend.name
         self.state = CLOSED
         self.consecutive = 0
         self.open_until = 0.0
@@ -75,6 +83,18 @@ class Guard:
             return 0.0
         return self.clock() - self._stuck[2]
 
+    def wait_abandoned(self, timeout: float | None = None) -> bool:
+        """Wait until the abandoned call (if any) returned; False if it still runs after ``timeout``.
+        Its caller must not reuse the memory the call names before then."""
+        stuck = self._stuck
+        if stuck is None:
+            return True
+        try:
+            stuck[0].exception(timeout)
+        except FutureTimeout:
+            return False
+        return True
+
     def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         """``backend.method(*args)`` within ``timeout`` (default: the guard's), or a ``TierError``."""
         stuck = self.stuck_for()
@@ -106,6 +126,8 @@ class Guard:
         except Exception as exc:
             self._failed(TierFailed(f"{self.backend.name}: {method} raised {type(exc).__name__}: {exc}"), exc)
         self.counters["ok"] += 1
+        if self.consecutive:
+            log.info("%s: %s succeeded after %d failures; breaker closed", self.name, method, self.consecutive)
         self.consecutive = 0
         self.state = CLOSED
         return result
@@ -113,9 +135,13 @@ class Guard:
     def _failed(self, exc: TierError, cause: BaseException | None = None) -> None:
         self.counters[f"errors_{exc.code}"] += 1
         self.consecutive += 1
+        if self.consecutive == 1:
+            log.warning("%s: %s", self.name, exc)
         if self.state == HALF_OPEN or self.consecutive >= self.failures:
             if self.state != OPEN:
                 self.counters["opened"] += 1
+                log.warning("%s: breaker open for %.1f s after %d consecutive failures (last: %s)", self.name,
+                            self.cooldown, self.consecutive, exc)
             self.state = OPEN
             self.open_until = self.clock() + self.cooldown
         raise exc from cause

@@ -82,11 +82,13 @@ class TierLink:
                  backend: str, settings: dict, timeout: float = 1.0, data_timeout: float = 10.0,
                  failures: int = 3, cooldown: float = 5.0, max_inflight: int = 64, kill_after: float = 10.0,
                  restart_backoff: float = 5.0, log_path: str | None = None, python: str = sys.executable,
-                 ctx: zmq.Context | None = None, clock=time.monotonic, socket_mode: int | None = None):
+                 ctx: zmq.Context | None = None, clock=time.monotonic, socket_mode: int | None = None,
+                 key_file: str = "", owner: str = ""):
         self.argv = [python, "-m", "kvtierd.tier.service", "--endpoint", endpoint, "--region", region,
                      "--offset", str(data_offset), "--length", str(data_bytes), "--page-size", str(page_size),
                      "--backend", backend, "--settings", json.dumps(settings), "--timeout", str(timeout),
-                     "--data-timeout", str(data_timeout), "--failures", str(failures), "--cooldown", str(cooldown)]
+                     "--data-timeout", str(data_timeout), "--failures", str(failures), "--cooldown", str(cooldown),
+                     "--key-file", key_file, "--owner", owner]
         # A request's deadline in the daemon: the companion's own deadline plus slack for the hop.
         self.deadlines = {"meta": timeout + 0.5, "data": data_timeout + 0.5}
         self.max_inflight = max_inflight

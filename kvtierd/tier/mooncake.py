@@ -1,11 +1,11 @@
 """Mooncake Store as the second tier (``mooncake-transfer-engine-non-cuda``, tools/install-tier.sh).
 
 Zero-copy: ``attach`` registers the region's data area with the store client
-(``register_buffer``), and blocks move with ``batch_put_from`` / ``batch_get_into`` when every
-block of the call is one extent (the common case: the allocator hands out freed pages in order;
-the same calls as the raw floor in kvtierbench/tier.py), else ``batch_put_from_multi_buffers`` /
-``batch_get_into_multi_buffers``: one pointer and size per extent, so a block whose pages are
-not contiguous is gathered and scattered by the transfer engine itself. No block passes through
+(``register_buffer``), and a small buffer of its own for the seals (``seal.SEAL_BYTES`` per
+block of a batch). A value is the block's bytes then its seal: blocks move with
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, one pointer and size per
+extent and one for the seal, so a block whose pages are not contiguous is gathered and
+scattered by the transfer engine itself, and the seal travels in the same value. No block passes through
 the client's local staging buffer (``local_buffer_bytes`` only has to exist) or through Python
 bytes. What remains is the transport's: over TCP the kernel's socket copies on both ends, and
 the storing segment's own memory is the copy the tier keeps (over RDMA the NIC reads and writes
@@ -29,12 +29,14 @@ Observed behaviour this module relies on (docs/tier.md; ../shared/recipes/moonca
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import re
 import socket
 from typing import Sequence
 
-from .backend import Backend, Block, TierFailed, TierRejected, TierUnavailable
+from .backend import Backend, Block, Owner, TierFailed, TierRejected, TierUnavailable
+from .seal import SEAL_BYTES, Seals
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h).
 NO_AVAILABLE_HANDLE = -200       # no segment has room
@@ -63,9 +65,11 @@ class MooncakeBackend(Backend):
     name = "mooncake"
     concurrent = True        # one store client serves several threads (the C++ client locks)
 
-    def __init__(self, master: str, local_hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
+    def __init__(self, address: str, local_hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
                  protocol: str = "tcp", device: str = "", segment_bytes: int = 0, local_buffer_bytes: int = 16 << 20,
                  replicas: int = 1, timeout: float = 2.0, setup_retries: int = 2):
+        """``address``: the master's ``HOST:PORT``."""
+        master = address
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:
@@ -91,7 +95,7 @@ class MooncakeBackend(Backend):
         self._closed = False
 
     # ------------------------------------------------------------------ memory
-    def attach(self, memory: memoryview) -> None:
+    def attach(self, memory: memoryview, owner: Owner) -> None:
         if memory.readonly or not memory.contiguous:
             raise ValueError("the tier's memory must be writable and contiguous")
         base = ctypes.addressof(ctypes.c_char.from_buffer(memory))
@@ -100,18 +104,30 @@ class MooncakeBackend(Backend):
             raise TierRejected(f"mooncake register_buffer of {memory.nbytes} bytes failed ({rc})")
         self._memory = memory
         self.base, self.size = base, memory.nbytes
+        # The seals of one call (at most MAX_BATCH blocks) travel from and into registered memory too.
+        self._seals = mmap.mmap(-1, MAX_BATCH * SEAL_BYTES)
+        self.seals_base = ctypes.addressof(ctypes.c_char.from_buffer(self._seals))
+        rc = self.store.register_buffer(self.seals_base, len(self._seals))
+        if rc != 0:
+            raise TierRejected(f"mooncake register_buffer of the seals' {len(self._seals)} bytes failed ({rc})")
 
     def _buffers(self, blocks: Sequence[Block]) -> tuple[list[list[int]], list[list[int]]]:
+        """Pointers and sizes of each block's extents, then of its seal's place (block ``i`` of
+        the call: seal slot ``i % MAX_BATCH``, so each sub-batch of MAX_BATCH has its own)."""
         if not self.size:
             raise TierRejected("mooncake: attach() the region before moving blocks")
-        base, size = self.base, self.size
+        base, size, seals = self.base, self.size, self.seals_base
         ptrs, sizes = [], []
-        for block in blocks:
+        for i, block in enumerate(blocks):
             if any(off < 0 or n <= 0 or off + n > size for off, n in block):
                 raise TierRejected(f"an extent of {block} lies outside the attached {size} bytes")
-            ptrs.append([base + off for off, _ in block])
-            sizes.append([n for _, n in block])
+            ptrs.append([base + off for off, _ in block] + [seals + (i % MAX_BATCH) * SEAL_BYTES])
+            sizes.append([n for _, n in block] + [SEAL_BYTES])
         return ptrs, sizes
+
+    def _seal_view(self, i: int) -> memoryview:
+        j = (i % MAX_BATCH) * SEAL_BYTES
+        return memoryview(self._seals)[j:j + SEAL_BYTES]
 
     # ------------------------------------------------------------------ calls
     @staticmethod
@@ -130,44 +146,42 @@ class MooncakeBackend(Backend):
             raise TierUnavailable(f"mooncake batch_is_exist failed ({min(codes)})")
         return [c == 1 for c in codes]
 
-    def put(self, keys: list[str], blocks: Sequence[Block]) -> list[bool]:
+    def put(self, keys: list[str], blocks: Sequence[Block], seals: Seals) -> list[bool]:
         if not keys:
             return []
         ptrs, sizes = self._buffers(blocks)
-        single = all(len(p) == 1 for p in ptrs)
-        if single:
-            ptrs, sizes = [p[0] for p in ptrs], [s[0] for s in sizes]
-        put = self.store.batch_put_from if single else self.store.batch_put_from_multi_buffers
         codes = []
         for i in range(0, len(keys), MAX_BATCH):
-            j = i + MAX_BATCH
-            codes += put(keys[i:j], ptrs[i:j], sizes[i:j], self.config)
+            j = min(i + MAX_BATCH, len(keys))
+            for b, seal in zip(range(i, j), seals.make_all(range(i, j))):
+                self._seal_view(b)[:] = seal
+            codes += self.store.batch_put_from_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j], self.config)
         self._check(codes, "put")
         return [c == 0 or c == OBJECT_ALREADY_EXISTS for c in codes]
 
-    def get(self, keys: list[str], blocks: Sequence[Block]) -> list[bool]:
+    def get(self, keys: list[str], blocks: Sequence[Block], seals: Seals) -> list[bool]:
         if not keys:
             return []
         ptrs, sizes = self._buffers(blocks)
         want = list(map(sum, sizes))
-        single = all(len(p) == 1 for p in ptrs)
-        if single:
-            ptrs, sizes = [p[0] for p in ptrs], want
-        get = self.store.batch_get_into if single else self.store.batch_get_into_multi_buffers
-        got = []
+        landed = []
         for i in range(0, len(keys), MAX_BATCH):
-            j = i + MAX_BATCH
-            got += get(keys[i:j], ptrs[i:j], sizes[i:j])
-        again = [i for i, n in enumerate(got) if n == LEASE_EXPIRED]
-        if again:        # the bytes landed but the lease check after them failed: ask once more
-            more = get([keys[i] for i in again], [ptrs[i] for i in again], [sizes[i] for i in again])
-            for i, n in zip(again, more):
-                got[i] = n
-        # INVALID_PARAMS here is a stored value whose length is not the extents' (another geometry):
-        # a miss for that key, not a refused call.
-        if got and all(n in UNAVAILABLE for n in got):
-            raise TierUnavailable(f"mooncake get: the master does not answer ({got[0]})")
-        return [n == w for n, w in zip(got, want)]
+            j = min(i + MAX_BATCH, len(keys))
+            got = self.store.batch_get_into_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j])
+            again = [b for b, n in enumerate(got) if n == LEASE_EXPIRED]
+            if again:    # the bytes landed but the lease check after them failed: ask once more
+                more = self.store.batch_get_into_multi_buffers(
+                    [keys[i + b] for b in again], [ptrs[i + b] for b in again], [sizes[i + b] for b in again])
+                for b, n in zip(again, more):
+                    got[b] = n
+            # INVALID_PARAMS here is a stored value whose length is not the extents' (another
+            # geometry): a miss for that key, not a refused call.
+            if got and all(n in UNAVAILABLE for n in got):
+                raise TierUnavailable(f"mooncake get: the master does not answer ({got[0]})")
+            whole = [i + b for b, n in enumerate(got) if n == want[i + b]]
+            held = dict(zip(whole, seals.check_all([(b, bytes(self._seal_view(b))) for b in whole])))
+            landed += [held.get(i + b, False) for b in range(len(got))]
+        return landed
 
     def remove(self, keys: list[str]) -> int:
         if not keys:
@@ -204,5 +218,6 @@ class MooncakeBackend(Backend):
         self._closed = True
         if self.size:
             self.store.unregister_buffer(self.base)
+            self.store.unregister_buffer(self.seals_base)
         self._memory, self.size = None, 0
         self.store.close()

@@ -1,9 +1,11 @@
 """Valkey/Redis Cluster as the second tier, through the RESP client in ``resp``.
 
-Each block is one string value under its tier key (``keys.Keyspace``): ``SET`` gathered from the
-block's extents in the attached region (no join, no staging buffer), ``GET`` received straight
-into them (no Python ``bytes``). The copies that remain are the kernel's: region → socket on a
-put, socket → region on a get, and the server's own copy of the value.
+Each block is one string value under its tier key (``keys.Keyspace``): the block's bytes, then
+its seal (``seal.SEAL_BYTES``). ``SET`` is gathered from the block's extents in the attached
+region and the seal (no join, no staging buffer), ``GET`` received straight into the extents
+and a seal buffer (no Python ``bytes``), the seal checked before the block counts as landed.
+The copies that remain are the kernel's: region → socket on a put, socket → region on a get,
+and the server's own copy of the value.
 
 Keys spread over the cluster's slots by their own hash (no hash tags: one namespace's blocks
 must not pile onto one node); a call's commands are pipelined per node and the nodes work in
@@ -18,8 +20,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .backend import Backend, Block, TierError, TierRejected, TierUnavailable
+from .backend import Backend, Block, Owner, TierError, TierRejected, TierUnavailable
 from .resp import Cluster, RespError, bulk_from, command, key_slot, read_reply
+from .seal import SEAL_BYTES, Seals
 
 
 def parse_nodes(nodes: str | Sequence[str]) -> list[tuple[str, int]]:
@@ -40,14 +43,16 @@ class RedisClusterBackend(Backend):
     name = "redis"
     concurrent = False       # one Cluster's connections serve one thread
 
-    def __init__(self, nodes: str | Sequence[str], timeout: float = 2.0, node_cooldown: float = 2.0, ttl_s: int = 0):
-        self.seeds = parse_nodes(nodes)
+    def __init__(self, address: str | Sequence[str], timeout: float = 2.0, node_cooldown: float = 2.0,
+                 ttl_s: int = 0):
+        """``address``: the cluster's nodes (seeds), ``HOST:PORT,HOST:PORT``."""
+        self.seeds = parse_nodes(address)
         self.ttl = [b"EX", b"%d" % ttl_s] if ttl_s > 0 else []
         self.cluster = Cluster(self.seeds, timeout=timeout, node_cooldown=node_cooldown)
         self.cluster.refresh()
         self.memory: memoryview | None = None
 
-    def attach(self, memory: memoryview) -> None:
+    def attach(self, memory: memoryview, owner: Owner) -> None:
         if memory.readonly or not memory.contiguous:
             raise ValueError("the tier's memory must be writable and contiguous")
         self.memory = memory.cast("B")
@@ -76,27 +81,35 @@ class RedisClusterBackend(Backend):
         calls = [(key_slot(k), command("EXISTS", k), read_reply) for k in map(str.encode, keys)]
         return [r == 1 for r in self._outcome(self.cluster.execute(calls), "exists")]
 
-    def put(self, keys: list[str], blocks: Sequence[Block]) -> list[bool]:
+    def put(self, keys: list[str], blocks: Sequence[Block], seals: Seals) -> list[bool]:
         if not keys:
             return []
         argc = 3 + len(self.ttl)
         tail = command(*self.ttl)[1:] if self.ttl else []
         calls = []
-        for k, block in zip(map(str.encode, keys), blocks):
+        sealed = seals.make_all(range(len(keys)))
+        for k, block, seal in zip(map(str.encode, keys), blocks, sealed):
             head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n" % (argc, len(k), k)
-            calls.append((key_slot(k), [head, *bulk_from(self._views(block)), *tail], read_reply))
+            value = [*self._views(block), memoryview(seal)]
+            calls.append((key_slot(k), [head, *bulk_from(value), *tail], read_reply))
         return [r == "OK" for r in self._outcome(self.cluster.execute(calls), "put")]
 
-    def get(self, keys: list[str], blocks: Sequence[Block]) -> list[bool]:
+    def get(self, keys: list[str], blocks: Sequence[Block], seals: Seals) -> list[bool]:
         if not keys:
             return []
         calls, want = [], []
-        for k, block in zip(map(str.encode, keys), blocks):
-            views = self._views(block)
-            want.append(sum(n for _, n in block))
+        trailers = memoryview(bytearray(SEAL_BYTES * len(keys)))
+        for i, (k, block) in enumerate(zip(map(str.encode, keys), blocks)):
+            views = [*self._views(block), trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]]
+            want.append(sum(n for _, n in block) + SEAL_BYTES)
             calls.append((key_slot(k), command("GET", k), lambda conn, v=views: conn.read_into(v)))
         results = self._outcome(self.cluster.execute(calls), "get")
-        return [r == w for r, w in zip(results, want)]
+        whole = [i for i, (r, w) in enumerate(zip(results, want)) if r == w]
+        held = seals.check_all([(i, trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]) for i in whole])
+        landed = [False] * len(keys)
+        for i, ok in zip(whole, held):
+            landed[i] = ok
+        return landed
 
     def remove(self, keys: list[str]) -> int:
         if not keys:

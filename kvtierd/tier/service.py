@@ -16,8 +16,9 @@ process never touched would take a page fault per 4 KiB page on the transfer's p
 ``{"id", "ok": False, "error": code, "message"}``:
 
 ``exists``  ns, keys                → present: one byte (0/1) per key
-``put``     ns, keys, pages, length → done: one byte per key (the block is in the tier)
-``get``     ns, keys, pages, length → done: one byte per key (the whole block landed in its pages)
+``put``     ns, keys, pages, length → done: one byte per key (the block is in the tier, sealed)
+``get``     ns, keys, pages, length → done: one byte per key (the whole block landed in its pages
+                                      and its seal held), rejected: {reason: blocks whose seal failed}
 ``remove``  ns, keys                → removed
 ``clear``   ns                      → removed (every key of the namespace)
 ``health``                          → the engine answered (an error reply otherwise)
@@ -31,7 +32,14 @@ little-endian uint32, ``len(keys) × pages_per_block``; ``length`` a block's byt
 is the shards' bytes back to back, no padding). Two lanes,
 each a thread with its own guard: ``meta`` (exists, remove, clear, health) and ``data`` (put,
 get), so a lookup's existence check never queues behind a batch of block transfers. A reply to
-a ``put``/``get`` means the backend call returned: the pages are no longer touched.
+a ``put``/``get`` means the backend call returned: the pages are no longer touched — also when
+the guard gave up on it (past ``--data-timeout``): the lane then waits for the abandoned call to
+return before it answers, and the daemon, which stops waiting at its own deadline, keeps the
+pages fenced until this answer comes or it kills this process.
+
+Seals (``seal``): every block put is sealed with the key in ``--key-file`` and every block got
+is checked before it counts as landed. Failures are logged — a call's first failure after a
+success, each breaker change — to stderr, which the daemon sends to ``<name>.tier.log``.
 """
 
 from __future__ import annotations
@@ -51,25 +59,30 @@ import numpy as np
 import zmq
 
 from ..contract.mapping import Mapping
-from .backend import Backend, TierError, open_backend, page_extents
+from .backend import Backend, Owner, TierError, TierTimeout, open_backend, page_extents
 from .guard import Guard
 from .keys import Keyspace
+from .seal import SealKey, Sealer, load_key
 
 log = logging.getLogger("kvtierd.tier")
 
+OTHER_KEY_HINT = ("; they were sealed under another key than this node's (key id {}): give every node "
+                  "that shares the tier the same tier_key_file")
 LANES = {"exists": "meta", "remove": "meta", "clear": "meta", "health": "meta", "put": "data", "get": "data"}
 KEYSPACES = 1024          # identities remembered (a daemon rarely serves more than a few namespaces)
 
 
 class Service:
     def __init__(self, data: memoryview, page_size: int, backend: Backend, meta_backend: Backend,
-                 timeout: float, data_timeout: float, failures: int, cooldown: float):
+                 timeout: float, data_timeout: float, failures: int, cooldown: float, key: SealKey):
+        self.data = data
         self.page_size = page_size
         self.data_bytes = data.nbytes
         self.backend = backend
-        self.guards = {"meta": Guard(meta_backend, timeout, failures, cooldown),
-                       "data": Guard(backend, data_timeout, failures, cooldown)}
-        self.keyspaces: OrderedDict[bytes, Keyspace] = OrderedDict()
+        self.key = key
+        self.guards = {"meta": Guard(meta_backend, timeout, failures, cooldown, lane="meta"),
+                       "data": Guard(backend, data_timeout, failures, cooldown, lane="data")}
+        self.keyspaces: OrderedDict[bytes, tuple[Keyspace, Sealer]] = OrderedDict()
         self.counters: Counter = Counter()
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
@@ -77,15 +90,16 @@ class Service:
         for name in self.lanes:
             threading.Thread(target=self._lane, args=(name,), name=f"lane-{name}", daemon=True).start()
 
-    def keyspace(self, identity: bytes) -> Keyspace:
-        ks = self.keyspaces.get(identity)
-        if ks is None:
-            ks = self.keyspaces[identity] = Keyspace(identity)
+    def keyspace(self, identity: bytes) -> tuple[Keyspace, Sealer]:
+        """The namespace's tier keys and the sealer bound to its identity."""
+        found = self.keyspaces.get(identity)
+        if found is None:
+            found = self.keyspaces[identity] = (Keyspace(identity), Sealer(self.key, identity))
             if len(self.keyspaces) > KEYSPACES:
                 self.keyspaces.popitem(last=False)
         else:
             self.keyspaces.move_to_end(identity)
-        return ks
+        return found
 
     # ------------------------------------------------------------------ lanes
     def _lane(self, name: str) -> None:
@@ -96,6 +110,9 @@ class Service:
             try:
                 reply = {"ok": True, **self._run(guard, request)}
             except TierError as exc:
+                if isinstance(exc, TierTimeout) and request.get("op") in ("put", "get"):
+                    # The call still reads or writes the request's pages: answer once it returned.
+                    guard.wait_abandoned()
                 reply = {"ok": False, "error": exc.code, "message": str(exc)}
             except (KeyError, TypeError, ValueError) as exc:
                 reply = {"ok": False, "error": "rejected", "message": f"bad {request.get('op')} request: {exc!r}"}
@@ -122,9 +139,10 @@ class Service:
         if op == "health":
             guard.call("health")
             return {}
+        keyspace, sealer = self.keyspace(request["ns"])
         if op == "clear":
-            return {"removed": guard.call("clear", self.keyspace(request["ns"]).prefix)}
-        keys = self.keyspace(request["ns"]).names(request["keys"])
+            return {"removed": guard.call("clear", keyspace.prefix)}
+        keys = keyspace.names(request["keys"])
         if op == "exists":
             present = guard.call("exists", keys)
             self.counters["exists_keys"] += len(keys)
@@ -135,16 +153,31 @@ class Service:
         if not keys:
             return {"done": b""}
         extents = self._extents(request, len(keys))
-        done = guard.call(op, keys, extents)
+        shards = int(request.get("shards", 1))
+        seals = sealer.seals(request["keys"], self.data, extents, shards)
+        done = guard.call(op, keys, extents, seals)
         self.counters[f"{op}_blocks"] += sum(done)
-        self.counters[f"{op}_bytes"] += sum(done) * int(request["length"]) * int(request.get("shards", 1))
+        self.counters[f"{op}_bytes"] += sum(done) * int(request["length"]) * shards
         self.counters[f"{op}_failed_blocks"] += len(done) - sum(done)
-        return {"done": bytes(done)}
+        if op == "put":
+            return {"done": bytes(done)}
+        rejected = seals.rejected()
+        for reason, n in rejected.items():
+            if n:
+                if not self.counters[f"seal_{reason}"]:
+                    log.warning("%d promoted blocks failed their seal check (%s)%s", n, reason,
+                                OTHER_KEY_HINT.format(self.key.id_hex) if reason == "other_key" else "")
+                self.counters[f"seal_{reason}"] += n
+        return {"done": bytes(done), "rejected": rejected}
 
     # ------------------------------------------------------------------ loop
+    def info(self) -> dict:
+        """The backend's own description and state, and the id of the key this companion seals with."""
+        return {**self.backend.info(), "seal_key_id": self.key.id_hex}
+
     def stats(self) -> dict:
         return {"ok": True, "guards": {name: g.snapshot() for name, g in self.guards.items()},
-                "counters": dict(self.counters), "info": self.backend.info()}
+                "counters": dict(self.counters), "info": self.info()}
 
     def serve(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
@@ -196,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offset", type=int, required=True, help="byte offset of the data area in the region")
     parser.add_argument("--length", type=int, required=True, help="bytes of the data area")
     parser.add_argument("--page-size", type=int, required=True)
-    parser.add_argument("--backend", required=True, help="mooncake | redis")
-    parser.add_argument("--settings", default="{}", help="the backend's settings as JSON")
+    parser.add_argument("--backend", required=True, help="mooncake | redis | disk")
+    parser.add_argument("--settings", default="{}", help="the backend's settings as JSON (its address included)")
+    parser.add_argument("--key-file", required=True, help="the key that seals the tier's values (tier_key_file)")
+    parser.add_argument("--owner", default="", help="the daemon's name (a disk tier refuses another daemon's data)")
     parser.add_argument("--timeout", type=float, default=1.0, help="deadline of an exists/remove/health call (s)")
     parser.add_argument("--data-timeout", type=float, default=10.0, help="deadline of a put/get batch (s)")
     parser.add_argument("--failures", type=int, default=3, help="consecutive failures that open the breaker")
@@ -214,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         sock.send(msgpack.packb({"id": None, "pid": os.getpid(), **message}, use_bin_type=True))
 
     try:
+        key = load_key(args.key_file)
         mapping = Mapping.of_file(args.region)
         if mapping.size < args.offset + args.length:
             raise ValueError(f"{args.region} holds {mapping.size} bytes, not the data area's end "
@@ -221,19 +257,21 @@ def main(argv: list[str] | None = None) -> int:
         data = memoryview(mapping.buffer)[args.offset:args.offset + args.length]
         settings = json.loads(args.settings)
         backend = open_backend(args.backend, **settings)
-        backend.attach(data)
+        backend.attach(data, Owner(args.owner, key.id_hex))
         meta = backend if getattr(backend, "concurrent", False) else open_backend(args.backend, **settings)
     except TierError as exc:
+        log.error("cannot open the %s backend: %s", args.backend, exc)
         say({"op": "failed", "error": exc.code, "message": str(exc)})
         return 1
     except (OSError, ValueError, TypeError) as exc:
+        log.error("cannot open the %s backend: %s: %s", args.backend, type(exc).__name__, exc)
         say({"op": "failed", "error": "rejected", "message": f"{type(exc).__name__}: {exc}"})
         return 1
     service = Service(data, args.page_size, backend, meta, args.timeout, args.data_timeout, args.failures,
-                      args.cooldown)
+                      args.cooldown, key)
     mapping.populate_in_background(threads=1)
-    say({"op": "ready", "info": backend.info()})
-    log.info("serving %s for %s", args.backend, args.region)
+    say({"op": "ready", "info": service.info()})
+    log.info("serving %s for %s (seal key id %s)", args.backend, args.region, key.id_hex)
     service.serve(sock)
     for guard in service.guards.values():
         guard.close()

@@ -84,7 +84,7 @@ def engine(cfg: dict, slot: int, counters, stop) -> None:
     import numpy as np
     import torch
 
-    import kvtier.api
+    import kvtier.rank
     from kvtier import Client, KvtierError, NamespaceId
     from kvtier.copy import Copier, CopyHandle, run_memmove
 
@@ -111,8 +111,8 @@ def engine(cfg: dict, slot: int, counters, stop) -> None:
             self._pool.shutdown(wait=True)
             self.inner.close()
 
-    select = kvtier.api.select_copier
-    kvtier.api.select_copier = lambda *a, **k: SlowCopier(select(*a, **k))
+    select = kvtier.rank.select_copier
+    kvtier.rank.select_copier = lambda *a, **k: SlowCopier(select(*a, **k))
 
     layers, nb, block = cfg["layers"], cfg["num_blocks"], cfg["block_bytes"]
     row = block // layers

@@ -126,3 +126,61 @@ def test_sigkill_leaves_an_adoptable_region_and_a_takeable_lock(daemon):
     daemon.start()
     assert "last stop unclean" in daemon.log()
     assert daemon.stats()["daemon_pid"] == daemon.proc.pid
+
+
+def failed_start(directory, *args: str, wrapper: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    out = subprocess.run([*wrapper, sys.executable, "-m", "kvtierd", "--dir", str(directory), "--size", "32MiB",
+                          "--pin", "off", *args], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 1 and "cannot start: " in out.stderr and "Traceback" not in out.stderr, out.stderr
+    return out
+
+
+def left_behind(directory) -> set[str]:
+    """What a failed start left in its directory: the lock file only (released; harmless)."""
+    return set(os.listdir(directory)) - {"kvtierd.lock"} if os.path.isdir(directory) else set()
+
+
+def test_a_bad_or_taken_metrics_address_fails_before_the_region_is_touched(tmp_path):
+    # Issue 27 item 5: 127.0.0.1:99999 ended in an OverflowError traceback and a taken port failed
+    # only after the whole region was prefaulted (minutes for 64 GiB, repeated by Restart=on-failure),
+    # leaving the sockets behind.
+    out = failed_start(tmp_path / "a", "--metrics-address", "127.0.0.1:99999")
+    assert "port of 0..65535" in out.stderr and "metrics_address" in out.stderr
+    assert left_behind(tmp_path / "a") == set()
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = failed_start(tmp_path / "b", "--metrics-address", f"127.0.0.1:{port}")
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in out.stderr
+    assert left_behind(tmp_path / "b") == set(), "the region was created before the metrics address was checked"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("prlimit") is None or shutil.which("setpriv") is None,
+                    reason="needs root, prlimit and setpriv (to drop CAP_IPC_LOCK, which lifts the memlock limit)")
+def test_a_memlock_limit_too_low_for_pin_mlock_fails_before_the_prefault(tmp_path):
+    no_ipc_lock = ("prlimit", "--memlock=1048576:1048576", "setpriv", "--bounding-set=-ipc_lock",
+                   "--inh-caps=-ipc_lock")
+    out = failed_start(tmp_path / "d", "--pin", "mlock", wrapper=no_ipc_lock)
+    assert "exceed the memlock limit (RLIMIT_MEMLOCK soft limit 1048576)" in out.stderr and "LimitMEMLOCK" in out.stderr
+    assert left_behind(tmp_path / "d") == set()
+
+
+def test_a_start_that_fails_after_the_region_leaves_nothing_behind(tmp_path):
+    # The admin socket cannot be bound (a directory holds its path): the region was made and the
+    # client socket bound by then. Both go, and the lock is released: the next start serves.
+    directory = tmp_path / "e"
+    directory.mkdir()
+    (directory / "kvtierd.admin.sock").mkdir()
+    out = failed_start(directory, "--metrics-address", "127.0.0.1:0")
+    assert "kvtierd.admin.sock" in out.stderr
+    assert left_behind(directory) == {"kvtierd.admin.sock"}
+    (directory / "kvtierd.admin.sock").rmdir()
+    from kvtierd.launcher import DaemonProcess
+    daemon = DaemonProcess(str(directory), "--size", "32MiB", "--pin", "off", "--metrics-address", "127.0.0.1:0")
+    try:
+        daemon.start()
+        assert daemon.stats()["entries_ready"] == 0
+    finally:
+        daemon.stop()

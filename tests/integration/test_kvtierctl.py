@@ -122,3 +122,78 @@ def test_offline_commands_and_damage_detection(populated):
     daemon.start()
     assert daemon.stats()["entries_ready"] == 7
     assert ctl_json(daemon, "check")["entries_sound"] == 7
+
+
+def bare(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """kvtierctl with nothing pointing at a daemon but ``args`` and ``env`` (no --dir)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}
+    return subprocess.run([CTL, *args], capture_output=True, text=True, timeout=60, env={**environ, **(env or {})},
+                          **kwargs)
+
+
+@pytest.mark.parametrize("how", ["--socket", "KVTIERD_SOCKET", "--config"])
+def test_every_command_reaches_the_daemon_the_flags_name(populated, tmp_path, how):
+    # Issue 27 item 4: --socket and KVTIERD_SOCKET were ignored by status, namespaces, entries,
+    # inspect and check, which read the default region; kvtierctl had no --config.
+    daemon, keys_a, keys_b, small, large = populated
+    config_file = tmp_path / "kvtierd.toml"
+    config_file.write_text(f'dir = "{daemon.dir}"\nsize = "64MiB"\n')
+    args, env = {"--socket": (["--socket", daemon.socket], None),
+                 "KVTIERD_SOCKET": ([], {"KVTIERD_SOCKET": daemon.socket}),
+                 "--config": (["--config", str(config_file)], None)}[how]
+
+    def ctl_at(*command: str, expect: int = 0):
+        out = bare(*args, *command, "--json", env=env)
+        assert out.returncode == expect, (command, out.stdout, out.stderr)
+        return json.loads(out.stdout)
+
+    for stopped in (False, True):
+        status = ctl_at("status")
+        assert status["daemon"] == ("not running" if stopped else "running") and status["entries_ready"] == 8
+        assert len(ctl_at("namespaces")) == 2 and len(ctl_at("entries")) == 8
+        assert ctl_at("inspect", "key", keys_a[0].hex())["entries"][0]["state"] == "READY"
+        assert ctl_at("check")["entries_sound"] == 8
+        if not stopped:
+            assert ctl_at("stats")["entries_ready"] == 8 and len(ctl_at("clients")["clients"]) == 2
+            daemon.stop()
+
+
+def test_output_to_a_reader_that_went_away_ends_quietly(daemon):
+    # `kvtierctl status | head -1` ended in a BrokenPipeError traceback.
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        out = subprocess.run([CTL, "--socket", daemon.socket, "status"], stdout=w, stderr=subprocess.PIPE, text=True,
+                             timeout=60)
+    finally:
+        os.close(w)
+    assert out.returncode == 141 and out.stderr == "", out.stderr
+
+
+def test_stats_json_is_strict_json(daemon, ranks):
+    # It carried the histograms' Infinity bound: not JSON (Node's JSON.parse rejects it).
+    procs = ranks(1)
+    connect(procs, daemon, "json", CacheSpec(num_blocks=4), "replicated", seeds=[1])
+    procs[0].call("lookup", keys=keys_for("json", 2))
+
+    def refuse(name):
+        raise AssertionError(f"{name} in kvtierctl stats --json")
+    stats = json.loads(run(daemon, "stats", "--json").stdout, parse_constant=refuse)
+    assert stats["latency"]["lookup"]["buckets"][-1][0] == "+Inf"
+
+
+def test_bad_arguments_are_usage_errors(populated, tmp_path):
+    daemon, *_ = populated
+    # --limit -1 used to drop the last entry (a Python slice); negative counts are refused.
+    for command in (("entries", "--limit", "-1"), ("evict", "--count", "-2")):
+        out = run(daemon, *command, expect=2)
+        assert "is negative: give 0 or more" in out.stderr and "Traceback" not in out.stderr
+    assert ctl_json(daemon, "entries", "--limit", "0") == []
+    assert len(ctl_json(daemon, "entries", "--limit", "8")) == 8
+    out = run(daemon, "inspect", "page", "abc", expect=1)
+    assert out.stderr == "kvtierctl: page 'abc' is not a page number (0 .. pages_total - 1, as kvtierctl status " \
+                         "shows)\n"
+    kvtierd = os.path.join(os.path.dirname(sys.executable), "kvtierd")
+    out = subprocess.run([kvtierd, "--config", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr == f"kvtierd: config file {tmp_path}: Is a directory (--config / " \
+                                                 "KVTIERD_CONFIG names a TOML file)\n"

@@ -142,3 +142,29 @@ def test_socket_and_region_modes_and_admin_separation(daemon):
     finally:
         channel.close()
     assert st["metrics_address"].startswith("127.0.0.1:")
+
+
+def test_a_fresh_daemon_exports_every_labelled_series_at_zero(daemon):
+    # Issue 27 item 2: labelled counters had no sample before their first event, so the series was
+    # born at 1 and increase() saw nothing: KvtierdInternalErrors missed a first INTERNAL error. Every
+    # series the code can emit (tests/unit/test_deploy.py reads them off the code's enums) exists
+    # from the start, at 0.
+    from kvtierd.policy import policy_class
+    from tests.unit.test_deploy import Exported
+    m = scrape(daemon)
+    exported = Exported(tier=False)
+    other_segments = {segment for _, labelsets in exported.series.items() for labels in labelsets
+                      for label, segment in labels if label == "segment"} - set(
+        policy_class(daemon.stats()["policy"]).segments)
+    missing = []
+    for name, labelsets in exported.series.items():
+        if not name.endswith(("_total", "_count", "_bucket")):
+            continue
+        for labels in labelsets:
+            if (name, labels) not in m and not {v for k, v in labels if k == "segment"} & other_segments:
+                missing.append(f"{name}{dict(labels)}")
+    assert not missing, f"series a fresh daemon does not export: {missing}"
+    assert m[("kvtierd_errors_total", (("code", "INTERNAL"),))] == 0
+    assert m[("kvtierd_aborted_jobs_total", (("cause", "timeout"),))] == 0
+    assert m[("kvtierd_lease_ends_total", (("cause", "expired"),))] == 0
+    assert m[("kvtierd_fence_released_pages_total", (("cause", "region_replaced"),))] == 0

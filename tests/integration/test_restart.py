@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
 
-from kvtier import Client, DaemonUnavailable, NamespaceId, LayoutMismatch
+from kvtier import Client, Coordinator, DaemonUnavailable, LayoutMismatch, NamespaceId, Rank
 from kvtierd.contract.channel import Channel
 from kvtierd.contract import protocol as P
 from kvtierd.contract.region_format import RegionView
@@ -76,6 +77,50 @@ def test_clean_restart_keeps_the_generation(daemon):
         assert client.info.generation == generation       # nothing was rebuilt: no remap needed
     finally:
         client.close()
+
+
+def test_a_planned_restart_under_a_client_is_invisible_beyond_its_duration(daemon):
+    """SIGTERM (systemctl restart), then a new daemon on the same region: a lookup made while
+    kvtierd is down waits for the new one and is answered there (leased again), and the blocks
+    stored before load byte for byte; nothing the client asked fails."""
+    client, kv = make_client(daemon)
+    try:
+        keys = keys_for("planned", 3)
+        client.store(1, keys, [0, 1, 2])
+        assert client.wait([1])[0].ok
+        assert daemon.stop() == 0
+        restart = threading.Thread(target=lambda: (time.sleep(0.3), daemon.start()))
+        restart.start()
+        try:
+            assert client.lookup(keys, lease=7) == 3          # asked while kvtierd is down
+        finally:
+            restart.join()
+        assert client.lease_held(7).leased == 3
+        assert client.load(2, keys, [5, 6, 7], lease=7) == 3
+        assert client.wait([2])[0].ok
+        for t in kv:
+            assert torch.equal(t[5:8], t[0:3])
+        assert daemon.stats()["lease_ends"] == {"consumed": 1}
+    finally:
+        client.close()
+
+
+def test_client_builds_the_role_its_rank_names(daemon):
+    """Client(rank=r) is a Rank and Client(rank=None) a Coordinator, both Clients; each has only
+    its own role's calls."""
+    rank, _ = make_client(daemon)
+    coordinator = Client(daemon.socket, engine_id="restart", rank=None, world_size=1, namespace=rank.namespace,
+                         copier="cpu")
+    try:
+        assert isinstance(rank, Rank) and isinstance(rank, Client) and rank.is_writer
+        assert isinstance(coordinator, Coordinator) and isinstance(coordinator, Client) and not coordinator.is_writer
+        assert not hasattr(coordinator, "store") and not hasattr(rank, "open_store")
+        assert coordinator.open_store(9, keys_for("role", 1)).written == 1
+        with pytest.raises(ValueError, match="needs its rank"):
+            Rank(daemon.socket, engine_id="restart", rank=None, world_size=1, namespace=rank.namespace)
+    finally:
+        coordinator.close()
+        rank.close()
 
 
 def test_daemon_gone_for_good_raises_daemon_unavailable(daemon):

@@ -151,3 +151,36 @@ def test_kvtierd_restarted_mid_run(start_daemon, ranks):
     assert a.call("fetch", tokens=PROMPT) == {"host_hit": 32, "device": 32, "correct": 32, "correct_own": 32}
     assert a.call("fetch", tokens=SHARED) == {"host_hit": 16, "device": 32, "correct": 32, "correct_own": 32}
     assert a.call("lookup", tokens=other) == 0     # what was offered while kvtierd was away is not cached
+
+
+def test_a_planned_restart_is_invisible_beyond_its_own_duration(start_daemon, ranks):
+    """kvtierd restarted as systemctl restart does (SIGTERM, then start) under a running instance:
+    a backup while it is down fails quietly, and once it serves again the pages stored before come
+    back byte for byte, nothing recomputed; what was offered meanwhile is not cached."""
+    daemon = start_daemon()
+    spec = RankSpec("mha", daemon.socket, engine_id="planned", extra={"kvtier_timeout_s": 1, "kvtier_retry_s": 600})
+    (a,) = ranks(spec)
+    a.call("write", tokens=PROMPT)
+    assert daemon.stop(signal.SIGTERM) == 0
+    other = list(range(6000, 6016))
+    a.call("write", tokens=other)                  # kvtierd is down: the backup fails, nothing raises
+    a.call("evict_all")
+    daemon.start()
+    assert a.call("fetch", tokens=PROMPT) == {"host_hit": 32, "device": 32, "correct": 32, "correct_own": 32}
+    assert a.call("lookup", tokens=other) == 0
+
+
+def test_an_instance_that_found_kvtierd_restarting_attaches_as_soon_as_it_serves(start_daemon, ranks):
+    """An instance that starts while kvtierd restarts cannot attach; with kvtier_retry_s at 600 s
+    it still attaches as soon as kvtierd serves again (its socket reappears), and hits what
+    another instance stored before the restart."""
+    daemon = start_daemon()
+    extra = {"kvtier_timeout_s": 1, "kvtier_retry_s": 600}
+    (a,) = ranks(RankSpec("mha", daemon.socket, engine_id="before", extra=extra))
+    a.call("write", tokens=PROMPT)
+    assert daemon.stop(signal.SIGTERM) == 0
+    (b,) = ranks(RankSpec("mha", daemon.socket, engine_id="during", extra=extra))
+    assert b.call("lookup", tokens=PROMPT) == 0    # kvtierd is down: a miss at once
+    daemon.start()
+    got = b.call("fetch", tokens=PROMPT)
+    assert (got["host_hit"], got["correct"]) == (len(PROMPT), len(PROMPT))

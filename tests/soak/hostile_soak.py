@@ -10,8 +10,13 @@ engine secret) and one attacker process that runs tests/attacks.py's attacks one
 until the time is up: a frame nested 1,000 deep and a 4 MB op (item 1); 300 idle connections (2);
 hellos claiming pid 1 then vanishing, pid 2^31, a session flood (3); 100 never-released
 8,192-key load jobs and a 10-part message of 8 MiB frames (4); hellos borrowing a good engine's
-identity (5: a coordinator session this driver holds with the engine secret); 200 namespaces left behind, and /metrics scraped 200 times (8); and, last of a cycle,
-the region file truncated (7) — after which the attacker waits until the daemon replaced it.
+identity (5: a coordinator session this driver holds with the engine secret); 200 namespaces left behind, and /metrics scraped 200 times (8);
+issue 26's: 1,100 idle connections from 5 processes while 8 watched sessions disconnect (C), a
+writer storing 50 jobs again after its commit (A), a process looping "hello as a writer, store a
+key, close" 300 times (B: 256 rows, the rest refused; its rows go when it exits), an engine
+leasing every page of the region for 3 s (D); and, last of a cycle, the region file truncated
+(7) — after which the attacker waits until the daemon replaced it. (Issue 26 F, EMFILE taken for
+a writer's death, is a unit test: the soak cannot run the daemon out of descriptors on purpose.)
 
 A truncated region file is the one attack the daemon cannot shield its clients from: an engine
 touching its pages at that moment dies of SIGBUS (docs/reliability.md, Security). The soak counts
@@ -20,9 +25,10 @@ those engines and starts new ones; a load that was in flight is a miss, never a 
 Every second the driver samples the daemon's RSS and open descriptors. Checks (exit 1 when any
 fails): the daemon alive throughout and stopping cleanly (exit 0, no traceback, no INTERNAL error
 reply); 0 wrong blocks; loads verified > 0; every attack answered as it must be (an attack that
-saw an answer it must not raises, and is reported); descriptors at most ``--max-fds``; RSS at
-most the first sample + ``--rss-slack-mib``, and not growing (the second half's peak within
-``--rss-growth-mib`` of the first half's).
+saw an answer it must not raises, and is reported); descriptors at most ``--max-fds`` (the
+1,100 connections of issue 26 C and 256 writer rows' pidfds of B are held on purpose) and, once the
+attacks stopped, at most ``--max-fds-idle``; RSS at most the first sample + ``--rss-slack-mib``, and
+not growing (the second half's peak within ``--rss-growth-mib`` of the first half's).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from tests.keyed import KeyedEngine, keys_of, namespace  # noqa: E402
 from tests import attacks  # noqa: E402
 from tests.procs import ChildError  # noqa: E402
 from tests.soak.report import finish  # noqa: E402
+from kvtierd.sessions import DISCONNECT_GRACE  # noqa: E402
 
 CTX = mp.get_context("spawn")
 SECRET = b"hostile-soak-engine-secret"
@@ -88,6 +95,27 @@ def attacker(socket: str, region: str, admin: str, metrics: str, victim: tuple[s
             time.sleep(0.1)
         return {"replaced": True}
 
+    crowded_fds: list[int] = []
+
+    def crowded_disconnects() -> dict:
+        # The daemon's descriptors while the connections are held: past 1,024, or the attack missed.
+        channel = Channel(admin, timeout=10)
+        try:
+            pid = channel.call("stats")["daemon_pid"]
+        finally:
+            channel.close()
+        out = attacks.crowded_disconnects(socket, 1100, peers=5, sessions=8,
+                                          during=lambda: len(os.listdir(f"/proc/{pid}/fd")))
+        crowded_fds.append(out["during"])
+        assert out["during"] > 1100 and out["watched"] == 8, out
+        return out
+
+    def writer_rows_flood() -> dict:
+        # Its own process, so that its rows (watched: held while it lives) go when it exits.
+        with attacks.in_child("writer_rows_flood", socket, 300) as out:
+            assert (out["attached"], out["limit"]) == (256, 44), out
+        return out
+
     cycle = [
         ("nested_op", lambda: attacks.nested_op(socket, 1000)),
         ("huge_op", lambda: attacks.huge_op(socket)),
@@ -103,6 +131,10 @@ def attacker(socket: str, region: str, admin: str, metrics: str, victim: tuple[s
         ("borrow_identity", borrow),
         ("fill_namespaces", lambda: attacks.fill_namespaces(socket, 200, prefix=f"squat{time.monotonic_ns()}")),
         ("scrape_loop", lambda: [attacks.scrape(metrics) for _ in range(200)] and {}),
+        ("crowded_disconnects", crowded_disconnects),
+        ("store_after_commit", lambda: attacks.store_after_commit(socket, 50)),
+        ("writer_rows_flood", writer_rows_flood),
+        ("lease_the_region", lambda: attacks.lease_the_region(socket, 3.0)),
         ("truncate_region", truncate),
     ]
     done: Counter = Counter()
@@ -121,9 +153,9 @@ def attacker(socket: str, region: str, admin: str, metrics: str, victim: tuple[s
                 except Exception as exc:          # the attack itself broke: report it, go on
                     misbehaved.append(f"{name}: {type(exc).__name__}: {exc}"[:500])
             cycles += 1
-        conn.send({"attacks": dict(done), "cycles": cycles, "misbehaved": misbehaved})
+        conn.send({"attacks": dict(done), "cycles": cycles, "misbehaved": misbehaved, "crowded_fds": crowded_fds})
     except BaseException as exc:
-        conn.send({"attacks": dict(done), "cycles": cycles,
+        conn.send({"attacks": dict(done), "cycles": cycles, "crowded_fds": crowded_fds,
                    "misbehaved": misbehaved + [f"attacker failed: {exc!r}\n{traceback.format_exc()}"]})
 
 
@@ -224,11 +256,13 @@ def run(args) -> tuple[dict, list[str]]:
         stop.set()
         if not parent.poll(120):
             failures.append("the attacker did not report")
-            report = {"attacks": {}, "cycles": 0, "misbehaved": []}
+            report = {"attacks": {}, "cycles": 0, "misbehaved": [], "crowded_fds": []}
         else:
             report = parent.recv()
         attacker_proc.join(30)
         elapsed = time.monotonic() - started
+        time.sleep(2 * DISCONNECT_GRACE)         # the attacker's last sessions end with their connections
+        fds_idle = sample(daemon)[1]
         total = Counter()
         for counts in totals.values():
             total.update(counts)
@@ -245,6 +279,7 @@ def run(args) -> tuple[dict, list[str]]:
             "misbehaved": report["misbehaved"],
             "rss_mib_first": rss[0] if rss else None, "rss_mib_min": min(rss, default=None),
             "rss_mib_max": max(rss, default=None), "fds_min": min(fds, default=None), "fds_max": max(fds, default=None),
+            "fds_idle": fds_idle, "fds_crowded": report.get("crowded_fds", []),
             "samples": len(samples),
             "daemon_errors": stats["errors"], "connections_refused": stats["connections_refused"],
             "generation_changes": stats["generation"] != stats0["generation"],
@@ -259,6 +294,8 @@ def run(args) -> tuple[dict, list[str]]:
             failures.append(f"{stats['errors']['INTERNAL']} INTERNAL error replies")
         if fds and max(fds) > args.max_fds:
             failures.append(f"the daemon held {max(fds)} descriptors (bound {args.max_fds})")
+        if fds_idle > args.max_fds_idle:
+            failures.append(f"the daemon held {fds_idle} descriptors once the attacks stopped (bound {args.max_fds_idle})")
         if rss and max(rss) > rss[0] + args.rss_slack_mib:
             failures.append(f"daemon RSS reached {max(rss)} MiB from {rss[0]} (slack {args.rss_slack_mib})")
         if half and max(rss[half:]) > max(rss[:half]) + args.rss_growth_mib:
@@ -290,7 +327,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=75.0, help="seconds of attack (default 75)")
     p.add_argument("--size", default="64MiB", help="region size")
-    p.add_argument("--max-fds", type=int, default=512, help="bound on the daemon's open descriptors")
+    p.add_argument("--max-fds", type=int, default=2048, help="bound on the daemon's open descriptors (issue 26 C "
+                   "holds 1,100 connections on purpose)")
+    p.add_argument("--max-fds-idle", type=int, default=512, help="bound on them once the attacks stopped")
     p.add_argument("--rss-slack-mib", type=float, default=512.0, help="bound on RSS above the first sample")
     p.add_argument("--rss-growth-mib", type=float, default=96.0, help="bound on the second half's RSS peak over the first's")
     p.add_argument("--json", help="also write the figures to this file")

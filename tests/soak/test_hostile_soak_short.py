@@ -14,4 +14,6 @@ def test_short_hostile_soak(tmp_path):
     figures = run_script("hostile_soak.py", tmp_path, "--duration", "15", timeout=280)
     assert figures["wrong_blocks"] == 0 and figures["loads_verified"] > 0 and figures["daemon_exit"] == 0
     assert figures["attack_cycles"] >= 1 and figures["misbehaved"] == []
-    assert figures["fds_max"] <= 512 and figures["daemon_errors"].get("INTERNAL", 0) == 0
+    # Issue 26 C holds 1,100 connections on purpose; once the attacks stopped, the descriptors are back.
+    assert figures["fds_max"] <= 2048 and figures["fds_idle"] <= 512
+    assert figures["daemon_errors"].get("INTERNAL", 0) == 0

@@ -1,9 +1,15 @@
-"""Fixtures for the second-tier tests: real engines on loopback, and regions to move blocks from.
+"""Fixtures for the second-tier tests: real engines on loopback, a real disk directory, and
+regions to move blocks from.
 
 Each engine fixture starts a real engine in its own fresh directory (``kvtierd.tier.engines``:
 free loopback ports, every process started and stopped by its own pid) and stops it and removes
 the directory at teardown. A test skips, with the reason, only when the engine's programs are not
-installed here (``make test-tier`` installs them: tools/install-tier.sh).
+installed here (``make test-tier`` installs them: tools/install-tier.sh). The disk tier's
+"engine" is a fresh directory on a real filesystem (``DiskDir``: under the system's temporary
+directory, which here is the root filesystem, ext4 — O_DIRECT for real).
+
+Blocks are sealed with ``KEY`` (``seals``): the same fixed test key in every process, as every
+node of a fleet shares one.
 
 ``Region`` stands in for the daemon's region file: a file under /dev/shm of fixed pages after a
 header, mapped by the test (the "engine" writing and checking blocks) and by a companion process
@@ -22,12 +28,36 @@ import tempfile
 import numpy as np
 import pytest
 
+from kvtierd.tier.backend import Owner, page_extents
 from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
+from kvtierd.tier.keys import Keyspace
+from kvtierd.tier.seal import SealKey, Sealer, Seals
 
-BACKENDS = ("mooncake", "redis")
+from .mounts import Mount, MountUnavailable
+
+NETWORKED = ("mooncake", "redis")        # engines shared by several nodes
+BACKENDS = NETWORKED + ("disk",)
+KEY = SealKey(bytes(range(32)))
+OWNER = Owner("kvtierd", KEY.id_hex)
+
+
+class DiskDir:
+    """The disk tier's "engine": a fresh directory on a real filesystem, removed at ``stop``."""
+
+    def __init__(self, parent: str | None = None):
+        self.root = tempfile.mkdtemp(prefix="kvt-disk-", dir=parent)
+        self.address = os.path.join(self.root, "tier")
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def start_engine(kind: str, **kwargs):
+    if kind == "disk":
+        return DiskDir(**kwargs)
     try:
         engine = (MooncakeCluster if kind == "mooncake" else RedisCluster)(**kwargs)
     except EngineUnavailable as exc:
@@ -41,15 +71,49 @@ def start_engine(kind: str, **kwargs):
 
 
 def settings_for(kind: str, engine, **extra) -> dict:
-    """The backend settings that reach ``engine``."""
-    if kind == "mooncake":
-        return {"master": engine.address, **extra}
-    return {"nodes": engine.address, **extra}
+    """The backend settings that reach ``engine`` (its address, as tier_address gives it)."""
+    return {"address": engine.address, **extra}
+
+
+def write_key_file(directory: str) -> str:
+    """``KEY`` in a key file (mode 0600) under ``directory``, as tier_key_file names one."""
+    path = os.path.join(directory, "test.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(KEY.secret.hex())
+    return path
+
+
+def seals(ks: Keyspace, keys: list[bytes], memory: memoryview, extents: list, shards: int = 1) -> Seals:
+    """The seals of one put or get of ``keys`` in ``ks``'s namespace under the test key."""
+    return Sealer(KEY, ks.identity).seals(keys, memory, extents, shards)
+
+
+def move(b, op: str, ks: Keyspace, keys: list[bytes], region, pages, length: int) -> list[bool]:
+    """``b.put``/``b.get`` of ``keys`` at ``pages`` (blocks × pages of ``region``), sealed."""
+    extents = page_extents(np.asarray(pages), region.page_size, length)
+    return getattr(b, op)(ks.names(keys), extents, seals(ks, keys, region.memory, extents))
+
+
+@pytest.fixture
+def disk():
+    """A fresh disk tier directory, removed at teardown."""
+    d = DiskDir()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(params=NETWORKED)
+def engine(request):
+    """(kind, a started real engine) for each networked backend."""
+    e = start_engine(request.param)
+    yield request.param, e
+    e.stop()
 
 
 @pytest.fixture(params=BACKENDS)
-def engine(request):
-    """(kind, a started real engine) for each backend."""
+def store(request):
+    """(kind, a started real engine or a fresh disk directory) for every backend."""
     e = start_engine(request.param)
     yield request.param, e
     e.stop()
@@ -137,3 +201,21 @@ def restart_engine(kind: str, e) -> None:
         for i in range(len(e.ports)):
             e.start_node(i)
         e.wait_ok()
+
+
+@pytest.fixture
+def mount():
+    """Factory: mount(kind, size_mib) → a real small filesystem (``mounts.Mount``), unmounted at
+    teardown; the test skips, saying why, where mounting is not allowed."""
+    made: list[Mount] = []
+
+    def make(kind: str, size_mib: int) -> Mount:
+        try:
+            made.append(Mount(kind, size_mib))
+        except MountUnavailable as exc:
+            pytest.skip(f"cannot mount a test filesystem here: {exc}")
+        return made[-1]
+
+    yield make
+    for m in made:
+        m.close()

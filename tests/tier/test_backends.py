@@ -1,8 +1,10 @@
-"""Each backend against its real engine on loopback: bytes, batches, namespaces, faults, timeouts.
+"""Each backend against its real engine on loopback (the disk: a real directory): bytes, seals,
+batches, namespaces, faults, timeouts.
 
 The backend runs in the test process with a region-like mapping attached; blocks are written
-with content derived from their key, stored, scrubbed from the mapping, fetched back into other
-(non-contiguous) pages and compared byte for byte.
+with content derived from their key, sealed, stored, scrubbed from the mapping, fetched back into
+other (non-contiguous) pages and compared byte for byte. The engine-fault tests (engine killed,
+frozen, unreachable) are for the networked engines; the disk's faults are in test_disk.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from kvtierd.tier.backend import (CircuitOpen, TierError, TierTimeout, TierUnava
 from kvtierd.tier.guard import CLOSED, OPEN, Guard
 from kvtierd.tier.keys import Keyspace
 
-from .conftest import kill_engine, restart_engine, settings_for, start_engine
+from .conftest import OWNER, kill_engine, move, restart_engine, seals, settings_for, start_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,12 +29,27 @@ PAGE = 16 << 10
 LENGTH = 3 * PAGE - 123          # three pages, the last one partly used
 
 
-@pytest.fixture
-def backend(engine, make_region):
-    kind, e = engine
+def opened(kind, e, make_region):
     b = open_backend(kind, **settings_for(kind, e, timeout=1.0))
     region = make_region(pages=512, page_size=PAGE)
-    b.attach(region.memory)
+    b.attach(region.memory, OWNER)
+    return b, region
+
+
+@pytest.fixture
+def backend(store, make_region):
+    """Every backend, its engine (or directory) and a region attached."""
+    kind, e = store
+    b, region = opened(kind, e, make_region)
+    yield kind, e, b, region
+    b.close()
+
+
+@pytest.fixture
+def networked(engine, make_region):
+    """The networked backends only (their engine can be killed and frozen)."""
+    kind, e = engine
+    b, region = opened(kind, e, make_region)
     yield kind, e, b, region
     b.close()
 
@@ -52,10 +69,10 @@ def test_put_get_byte_exact_across_page_layouts(backend):
     src = layout(32, 0, shuffle=False)
     for k, p in zip(keys, src):
         region.write(k, p.tolist(), LENGTH)
-    assert b.put(ks.names(keys), page_extents(src, PAGE, LENGTH)) == [True] * 32
+    assert move(b, "put", ks, keys, region, src, LENGTH) == [True] * 32
     region.scrub()
     dst = layout(32, 100, shuffle=True)          # scattered pages: extents of one page each
-    assert b.get(ks.names(keys), page_extents(dst, PAGE, LENGTH)) == [True] * 32
+    assert move(b, "get", ks, keys, region, dst, LENGTH) == [True] * 32
     assert all(region.holds(k, p.tolist(), LENGTH) for k, p in zip(keys, dst))
 
 
@@ -66,12 +83,12 @@ def test_batched_exists_and_remove(backend):
     src = layout(20, 0, shuffle=False)
     for k, p in zip(stored, src):
         region.write(k, p.tolist(), LENGTH)
-    assert all(b.put(ks.names(stored), page_extents(src, PAGE, LENGTH)))
+    assert all(move(b, "put", ks, stored, region, src, LENGTH))
     asked = [b"s3", b"missing", b"s19", b"s0", b"other"]
     assert b.exists(ks.names(asked)) == [True, False, True, True, False]
     assert b.remove(ks.names([b"s3", b"missing"])) == 1
     assert b.exists(ks.names([b"s3", b"s4"])) == [False, True]
-    assert b.get(ks.names([b"s3"]), page_extents(layout(1, 200, False), PAGE, LENGTH)) == [False]
+    assert move(b, "get", ks, [b"s3"], region, layout(1, 200, False), LENGTH) == [False]
 
 
 def test_namespaces_never_meet(backend):
@@ -79,15 +96,15 @@ def test_namespaces_never_meet(backend):
     a, other = Keyspace(b"model-a|bf16|16|49152|replicated"), Keyspace(b"model-b|bf16|16|49152|replicated")
     key = [b"same-key"]
     region.write(b"a" + key[0], [0, 1, 2], LENGTH)
-    assert b.put(a.names(key), page_extents(np.array([[0, 1, 2]]), PAGE, LENGTH)) == [True]
+    assert move(b, "put", a, key, region, [[0, 1, 2]], LENGTH) == [True]
     assert b.exists(other.names(key)) == [False]
-    assert b.get(other.names(key), page_extents(np.array([[10, 11, 12]]), PAGE, LENGTH)) == [False]
+    assert move(b, "get", other, key, region, [[10, 11, 12]], LENGTH) == [False]
     # The other model stores its own block under the same key; each reads back its own.
     region.write(b"b" + key[0], [20, 21, 22], LENGTH)
-    assert b.put(other.names(key), page_extents(np.array([[20, 21, 22]]), PAGE, LENGTH)) == [True]
+    assert move(b, "put", other, key, region, [[20, 21, 22]], LENGTH) == [True]
     region.scrub()
-    assert b.get(a.names(key) + other.names(key), page_extents(np.array([[30, 31, 32], [40, 41, 42]]), PAGE,
-                                                               LENGTH)) == [True, True]
+    assert move(b, "get", a, key, region, [[30, 31, 32]], LENGTH) == [True]
+    assert move(b, "get", other, key, region, [[40, 41, 42]], LENGTH) == [True]
     assert region.holds(b"a" + key[0], [30, 31, 32], LENGTH)
     assert region.holds(b"b" + key[0], [40, 41, 42], LENGTH)
     # Clearing one namespace leaves the other's block.
@@ -99,9 +116,9 @@ def test_wrong_length_is_a_miss(backend):
     _, _, b, region = backend
     ks = Keyspace(b"model-a")
     region.write(b"k", [0, 1, 2], LENGTH)
-    assert b.put(ks.names([b"k"]), page_extents(np.array([[0, 1, 2]]), PAGE, LENGTH)) == [True]
+    assert move(b, "put", ks, [b"k"], region, [[0, 1, 2]], LENGTH) == [True]
     # A reader of another geometry (two pages) never gets a truncated or overlong block.
-    assert b.get(ks.names([b"k"]), page_extents(np.array([[5, 6]]), PAGE, 2 * PAGE)) == [False]
+    assert move(b, "get", ks, [b"k"], region, [[5, 6]], 2 * PAGE) == [False]
 
 
 def test_big_batches(backend):
@@ -113,16 +130,21 @@ def test_big_batches(backend):
     # checked on a sample, the batch sizes are the point.
     length = 4096
     pages = (np.arange(n) % 256).reshape(n, 1)
-    assert all(b.put(ks.names(keys), page_extents(pages, PAGE, length)))
+    for k, p in zip(keys, pages):
+        region.write(k, p.tolist(), length)
+    assert all(move(b, "put", ks, keys, region, pages, length))
     present = b.exists(ks.names(keys) + ks.names([b"absent-%d" % i for i in range(n)]))
     assert present == [True] * n + [False] * n
-    got = b.get(ks.names(keys), page_extents((np.arange(n) % 256 + 256).reshape(n, 1), PAGE, length))
+    got = move(b, "get", ks, keys, region, (np.arange(n) % 256 + 256).reshape(n, 1), length)
     assert all(got)
+    # The pages were written over: each holds the content of the last of its keys, and so do the
+    # blocks got back for those keys.
+    assert all(region.holds(k, [256 + i % 256], length) for i, k in enumerate(keys[-256:], n - 256))
     assert b.remove(ks.names(keys)) == n
 
 
 @pytest.fixture
-def guard_for(backend):
+def guard_for(networked):
     """Factory of guards around the test's backend. At teardown every guard's worker must have
     returned from its engine call before the backend is closed and the region unmapped: an
     abandoned call still runs in the engine's client, and closing or unmapping under it crashes
@@ -130,7 +152,7 @@ def guard_for(backend):
     made: list[Guard] = []
 
     def make(timeout=1.0, failures=2, cooldown=1.0) -> Guard:
-        made.append(Guard(backend[2], timeout=timeout, failures=failures, cooldown=cooldown))
+        made.append(Guard(networked[2], timeout=timeout, failures=failures, cooldown=cooldown))
         return made[-1]
 
     yield make
@@ -139,22 +161,31 @@ def guard_for(backend):
         assert not g._thread.is_alive(), "an engine call did not return within 60 s"
 
 
+FAULTS = Keyspace(b"model-faults")
+
+
 def stored_block(b, region, name: bytes) -> list[str]:
-    ks = Keyspace(b"model-faults")
     region.write(name, [0, 1, 2], LENGTH)
-    assert b.put(ks.names([name]), page_extents(np.array([[0, 1, 2]]), PAGE, LENGTH)) == [True]
-    return ks.names([name])
+    assert move(b, "put", FAULTS, [name], region, [[0, 1, 2]], LENGTH) == [True]
+    return FAULTS.names([name])
 
 
-def test_engine_killed_fails_fast_opens_breaker_and_recovers(backend, guard_for):
-    kind, e, b, region = backend
+def guarded(guard, op: str, name: bytes, region, pages) -> list[bool]:
+    """A sealed put or get of one block through the guard."""
+    ext = page_extents(np.array([pages]), PAGE, LENGTH)
+    return guard.call(op, FAULTS.names([name]), ext, seals(FAULTS, [name], region.memory, ext))
+
+
+def test_engine_killed_fails_fast_opens_breaker_and_recovers(networked, guard_for):
+    kind, e, b, region = networked
     names = stored_block(b, region, b"before")
     guard = guard_for()
     assert guard.call("exists", names) == [True]
     kill_engine(kind, e)
     ext = page_extents(np.array([[10, 11, 12]]), PAGE, LENGTH)
+    sealed = seals(FAULTS, [b"before"], region.memory, ext)
     started = time.monotonic()
-    for op, args in (("exists", (names,)), ("get", (names, ext)), ("put", (names, ext))):
+    for op, args in (("exists", (names,)), ("get", (names, ext, sealed)), ("put", (names, ext, sealed))):
         with pytest.raises(TierError) as err:
             guard.call(op, *args)
         assert isinstance(err.value, (TierUnavailable, TierTimeout)), err.value
@@ -174,8 +205,7 @@ def test_engine_killed_fails_fast_opens_breaker_and_recovers(backend, guard_for)
     while True:
         try:
             region.write(b"after", [20, 21, 22], LENGTH)
-            ks = Keyspace(b"model-faults")
-            if guard.call("put", ks.names([b"after"]), page_extents(np.array([[20, 21, 22]]), PAGE, LENGTH)) == [True]:
+            if guarded(guard, "put", b"after", region, [20, 21, 22]) == [True]:
                 break
         except TierError:
             pass
@@ -183,8 +213,7 @@ def test_engine_killed_fails_fast_opens_breaker_and_recovers(backend, guard_for)
         time.sleep(0.5)
     assert guard.state == CLOSED
     region.scrub()
-    ks = Keyspace(b"model-faults")
-    assert guard.call("get", ks.names([b"after"]), page_extents(np.array([[30, 31, 32]]), PAGE, LENGTH)) == [True]
+    assert guarded(guard, "get", b"after", region, [30, 31, 32]) == [True]
     assert region.holds(b"after", [30, 31, 32], LENGTH)
 
 
@@ -192,10 +221,10 @@ def frozen_pids(kind: str, e) -> list[int]:
     return [e.master.pid] if kind == "mooncake" else [p.pid for p in e.procs]
 
 
-def test_frozen_engine_times_out_without_stalling_the_caller(backend, guard_for):
+def test_frozen_engine_times_out_without_stalling_the_caller(networked, guard_for):
     """SIGSTOP freezes the real engine (connections stay open, nothing answers): each call ends at
     its deadline with TierTimeout, the breaker opens, and SIGCONT brings it back."""
-    kind, e, b, region = backend
+    kind, e, b, region = networked
     names = stored_block(b, region, b"frozen")
     guard = guard_for(timeout=0.5, failures=1, cooldown=0.5)
     pids = frozen_pids(kind, e)
@@ -237,13 +266,13 @@ def test_unreachable_engine_is_a_typed_error_at_open(engine):
 def test_redis_one_node_down_fails_only_its_keys(make_region):
     e = start_engine("redis")
     try:
-        b = open_backend("redis", nodes=e.address, timeout=1.0)
+        b = open_backend("redis", e.address, timeout=1.0)
         region = make_region(pages=64, page_size=PAGE)
-        b.attach(region.memory)
+        b.attach(region.memory, OWNER)
         ks = Keyspace(b"model-partial")
         keys = [b"p%d" % i for i in range(60)]
         pages = np.zeros((60, 1), dtype=np.int64)
-        assert all(b.put(ks.names(keys), page_extents(pages, PAGE, 1000)))
+        assert all(move(b, "put", ks, keys, region, pages, 1000))
         e.kill_node(0)
         present = b.exists(ks.names(keys))
         assert 0 < sum(present) < len(keys)       # the live nodes still answer for their slots

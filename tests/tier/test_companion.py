@@ -19,7 +19,7 @@ import pytest
 
 from kvtierd.tier.link import LinkBusy, LinkDown, Outcome, TierLink
 
-from .conftest import kill_engine, restart_engine, settings_for
+from .conftest import kill_engine, restart_engine, settings_for, write_key_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,7 +40,7 @@ class Node:
         self.region = region
         self.link = TierLink(f"ipc://{region.dir}/tier.sock", region.path, region.offset, region.data_bytes,
                              region.page_size, kind, settings, log_path=os.path.join(region.dir, "tier.log"),
-                             **link_kwargs)
+                             key_file=write_key_file(region.dir), **link_kwargs)
         self.link.start()
         self.wait_state("ready", 60)
 
@@ -79,9 +79,9 @@ def nodes(engine, make_region):
     kind, e = engine
     made: list[Node] = []
 
-    def make(**link_kwargs) -> Node:
-        made.append(Node(make_region(pages=128, page_size=PAGE), kind, settings_for(kind, e, timeout=1.0),
-                         **link_kwargs))
+    def make(settings: dict | None = None, **link_kwargs) -> Node:
+        made.append(Node(make_region(pages=128, page_size=PAGE), kind,
+                         settings_for(kind, e, **(settings or {"timeout": 1.0})), **link_kwargs))
         return made[-1]
 
     yield kind, e, make
@@ -182,6 +182,33 @@ def test_a_frozen_companion_is_fenced_then_killed_and_restarted(nodes):
     assert a.call("exists", ns=NS_A, keys=[b"frozen"]).ok
 
 
+def test_a_transfer_past_its_deadline_is_answered_only_once_it_returned(nodes):
+    """The companion's guard gives up on a get at --data-timeout, but the engine's client still
+    writes the request's pages until its call returns: the reply (the daemon's proof that the
+    pages are free again) waits for that. Frozen engine: the daemon hears a non-final timeout at
+    its own deadline, no final outcome while the engine stays frozen, and the final one after."""
+    kind, e, make = nodes
+    region_timeout = {"timeout": 30.0}             # the engine's own socket waits outlast the freeze
+    a = make(data_timeout=0.5, kill_after=60, settings=region_timeout)
+    demote(a, NS_A, [b"late"], 0)
+    pids = [e.master.pid] if kind == "mooncake" else [p.pid for p in e.procs]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        ctx = object()
+        a.link.submit("get", ctx, ns=NS_A, keys=[b"late"], pages=pages_bytes([[90, 91, 92]]), length=LENGTH)
+        early = a.outcomes({ctx}, final=False)[ctx]
+        assert not early.final and early.error.code == "timeout"
+        time.sleep(2.0)
+        assert not [o for o in a.link.collect() if o.context is ctx], "answered while the get still ran"
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    final = a.outcomes({ctx}, timeout=60)[ctx]
+    assert final.final
+    assert a.call("exists", ns=NS_A, keys=[b"late"]).ok
+
+
 def test_requests_beyond_max_inflight_are_refused_not_queued(nodes):
     _, _, make = nodes
     a = make(max_inflight=2)
@@ -198,7 +225,8 @@ def test_requests_beyond_max_inflight_are_refused_not_queued(nodes):
 def test_a_companion_that_cannot_reach_its_engine_says_so(make_region):
     region = make_region(pages=16, page_size=PAGE)
     link = TierLink(f"ipc://{region.dir}/tier.sock", region.path, region.offset, region.data_bytes, PAGE, "redis",
-                    {"nodes": "127.0.0.1:1", "timeout": 0.5}, restart_backoff=60)
+                    {"address": "127.0.0.1:1", "timeout": 0.5}, restart_backoff=60, key_file=write_key_file(region.dir),
+                    log_path=os.path.join(region.dir, "tier.log"))
     try:
         link.start()
         deadline = time.monotonic() + 30
@@ -209,5 +237,8 @@ def test_a_companion_that_cannot_reach_its_engine_says_so(make_region):
         assert link.last_error.code == "unavailable" and "CLUSTER SLOTS" in str(link.last_error)
         with pytest.raises(LinkDown):
             link.submit("exists", None, ns=NS_A, keys=[b"x"])
+        # The companion's own log says so too (it was silent: issue 27).
+        with open(os.path.join(region.dir, "tier.log")) as f:
+            assert "cannot open the redis backend" in f.read()
     finally:
         link.stop()

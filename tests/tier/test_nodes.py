@@ -15,6 +15,7 @@ holds another key's bytes, or a mix, cannot pass.
 | another model's namespace never gets them; a namespace clear reaches the tier | test_another_namespace_never_gets_the_blocks_and_clear_reaches_the_tier |
 | the companion SIGKILLed, frozen then resumed, frozen then killed by the daemon, mid-promote: no torn or foreign block becomes READY, nothing leaks | test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready |
 | the region's data file truncated (it is replaced) with the companion frozen mid-promote: the companion is killed, its job and fenced pages cleaned up, a new one maps the new file and promotes byte-exact into it | test_the_data_file_replaced_restarts_the_companion_on_the_new_file |
+| values planted in the tier under a namespace's keys (the right bytes with a forged seal, a seal of another key, another namespace's sealed value) are never loaded; each is counted; a value sealed with the fleet's key is | test_values_planted_in_the_tier_are_never_loaded |
 """
 
 from __future__ import annotations
@@ -24,24 +25,29 @@ import re
 import signal
 import time
 
+import numpy as np
 import pytest
 
+from kvtierbench.harness import HOLD_ALL
 from kvtierd.contract.namespace import NamespaceId
+from kvtierd.tier.backend import open_backend, page_extents
+from kvtierd.tier.keys import Keyspace, identity
+from kvtierd.tier.resp import command, key_slot, read_reply
+from kvtierd.tier.seal import KEY_ID_BYTES, SealKey, Sealer
 from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
-from tests.integration.ranks import CacheSpec, RankProcess, all_call
+from tests.integration.ranks import all_call, key_content
 from tests.integration.test_faults import wait_for
 from tests.integration.test_kvtierctl import ctl, ctl_json
 from tests.integration.test_tp_roundtrip import keys_for
 
-from .conftest import BACKENDS, start_engine
+from .conftest import KEY, NETWORKED, OWNER, start_engine, write_key_file
+from .daemons import (BIG, SMALL, connect, dropped, fill, layout, load_exact, promote, region_check, store, tier_stats,
+                      wait_ready)
 
 pytestmark = pytest.mark.timeout(300)
 
-SMALL = CacheSpec(num_blocks=16)                                         # 54 KiB blocks: one 64 KiB page
-BIG = CacheSpec(layers=4, num_blocks=48, row_shape=(16, 8192))           # 1 MiB blocks: 16 pages
 
-
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=NETWORKED)
 def tier(request):
     """(kind, a real engine) shared by the module's tests of that backend."""
     engine = start_engine(request.param)
@@ -50,17 +56,21 @@ def tier(request):
 
 
 @pytest.fixture
-def nodes(tier):
+def nodes(tier, tmp_path):
     """Factory: nodes(*extra_args, size=..., engine=...) → a ready daemon whose second tier is
-    ``tier``'s engine (or the one given)."""
+    ``tier``'s engine (or the one given), all sealing with one key (as a fleet's nodes do). Their
+    regions are sized to the tests' working sets, and one engine loads two fifths of one in a single
+    job: like the bench's daemons, they let one engine hold the whole region (the shares of
+    kvtierd.holds would cut those loads; tests/unit/test_holds.py and test_composition.py test them)."""
     kind, shared = tier
     started = []
+    key = write_key_file(str(tmp_path))
 
     def start(*args: str, size: str = "16MiB", low_watermark: float = 0.25, engine=None):
         engine = engine or shared
         d = new_daemon("--tier-backend", kind, "--tier-address", engine.address, "--tier-low-watermark",
                        str(low_watermark), "--tier-timeout", "0.5", "--tier-cooldown", "1",
-                       "--tier-restart-backoff", "0.5", *args, size=size)
+                       "--tier-restart-backoff", "0.5", "--tier-key-file", key, *HOLD_ALL, *args, size=size)
         started.append(d)
         d.start()
         wait_ready(d)
@@ -69,82 +79,6 @@ def nodes(tier):
     yield start
     for d in started:
         d.cleanup()
-
-
-def wait_ready(daemon) -> None:
-    wait_for(lambda: tier_stats(daemon)["state"] == "ready", 60, "the tier companion to be ready")
-
-
-def tier_stats(daemon) -> dict:
-    return daemon.stats()["tier"]
-
-
-def layout(spec: CacheSpec, model: str, kind: str = "replicated") -> dict:
-    return {"model": model, "dtype": spec.dtype, "block_tokens": spec.row_shape[0], "block_bytes": spec.block_bytes(),
-            "sharding": kind}
-
-
-def connect(procs: list[RankProcess], daemon, engine: str, spec: CacheSpec, model: str, kind: str = "replicated"):
-    return all_call(procs, "connect", socket=daemon.socket, engine=engine, world_size=len(procs), spec=spec,
-                    layout=layout(spec, model, kind), timeout=20.0,
-                    per_rank=[{"rank": r, "seed": r} for r in range(len(procs))])
-
-
-def content_keys(keys: list[bytes], rank: int, sharded: bool) -> list[bytes]:
-    """The keys a rank's block content derives from: its shard differs per rank when sharded."""
-    return [k + bytes([rank]) for k in keys] if sharded else keys
-
-
-def store(procs: list[RankProcess], job: int, keys: list[bytes], block_ids: list[int], sharded: bool = False):
-    all_call(procs, "fill_keys", per_rank=[{"keys": content_keys(keys, r, sharded), "block_ids": block_ids}
-                                           for r in range(len(procs))])
-    results = all_call(procs, "store", job=job, keys=keys, block_ids=block_ids)
-    assert all(r["ok"] for r in results), results
-
-
-def load_exact(procs: list[RankProcess], job: int, keys: list[bytes], block_ids: list[int],
-               sharded: bool = False) -> None:
-    """Every rank loads ``keys`` (all must hit) and holds exactly their bytes."""
-    for r in range(len(procs)):                  # scrub the destination first
-        procs[r].call("fill", block_ids=block_ids, seed=999)
-    results = all_call(procs, "load", job=job, keys=keys, block_ids=block_ids)
-    assert all(r["ok"] and r["hits"] == len(keys) for r in results), results
-    for r, proc in enumerate(procs):
-        assert proc.call("verify_keys", keys=content_keys(keys, r, sharded), block_ids=block_ids) == \
-            [True] * len(keys), f"rank {r} loaded wrong bytes"
-
-
-def fill(procs: list[RankProcess], daemon, prefix: str, blocks: int, spec: CacheSpec, first_job: int,
-         sharded: bool = False, per: int = 16) -> int:
-    """Store ``blocks`` new blocks in jobs of ``per``, each after the demotes of the one before
-    finished (a region filling no faster than the tier takes its victims, and no job larger than
-    the free-page reserve). Returns the next job id."""
-    job = first_job
-    for start in range(0, blocks, per):
-        keys = keys_for(f"{prefix}-{start}", min(per, blocks - start))
-        store(procs, job, keys, list(range(len(keys))), sharded)
-        job += 1
-        wait_for(lambda: tier_stats(daemon)["demoting_blocks"] == 0, 30, "demotes to finish")
-    return job
-
-
-def promote(proc: RankProcess, keys: list[bytes], timeout: float = 30.0) -> list[dict]:
-    """Look ``keys`` up until they are all hits; returns every answer seen."""
-    seen = []
-
-    def hit():
-        seen.append(proc.call("lookup_detail", keys=keys))
-        return seen[-1]["hits"] == len(keys)
-    wait_for(hit, timeout, f"{len(keys)} keys to be promoted", every=0.005)
-    return seen
-
-
-def region_check(daemon) -> dict:
-    return ctl_json(daemon, "check")
-
-
-def dropped(stats: dict) -> int:
-    return sum(stats["demote_dropped_blocks"].values())
 
 
 # ------------------------------------------------------------------------------------------ the flow
@@ -306,26 +240,8 @@ def test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready(nodes, ran
     rs, rb = ranks(1), ranks(1)
     connect(rs, seeder, "seeder", BIG, "tier-big")
     connect(rb, b, "engine-b", BIG, "tier-big")
-    caught = None
-    job = 1
-    for attempt in range(5):
-        x = keys_for(f"fault-{fault}-{attempt}", 16)
-        store(rs, job, x, list(range(16)))
-        job = fill(rs, seeder, f"push-{attempt}", seeder.stats()["pages_total"] // 16, BIG, job + 1)  # x demoted
-        assert dropped(tier_stats(seeder)) == 0
-        pid = tier_stats(b)["pid"]
-        rb[0].call("lookup_detail", keys=x)
-        if wait_promoting(b):
-            os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-            time.sleep(0.3)                            # a reply sent before the signal is taken in by now
-            if tier_stats(b)["promoted_blocks"] == 0:
-                caught = (x, pid)
-                break
-            os.kill(pid, signal.SIGCONT)               # it had finished already: try again
-            wait_ready(b)
-        promote(rb[0], x)
-    assert caught, "no promote was caught in flight in 5 attempts"
-    x, pid = caught
+    x, pid, promoted = catch_promote(seeder, rs, b, rb, f"fault-{fault}",
+                                     signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     try:
         if fault == "freeze_resume":
             wait_for(lambda: tier_stats(b)["promote_aborted"].get("tier_timeout"), 30, "the promote to time out")
@@ -357,7 +273,7 @@ def test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready(nodes, ran
             if hits:
                 load_exact(rb, 200 + i, keys[:hits], list(range(16, 16 + hits)))
     st = tier_stats(b)
-    assert st["promote_failed_blocks"] == 16 and st["promoted_blocks"] == 0, st
+    assert st["promote_failed_blocks"] == 16 and st["promoted_blocks"] == promoted, st
     if fault != "freeze_resume":
         assert st["restarts"] >= 1 and st["pid"] != pid
     # The blocks are promoted again by the next lookups, and exact.
@@ -365,6 +281,33 @@ def test_a_companion_fault_mid_promote_never_makes_a_torn_block_ready(nodes, ran
     promote(rb[0], x, timeout=60)
     load_exact(rb, 300, x, list(range(16, 32)))
     assert b.stats()["pages_fenced"] == 0 and region_check(b)["ok"]
+
+
+def catch_promote(seeder, rs: list[RankProcess], b, rb: list[RankProcess], prefix: str,
+                  sig: int = signal.SIGSTOP) -> tuple[list[bytes], int, int]:
+    """16 BIG blocks stored through ``seeder`` (its engine on ``rs``) and demoted, then looked up
+    on ``b`` (its engine on ``rb``), and ``sig`` sent to b's companion while their get is in
+    flight: its pages are fenced for the companion then. Up to 5 attempts (a get that finished
+    before the signal does not count). Returns (the keys, the companion's pid, b's promoted
+    blocks before them)."""
+    job = 1
+    for attempt in range(5):
+        x = keys_for(f"{prefix}-{attempt}", 16)
+        store(rs, job, x, list(range(16)))
+        job = fill(rs, seeder, f"{prefix}-push-{attempt}", seeder.stats()["pages_total"] // 16, BIG,
+                   job + 1)                                          # x demoted
+        assert dropped(tier_stats(seeder)) == 0
+        pid, promoted = tier_stats(b)["pid"], tier_stats(b)["promoted_blocks"]
+        rb[0].call("lookup_detail", keys=x)
+        if wait_promoting(b):
+            os.kill(pid, sig)
+            time.sleep(0.3)                            # a reply sent before the signal is taken in by now
+            if tier_stats(b)["promoted_blocks"] == promoted:
+                return x, pid, promoted
+            os.kill(pid, signal.SIGCONT)               # it had finished already: try again
+            wait_ready(b)
+        promote(rb[0], x)
+    raise AssertionError("no promote was caught in flight in 5 attempts")
 
 
 def wait_promoting(daemon, timeout: float = 5.0) -> bool:
@@ -391,24 +334,7 @@ def test_the_data_file_replaced_restarts_the_companion_on_the_new_file(nodes, ra
     rs, rb = ranks(1), ranks(1)
     connect(rs, seeder, "seeder", BIG, "tier-replaced")
     connect(rb, b, "engine-b", BIG, "tier-replaced")
-    caught, job = None, 1
-    for attempt in range(5):
-        x = keys_for(f"replaced-{attempt}", 16)
-        store(rs, job, x, list(range(16)))
-        job = fill(rs, seeder, f"push-{attempt}", seeder.stats()["pages_total"] // 16, BIG, job + 1)  # x demoted
-        pid = tier_stats(b)["pid"]
-        rb[0].call("lookup_detail", keys=x)
-        if wait_promoting(b):
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.3)
-            if tier_stats(b)["promoted_blocks"] == 0:
-                caught = (x, pid)
-                break
-            os.kill(pid, signal.SIGCONT)
-            wait_ready(b)
-        promote(rb[0], x)
-    assert caught, "no promote was caught in flight in 5 attempts"
-    x, pid = caught
+    x, pid, promoted = catch_promote(seeder, rs, b, rb, "replaced")
     try:
         assert tier_stats(b)["promoting_blocks"] == 16          # its pages handed to the frozen companion
         generation = b.stats()["generation"]
@@ -424,7 +350,7 @@ def test_the_data_file_replaced_restarts_the_companion_on_the_new_file(nodes, ra
         except ProcessLookupError:
             pass
     st = tier_stats(b)
-    assert st["promoted_blocks"] == 0 and st["promote_failed_blocks"] == 16 and st["restarts"] >= 1, st
+    assert st["promoted_blocks"] == promoted and st["promote_failed_blocks"] == 16 and st["restarts"] >= 1, st
     rb2 = ranks(1)                                      # B's sessions ended with the old file
     connect(rb2, b, "engine-b2", BIG, "tier-replaced")
     time.sleep(1.1)                                     # what B remembers as failed expires
@@ -432,3 +358,66 @@ def test_the_data_file_replaced_restarts_the_companion_on_the_new_file(nodes, ra
     load_exact(rb2, 300, x, list(range(16, 32)))
     assert b.stats()["pages_fenced"] == 0 and region_check(b)["ok"]
     assert "Traceback" not in b.log()
+
+
+# ------------------------------------------------------------------------------------------ seals
+class Forged:
+    """Seals as an attacker with write access to the engine would make them (``Seals.make_all``)."""
+
+    def __init__(self, seals: list[bytes]):
+        self.seals = seals
+
+    def make_all(self, indices) -> list[bytes]:
+        return [self.seals[i] for i in indices]
+
+
+def test_values_planted_in_the_tier_are_never_loaded(nodes, ranks, tier, make_region):
+    """Straight into the engine, under the namespace's own tier keys and with the right length:
+    the right bytes with a forged seal (the key id is public: read off any value), the right bytes
+    sealed with another key, another namespace's genuine value copied under this namespace's key,
+    and the right bytes with no seal at all (what kvtierd before seals loaded). None is ever made
+    READY; the sealed ones are counted by why. A value sealed with the fleet's key is promoted and
+    loaded (the test is not vacuous)."""
+    kind, engine = tier
+    a = nodes()
+    ra = ranks(1)
+    connect(ra, a, "engine-a", SMALL, "planted")
+    ks = Keyspace(identity(NamespaceId(**layout(SMALL, "planted"))))
+    donor = Keyspace(identity(NamespaceId(**layout(SMALL, "donor"))))
+    length = SMALL.block_bytes()
+    keys = keys_for("planted", 5)
+    region = make_region(pages=8, page_size=64 << 10)
+    pages = [[i] for i in range(4)]
+    for k, p in zip(keys, pages):
+        region.data[p[0] * region.page_size:p[0] * region.page_size + length] = np.frombuffer(key_content(k, length),
+                                                                                               np.uint8)
+    extents = page_extents(pages, region.page_size, length)
+    sealed = keys[:4]
+    seals = [KEY.id + bytes(32 - KEY_ID_BYTES),                                        # forged tag
+             Sealer(SealKey(b"another key, not the fleet's...."), ks.identity).seals(sealed, region.memory,
+                                                                                      extents).make(1),
+             Sealer(KEY, donor.identity).seals(sealed, region.memory, extents).make(2),  # another namespace's
+             Sealer(KEY, ks.identity).seals(sealed, region.memory, extents).make(3)]     # genuine
+    planter = open_backend(kind, engine.address, timeout=5.0)
+    try:
+        planter.attach(region.memory, OWNER)
+        assert planter.put(ks.names(sealed), extents, Forged(seals)) == [True] * 4
+        unsealed = ks.names(keys[4:])[0]
+        if kind == "redis":
+            assert planter.cluster.execute([(key_slot(unsealed.encode()), command("SET", unsealed,
+                                             key_content(keys[4], length)), read_reply)]) == ["OK"]
+        else:
+            assert planter.store.put(unsealed, key_content(keys[4], length)) == 0
+    finally:
+        planter.close()
+    for key in keys[:3] + keys[4:]:
+        assert ra[0].call("lookup_detail", keys=[key]) == {"hits": 0, "pending": 1}
+    wait_for(lambda: tier_stats(a)["seal_rejected_blocks"] == {"mismatch": 2, "other_key": 1}, 30,
+             "the planted values to be refused")
+    for key in keys[:3] + keys[4:]:
+        wait_for(lambda: ra[0].call("lookup_detail", keys=[key]) == {"hits": 0, "pending": 0}, 10, "a plain miss")
+    promote(ra[0], keys[3:4])
+    load_exact(ra, 10, keys[3:4], [0])
+    st = tier_stats(a)
+    assert st["promoted_blocks"] == 1 and st["promote_failed_blocks"] == 4, st
+    assert a.stats()["entries_ready"] == 1 and region_check(a)["ok"]

@@ -36,17 +36,21 @@ class FakeClock:
         self.t += dt
 
 
-def make_view(num_pages: int) -> RegionView:
+def make_view(num_pages: int, ns_slots: int | None = None) -> RegionView:
+    """A formatted region in memory. ``ns_slots``: the daemon sees only that many slots of the
+    namespace table (the format's 1,024 make a full table slow to reach in a test that churns it)."""
     geo = Geometry.for_pages(num_pages, PAGE)
     view = RegionView(bytearray(geo.meta_bytes), bytearray(geo.data_bytes), geo)
     view.format(generation=1, created_unix_ns=0)
+    if ns_slots is not None:
+        view.namespaces = view.namespaces[:ns_slots]
     return view
 
 
 def reopen(view: RegionView, clock=None, checksums: bool = False) -> Store:
     """A restarted daemon: a fresh Store over the same region bytes."""
     return Store(RegionView(view.raw, view.data_file, view.geometry), job_timeout=TIMEOUT, clock=clock or FakeClock(),
-                 checksums=checksums)
+                 checksums=checksums, held_shares=HOLD_ALL)
 
 
 def lay(kind: str = "replicated", world_size: int = 1, block_bytes: int = PAGE, model: str = "m",
@@ -63,11 +67,20 @@ def pages(p: bytes) -> list[int]:
     return np.frombuffer(p, PAGES_DTYPE).tolist()
 
 
+# What the unit stores let engines hold out of eviction: all of it. Their regions are a few pages,
+# where any share would cut the pins and leases they test; the tests of the shares (test_holds.py)
+# pass the shares they test.
+HOLD_ALL = (1.0, 1.0, 1.0)
+
+
 class Env:
-    def __init__(self, num_pages: int = 64, policy: str = DEFAULT_POLICY):
+    def __init__(self, num_pages: int = 64, policy: str = DEFAULT_POLICY, ns_slots: int | None = None,
+                 held_shares=HOLD_ALL, **store):
+        """``store``: more of ``Store``'s arguments (a ``tier`` factory)."""
         self.clock = FakeClock()
-        self.view = make_view(num_pages)
-        self.store = Store(self.view, job_timeout=TIMEOUT, clock=self.clock, policy=policy)
+        self.view = make_view(num_pages, ns_slots)
+        self.store = Store(self.view, job_timeout=TIMEOUT, clock=self.clock, policy=policy, held_shares=held_shares,
+                           **store)
 
     def ranks(self, engine: str, world_size: int, layout: NamespaceId) -> list:
         return [self.store.attach(engine, r, world_size, layout) for r in range(world_size)]

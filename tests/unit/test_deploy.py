@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 
 from kvtierd import config
+from kvtierd.attachments import Attachments, SessionEnd
 from kvtierd.contract import protocol as P
+from kvtierd.fence import ROW_CAPS, Reason, Release
 from kvtierd.histogram import Histogram
-from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
-from kvtierd.fence import Reason, Release
+from kvtierd.holds import CAPS as HOLD_CAPS
 from kvtierd.leases import LeaseEnd
+from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
 from kvtierd.policy import POLICIES, create
-from kvtierd.sessions import SessionEnd
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,10 +56,8 @@ def abort_causes() -> set[str]:
 
 
 def session_roles() -> set[str]:
-    server = (ROOT / "kvtierd" / "server.py").read_text()
-    m = re.search(r'session_roles=\{(.*?)\}', server)
-    assert m, "server.py no longer builds session_roles: update session_roles()"
-    return set(re.findall(r'"(\w+)":', m.group(1)))
+    """Every `role` label value of kvtierd_sessions: the keys of ``Attachments.roles``."""
+    return set(Attachments().roles())
 
 
 def pin_results() -> set[str]:
@@ -72,20 +71,24 @@ def policy_segments() -> set[str]:
 
 
 def tier_snapshot() -> dict:
-    """``Tiering.stats`` with every label value the second tier can emit."""
+    """``CompanionTier.stats`` with every label value the second tier can emit."""
     from kvtierd.tier.backend import ERRORS
+    from kvtierd.tier.disk import CAUSES
     from kvtierd.tier.link import LinkBusy
+    from kvtierd.tier.seal import REASONS
     from kvtierd.tier.service import LANES
-    from kvtierd.tiering import OPS
+    from kvtierd.tiering.companion import OPS
     hist = Histogram()
     hist.observe(1e-3)
     codes = [*ERRORS, LinkBusy.code]
-    return {"backend": "mooncake", "address": "127.0.0.1:50051", "state": "ready", "pid": 7, "last_error": None,
-            "engine": {}, "restarts": 1, "killed": 0, "inflight": 2, "max_inflight": 64, "demote": True,
+    disk = {"engine": "disk", "used_bytes": 1, "allocated_bytes": 2, "capacity_bytes": 3, "blocks": 1,
+            "errors": {cause: 1 for cause in CAUSES}}
+    return {"backend": "disk", "address": "/var/lib/kvtierd/tier", "state": "ready", "pid": 7, "last_error": None,
+            "engine": disk, "restarts": 1, "killed": 0, "inflight": 2, "max_inflight": 64, "demote": True,
             "promote": True, "exclude": [], "low_watermark": 0.05, "demoted_blocks": 3, "demoted_bytes": 30,
             "demoting_blocks": 1, "demote_dropped_blocks": {r: 1 for r in ("busy", "down", "failed", "pressure")},
             "promoted_blocks": 4, "promoted_bytes": 40, "promoting_blocks": 1, "promote_failed_blocks": 1,
-            "promote_jobs": 2, "promote_jobs_done": 1,
+            "promote_jobs": 2, "promote_jobs_done": 1, "seal_rejected_blocks": {r: 1 for r in REASONS},
             "promote_aborted": {c: 1 for c in ("tier_failed", "tier_timeout")},
             "lookup_keys": {"hit": 5, "miss": 6}, "cleared_blocks": 2,
             "errors": [{"op": op, "code": code, "calls": 1} for op in OPS for code in codes],
@@ -93,7 +96,7 @@ def tier_snapshot() -> dict:
             "breaker": {lane: "open" for lane in set(LANES.values())}}
 
 
-def snapshot(pinned: str) -> P.StatsReply:
+def snapshot(pinned: str, tier: bool = True) -> P.StatsReply:
     """A whole stats reply, label-bearing dicts filled with every value the code can emit."""
     hist = Histogram()
     hist.observe(1e-4)
@@ -104,13 +107,15 @@ def snapshot(pinned: str) -> P.StatsReply:
         pages_total=16384, pages_free=8192, pages_used=8192, pages_fenced=16,
         fenced_pages={reason.value: 1 for reason in Reason}, fence_released_pages={c.value: 1 for c in Release},
         fence_oldest_seconds=1.0, fence_grace_seconds=600.0, writer_rows=2,
+        writer_rows_refused={cap: 1 for cap in ROW_CAPS}, fence_check_failures=1,
+        held_pages=9, held_pages_top_engine=8, hold_capped_keys={cap: 1 for cap in HOLD_CAPS},
         entries_ready=100, entries_writing=3, entries_pinned=7, evictable=93, namespaces=1,
         leases_open=2, entries_leased=5, leased_keys=6, leases_granted=3, lease_ends={end.value: 1 for end in LeaseEnd},
         lease_missed_loads=1, lease_capped_keys=1,
         lookup_hit_keys=5, lookup_miss_keys=6, load_hit_keys=7, load_miss_keys=8,
         **{field: 1 for field in STORE_KEY_OUTCOMES.values()},
         store_jobs_done=9, load_jobs_done=10, evictions=11, operator_evictions=0,
-        bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1, open_job_keys=9, tombstones=5,
+        bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1, jobs_held=2, open_job_keys=9, tombstones=5,
         aborted_jobs={cause: 1 for cause in abort_causes()},
         session_roles={role: 1 for role in session_roles()},
         errors={code.name: 1 for code in P.ErrorCode},
@@ -122,20 +127,22 @@ def snapshot(pinned: str) -> P.StatsReply:
         policy="slru", policy_admitted_keys=14, policy_refused_keys=15,
         policy_segments={segment: 1 for segment in policy_segments()},
         policy_evictions={segment: 1 for segment in policy_segments()}, policy_extra={},
-        tier=tier_snapshot(),
+        tier=tier_snapshot() if tier else {"backend": "off"},
     )
 
 
 class Exported:
     """Sample names, the family each belongs to, and label names/values per sample name."""
 
-    def __init__(self):
+    def __init__(self, tier: bool = True):
         self.family_of: dict[str, str] = {}
         self.labels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self.series: dict[str, set[tuple]] = defaultdict(set)    # sample name → its label sets
         for pinned in sorted(pin_results()):
-            for family in DaemonCollector(lambda: snapshot(pinned)).collect():
+            for family in DaemonCollector(lambda: snapshot(pinned, tier)).collect():
                 for sample in family.samples:
                     self.family_of[sample.name] = family.name
+                    self.series[sample.name].add(tuple(sorted(sample.labels.items())))
                     for label, value in sample.labels.items():
                         self.labels[sample.name][label].add(value)
                 # A family whose dict came out empty has no samples; its names still exist.
@@ -441,10 +448,109 @@ def test_daemonset_paths_probes_and_ports_agree_with_its_config(tmp_path):
 def test_the_unit_gives_the_default_caps_their_descriptors():
     # Issue 11 item 2: the unit set no LimitNOFILE, so the daemon ran with 1,024 descriptors.
     from kvtierd.config import BY_NAME
+    from kvtierd.contract.region_format import WRITER_SLOTS
     from kvtierd.daemon import FD_RESERVE, fit_fd_caps
     unit = (DEPLOY / "systemd" / "kvtierd.service").read_text()
     limit = int(re.search(r"^LimitNOFILE=(\d+)$", unit, re.M).group(1))
-    caps = (BY_NAME["max_connections"].default_value(), BY_NAME["max_sessions"].default_value())
-    assert fit_fd_caps(limit, *caps) == caps and limit >= sum(caps) + FD_RESERVE
-    connections, sessions = fit_fd_caps(1024, *caps)      # a low hard limit: caps shrink to fit it
-    assert connections + sessions + FD_RESERVE <= 1024 and connections >= 256
+    # Issue 26 B: a writer gone with pages fenced holds a pidfd too (one per writer row at most).
+    caps = (BY_NAME["max_connections"].default_value(), BY_NAME["max_sessions"].default_value(), WRITER_SLOTS)
+    assert fit_fd_caps(limit, *caps[:2]) == caps and limit >= sum(caps) + FD_RESERVE
+    connections, sessions, rows = fit_fd_caps(1024, *caps[:2])      # a low hard limit: caps shrink to fit it
+    assert connections + sessions + rows + FD_RESERVE <= 1024 and connections >= 256 and rows >= 256
+
+
+# --- the systemd unit ------------------------------------------------------------------------
+UNIT = DEPLOY / "systemd" / "kvtierd.service"
+# Directories that are empty after a boot (tmpfs, or mounted at boot): a path under one exists only
+# once something creates it.
+EMPTY_AT_BOOT = ("/dev/shm", "/dev/hugepages", "/run", "/tmp", "/var/tmp")
+
+
+def unit_lines(commented: bool) -> list[tuple[str, str]]:
+    """(key, value) of the unit's settings; with ``commented``, also of its commented-out settings
+    (the alternatives the comments tell operators to switch on)."""
+    out = []
+    for line in UNIT.read_text().splitlines():
+        if commented and re.match(r"#[A-Z]\w*=", line):
+            line = line[1:]
+        m = re.fullmatch(r"([A-Z]\w*)=(.*)", line)
+        if m:
+            out.append((m.group(1), m.group(2)))
+    return out
+
+
+@pytest.mark.parametrize("commented", [False, True], ids=["as shipped", "alternatives switched on"])
+def test_every_read_write_path_of_the_unit_exists_at_boot(commented):
+    # Issue 27 item 1: ReadWritePaths=/dev/shm/kvtierd (no "-" prefix) names a directory the daemon
+    # creates, absent after a boot: namespace setup failed (226/NAMESPACE) and the unit never started.
+    lines = unit_lines(commented)
+    created = {arg for key, value in lines if key == "ExecStartPre"
+               for arg in re.findall(r"\binstall -d\b.*?(/\S+)$", value)}
+    problems = []
+    for key, value in lines:
+        if key not in ("ReadWritePaths", "ReadOnlyPaths", "InaccessiblePaths", "BindPaths", "BindReadOnlyPaths"):
+            continue
+        for path in value.split():
+            if path.startswith("-") or path in created:
+                continue
+            if path.startswith(EMPTY_AT_BOOT):
+                problems.append(f"{key}={path}: absent after a boot; prefix it with '-' or create it in ExecStartPre")
+    assert not problems, problems
+
+
+def test_the_unit_sets_no_setting_that_overrides_its_config_file():
+    # Issue 27 item 4: Environment=KVTIERD_DIR/KVTIERD_GROUP silently overrode dir and group set in
+    # /etc/kvtierd/kvtierd.toml, the file the docs tell operators to edit.
+    lines = unit_lines(commented=True)
+    env = [value for key, value in lines if key == "Environment" and "KVTIERD_" in value]
+    assert not env, f"the unit overrides its config file: {env}"
+    (exec_start,) = [value for key, value in lines if key == "ExecStart"]
+    flags = re.findall(r"(--[\w-]+)", exec_start)
+    assert flags == ["--config"], f"ExecStart passes settings that override the file: {flags}"
+    shipped = tomllib.loads((DEPLOY / "kvtierd.example.toml").read_text())
+    group = re.search(r"^Group=(\S+)$", UNIT.read_text(), re.M).group(1)
+    assert shipped["group"] == group and shipped["dir"] == "/dev/shm/kvtierd"
+
+
+# Grafana units by what a query yields (issue 27 item 7: counts were shown as ops, seconds as ops,
+# blocks in flight as Bps).
+UNITS = {"bytes": {"bytes", "decbytes"}, "bytes_per_second": {"Bps", "binBps"}, "seconds": {"s", "ms", "µs"},
+         "per_second": {"ops", "reqps", "cps"}, "count": {"none", "short"}, "ratio": {"percentunit"}}
+
+
+def query_kind(expr: str) -> str:
+    """What a dashboard query yields, from the metrics it reads and the functions it applies."""
+    names = [name for name, _ in SELECTOR.findall(expr)]
+    if "histogram_quantile" in expr:
+        assert all(n.endswith("_seconds_bucket") for n in names), expr
+        return "seconds"
+    if re.search(r"\)\s*/\s", expr):
+        if {n.rsplit("_", 1)[-1] for n in names} == {"sum", "count"} and names[0].endswith("_seconds_sum"):
+            return "seconds"                       # a histogram's mean
+        return "ratio"
+    if "rate(" in expr:
+        return "bytes_per_second" if names[0].endswith("_bytes_total") else "per_second"
+    if "increase(" in expr or re.search(r"\bcount\b", expr):
+        return "count"
+    if names[0].endswith("_bytes"):
+        return "bytes"
+    if names[0].endswith("_seconds"):
+        return "seconds"
+    return "count"
+
+
+def test_every_dashboard_query_is_shown_in_a_unit_of_its_kind():
+    problems = []
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            continue
+        config = panel.get("fieldConfig", {})
+        overrides = {o["matcher"]["options"]: p["value"] for o in config.get("overrides", [])
+                     if o["matcher"]["id"] == "byFrameRefID" for p in o["properties"] if p["id"] == "unit"}
+        for target in panel["targets"]:
+            unit = overrides.get(target["refId"], config.get("defaults", {}).get("unit", "none"))
+            kind = query_kind(target["expr"])
+            if unit not in UNITS[kind]:
+                problems.append(f"{panel['title']!r} {target['refId']}: {kind} shown as {unit!r} "
+                                f"(one of {sorted(UNITS[kind])}): {target['expr'][:80]}")
+    assert not problems, "\n".join(problems)

@@ -7,17 +7,21 @@ proofs (pidfd, /proc start time) are the kernel's.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import resource
 import select
 import subprocess
 
 import numpy as np
 import pytest
 
+from kvtierd.attachments import SessionEnd
 from kvtierd.contract.protocol import ErrorCode
 from kvtierd.contract.region_format import FENCE_NONE, WriterState
+from kvtierd.fence import RECHECK_SECONDS
 from kvtierd.processes import Process, start_ticks
-from kvtierd.sessions import SessionEnd
 
 from .store_env import Env, err, keys, lay, pages, reopen
 
@@ -172,7 +176,7 @@ def test_writer_rows_run_out_with_a_clear_error(monkeypatch):
     with err(ErrorCode.NO_SPACE) as info:
         writer_of(env, world_size=1)
     assert "writer rows" in info.value.message
-    assert env.store.jobs.engines == {} and env.store.sessions == {}
+    assert env.store.jobs.engines == {} and env.store.attachments.sessions == {}
     env.store.verify()
 
 
@@ -191,3 +195,86 @@ def test_a_detached_watchable_writer_is_watched_until_it_dies(child):
     env.store.writer_died(fd)
     assert env.stats()["pages_fenced"] == 0 and env.stats()["writer_rows"] == 0
     env.store.verify()
+
+
+@contextlib.contextmanager
+def out_of_descriptors():
+    """Every descriptor this process may open is taken while the block runs: the next open fails
+    with EMFILE, as in a daemon at its open-files limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+    taken = []
+    try:
+        while True:
+            try:
+                taken.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE, exc
+                break
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@contextlib.contextmanager
+def pidfd_open_fails(monkeypatch, code: int):
+    """pidfd_open fails with ``code`` (ENFILE, ENOMEM: what a full system answers) while the block runs."""
+    def fail(pid, flags=0):
+        raise OSError(code, os.strerror(code))
+    with monkeypatch.context() as m:
+        m.setattr(os, "pidfd_open", fail)
+        yield
+
+
+@pytest.mark.parametrize("how", ["emfile", "enfile", "enomem"])
+def test_a_writer_whose_process_cannot_be_checked_keeps_its_pages_fenced(child, monkeypatch, how):
+    """Issue 26 F: at EMFILE (ENFILE, ENOMEM) the fence took the failed pidfd_open of a gone
+    writer's process for its death and gave back the pages that live process may still copy into.
+    Only ESRCH or another start time proves death: the pages stay fenced (reason unproven), the
+    check is made again every RECHECK_SECONDS, and counted."""
+    failing = out_of_descriptors() if how == "emfile" else pidfd_open_fails(
+        monkeypatch, {"enfile": errno.ENFILE, "enomem": errno.ENOMEM}[how])
+    env = Env(16)
+    sess = writer_of(env, child.pid)
+    held = handed(env, sess, 1, 3)
+    with failing:
+        env.store.detach(sess[0], SessionEnd.TAKEN_OVER)     # its process lives on, copying
+        env.clock.advance(RECHECK_SECONDS)
+        env.store.expire()                                   # checked again: still cannot tell
+    stats = env.stats()
+    assert stats["pages_fenced"] == 3 and stats["fenced_pages"]["unproven"] == 3, stats["fenced_pages"]
+    assert stats["fence_check_failures"] == 2 and stats["fence_released_pages"]["died"] == 0
+    assert env.store.fence.pidfds == {} and (env.view.fence[held] == sess[0].writer.row).all()
+    other = env.engine("o", 1, model="O")
+    _, got = env.store.store(other[0], 1, keys("o", 13))
+    assert not {p for pg in got for p in pages(pg)} & set(held)   # nobody gets its pages
+    env.store.verify()
+    env.clock.advance(RECHECK_SECONDS)
+    assert env.store.expire() is not None                    # descriptors again: the process is watched
+    (fd,) = env.store.fence.pidfds
+    assert env.stats()["fenced_pages"]["writer_alive"] == 3
+    child.kill()
+    child.wait(10)
+    assert select.select([fd], [], [], 5)[0] == [fd]
+    env.store.writer_died(fd)
+    assert env.stats()["pages_fenced"] == 0 and env.stats()["fence_released_pages"]["died"] == 3
+    env.store.verify()
+
+
+def test_a_writer_that_died_while_it_could_not_be_checked_is_released_at_the_next_check(child, monkeypatch):
+    env = Env(16)
+    sess = writer_of(env, child.pid)
+    handed(env, sess, 1, 2)
+    with pidfd_open_fails(monkeypatch, errno.ENOMEM):
+        restarted = reopen(env.view, env.clock)              # a restart that cannot check the writer
+    assert restarted.recovered["pages_fenced"] == 2 and restarted.fence.pidfds == {}
+    assert restarted.stats()["fence_check_failures"] == 1
+    child.kill()
+    child.wait(10)
+    env.clock.advance(RECHECK_SECONDS)
+    assert restarted.expire() is None
+    stats = restarted.stats()
+    assert stats["pages_fenced"] == 0 and stats["fence_released_pages"]["died"] == 2 and stats["writer_rows"] == 0
+    restarted.verify()

@@ -182,7 +182,7 @@ def test_entry_bigger_than_region_is_refused_at_attach():
         env.store.attach("big", 0, 1, lay(block_bytes=8 * PAGE + 1))
     with err(ErrorCode.NO_SPACE):
         env.store.attach("big", 0, 4, lay("sharded", 4, block_bytes=3 * PAGE))
-    assert env.store.jobs.engines == {} and env.store.sessions == {}
+    assert env.store.jobs.engines == {} and env.store.attachments.sessions == {}
     s = env.store.attach("big", 0, 1, lay(block_bytes=8 * PAGE))   # exactly the region fits
     out, _ = env.put([s], 1, [b"a", b"b"])
     assert out == [W, N]
@@ -287,7 +287,7 @@ def test_recovery_after_clean_shutdown():
     env.store.store(a[0], 2, [b"x"])
     env.store.lookup(a[0], [b"k0"])
     env.store.shutdown()
-    assert env.store.sessions == {} and env.store.jobs.engines == {}
+    assert env.store.attachments.sessions == {} and env.store.jobs.engines == {}
     assert int(env.view.header["tick"]) == env.store.index.tick
     env.store.verify()
     st2 = reopen(env.view)

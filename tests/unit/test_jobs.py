@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtierd.attachments import SessionEnd
 from kvtierd.contract.protocol import ErrorCode
-from kvtierd.sessions import SessionEnd
 
 from .store_env import PAGE, TIMEOUT, Env, N, P, W, err, keys, lay, pages, small
 
@@ -432,6 +432,33 @@ def test_a_fenced_job_id_stays_taken_after_its_tombstone_is_dropped(env):
     st_.verify()
 
 
+def test_a_writer_cannot_store_a_job_again_after_its_commit():
+    """Issue 26 A: a writer's store after its own commit re-handed its pages (fenced again for a
+    job about to be READY); the settled job stayed in the engine's table waiting for a second
+    commit, its cost already returned to the bounds (a leak), and a later request naming it
+    answered INTERNAL ('NoneType' object has no attribute 'value')."""
+    env = small(512)
+    sess = env.engine("e", 2)
+    st_ = env.store
+    for job in range(1, 101):
+        ks = keys(f"j{job}_", 4)
+        st_.store(sess[0], job, ks)
+        st_.commit(sess[0], job, True)
+        with err(ErrorCode.CONFLICT) as refused:
+            st_.store(sess[0], job, ks)
+        assert "already committed" in refused.value.message
+        st_.store(sess[1], job, ks)                  # rank 1 votes last: the job is done
+        st_.verify()                                 # no fence mark left on the READY pages
+        with err(ErrorCode.CONFLICT):
+            st_.commit(sess[0], job, True)
+        with err(ErrorCode.CONFLICT):
+            st_.store(sess[0], job, ks)
+    stats = env.stats()
+    assert (stats["jobs_held"], stats["open_jobs"], stats["open_job_keys"]) == (0, 0, 0)
+    assert stats["entries_ready"] == 400 and stats["pages_fenced"] == 0
+    assert not sess[0].engine.jobs
+
+
 def test_release_before_load_is_conflict(env):
     sess = env.engine("e", 2)
     env.put(sess, 1, [b"a"])
@@ -492,7 +519,7 @@ def test_a_writer_that_cannot_be_watched_keeps_its_pages_until_the_grace_period(
     grace = env.store.fence.grace
     seen = env.clock() - 2.0
     env.store.detach(sess[0], end, last_seen=seen)
-    assert env.stats()["fenced_pages"] == {"writer_alive": 0, "restart_recovery": 0, "grace": 3}
+    assert env.stats()["fenced_pages"] == {"writer_alive": 0, "restart_recovery": 0, "grace": 3, "unproven": 0}
     env.clock.advance(grace - 3.0)
     assert env.store.expire() == pytest.approx(seen + grace)
     assert env.stats()["pages_fenced"] == 3

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtierd.attachments import SessionEnd
 from kvtierd.leases import MIN_TTL
-from kvtierd.sessions import SessionEnd
 from kvtierd.store import Store
 
 from .store_env import TIMEOUT, N, W, keys, make_view, reopen, small

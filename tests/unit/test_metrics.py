@@ -36,3 +36,24 @@ def test_a_scrape_within_the_period_gets_the_same_page_without_a_collection():
     body = page({"PATH_INFO": "/metrics"}, lambda s, headers: status.append(s))
     assert status == ["200 OK"] and body == [page.page()]
     assert page({"PATH_INFO": "/other"}, lambda s, headers: status.append(s)) and status[-1].startswith("404")
+
+
+def test_the_second_tier_exports_every_error_and_call_series_before_the_first_call():
+    # Issue 27 item 2: kvtierd_tier_errors_total{op,code} had no sample before a first failure, so
+    # increase() could not see it. Compared with every series the code can emit (test_deploy).
+    import dataclasses
+
+    from kvtierd.metrics import DaemonCollector
+    from tests.unit.test_deploy import snapshot, tier_snapshot
+    full = snapshot("mlock")
+    fresh = dataclasses.replace(full, tier={**tier_snapshot(), "errors": [], "call_seconds": {}})
+
+    def series(reply):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in DaemonCollector(lambda: reply).collect() if family.name.startswith("kvtierd_tier_")
+                for s in family.samples}
+
+    every, at_start = series(full), series(fresh)
+    counted = [key for key in every if key[0].endswith(("_total", "_count", "_bucket"))]
+    assert counted and all(key in at_start for key in counted), sorted(set(counted) - set(at_start))
+    assert at_start[("kvtierd_tier_errors_total", (("code", "timeout"), ("op", "get")))] == 0

@@ -1,4 +1,5 @@
-"""kvtierd.contract.paths: <dir>/<name>.{region,lock,sock,admin.sock} and the default directory."""
+"""kvtierd.contract.paths: <dir>/<name>.{region,lock,sock,admin.sock,tier.sock,tier.log} and the default
+directory."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ def test_the_convention():
     p = DaemonPaths("/run/x", "cache")
     assert (p.region, p.lock, p.socket, p.admin_socket) == (
         "/run/x/cache.region", "/run/x/cache.lock", "/run/x/cache.sock", "/run/x/cache.admin.sock")
+    assert (p.tier_socket, p.tier_log) == ("/run/x/cache.tier.sock", "/run/x/cache.tier.log")
     assert DaemonPaths("/d") == DaemonPaths("/d", DEFAULT_NAME) and DaemonPaths("/d").socket == "/d/kvtierd.sock"
 
 

@@ -15,14 +15,14 @@ import msgpack
 import numpy as np
 import pytest
 
+from kvtierd.attachments import SessionEnd
 from kvtierd.contract import protocol as P
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.protocol import ErrorCode
 from kvtierd.peers import Conn
-from kvtierd.region import Region
 from kvtierd.processes import own_pid_namespace
+from kvtierd.region import Region
 from kvtierd.server import Server
-from kvtierd.sessions import SessionEnd
 from kvtierd.store import Store
 
 NS = NamespaceId("server-model", "bfloat16", 16, 4096)
@@ -179,10 +179,24 @@ def test_version_and_stopping(d):
                   namespace=NS.to_wire())["code"] == ErrorCode.SHUTTING_DOWN
 
 
+def test_a_stopping_daemon_grants_no_lease_it_could_not_honour(d):
+    """A lease promises a load, which would be a new job, which a stopping daemon refuses: so it
+    refuses the lease (SHUTTING_DOWN: the engine re-attaches to the daemon that follows) rather
+    than report a hit whose load then fails. Plain lookups are still answered."""
+    d.hello()
+    d.ok("store", job=1, keys=KEYS)
+    d.ok("commit", job=1, ok=True)
+    assert d.ok("lookup", keys=KEYS, lease=1)["hits"] == len(KEYS)
+    d.server.request_stop()
+    assert d.call("lookup", keys=KEYS, lease=2)["code"] == ErrorCode.SHUTTING_DOWN
+    assert d.call("lookup", keys=KEYS, lease=1)["code"] == ErrorCode.SHUTTING_DOWN   # nor a renewal
+    assert d.ok("lookup", keys=KEYS)["hits"] == len(KEYS)
+
+
 def test_rehello_and_replacing_a_lost_session(d):
     first = P.HelloReply.from_wire(d.hello())
     again = P.HelloReply.from_wire(d.hello())                 # the same socket: the old session ends
-    assert again.session != first.session and len(d.store.sessions) == 1
+    assert again.session != first.session and len(d.store.attachments.sessions) == 1
     assert d.call("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1,
                   namespace=NS.to_wire())["code"] == ErrorCode.LAYOUT_MISMATCH       # rank 0 is taken
     wrong = d.call("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1,
@@ -191,7 +205,7 @@ def test_rehello_and_replacing_a_lost_session(d):
     third = P.HelloReply.from_wire(d.ok("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0,
                                         world_size=1, namespace=NS.to_wire(), replaces=again.session,
                                         replaces_token=again.token))
-    assert [s.id for s in d.store.sessions.values()] == [third.session]
+    assert [s.id for s in d.store.attachments.sessions.values()] == [third.session]
     assert d.ok("ping", b"rank-0")["attached"] is False and d.ok("ping", b"new-socket")["attached"] is True
 
 
@@ -277,7 +291,7 @@ def test_a_process_takes_over_its_own_orphaned_rank(d):
                    engine="e", rank=0, world_size=1, namespace=NS.to_wire())
     assert other["code"] == ErrorCode.LAYOUT_MISMATCH
     again = P.HelloReply.from_wire(d.hello(b"new-socket"))
-    assert again.session != orphan.session and [s.id for s in d.store.sessions.values()] == [again.session]
+    assert again.session != orphan.session and [s.id for s in d.store.attachments.sessions.values()] == [again.session]
     stats = P.StatsReply.from_wire(d.ok("stats"))
     assert stats.aborted_jobs == {"rank_taken_over": 1}
     # The orphan's process lives (it is this one) and might still be copying: its pages stay fenced.
@@ -288,8 +302,17 @@ def test_a_process_takes_over_its_own_orphaned_rank(d):
 def test_a_hello_naming_a_gone_session_releases_its_writers_pages(d):
     first = P.HelloReply.from_wire(d.hello(b"a", peer=UNSEEN))    # unwatchable
     d.ok("store", b"a", job=1, keys=KEYS[:3])
-    d.server.sessions.end(d.store.sessions[first.session], SessionEnd.HEARTBEAT_LOST)
+    d.server.sessions.end(d.store.attachments.sessions[first.session], SessionEnd.HEARTBEAT_LOST)
     assert P.StatsReply.from_wire(d.ok("stats")).fenced_pages["grace"] == 3
     d.hello(b"b", peer=UNSEEN, replaces=first.session, replaces_token=first.token)
     stats = P.StatsReply.from_wire(d.ok("stats"))
     assert stats.pages_fenced == 0 and stats.fence_released_pages["reattached"] == 3
+
+
+def test_a_reply_that_does_not_encode_costs_its_request_not_the_loop(d):
+    # A numpy integer in the second tier's stats once stopped the daemon: the reply was encoded
+    # outside the handler's guard, and msgpack's TypeError ended the loop.
+    frame = d.server._encode({"rid": 9, "ok": True, "count": np.int64(1)})
+    reply = msgpack.unpackb(frame)
+    assert (reply["rid"], reply["ok"], reply["error"]) == (9, False, "INTERNAL")
+    assert "can not serialize" in reply["message"] and d.server.errors["INTERNAL"] == 1

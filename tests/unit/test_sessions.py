@@ -13,10 +13,11 @@ import subprocess
 
 import pytest
 
+from kvtierd.attachments import SessionEnd
 from kvtierd.contract.protocol import ErrorCode
 from kvtierd.peers import Conn
 from kvtierd.processes import Process, start_ticks
-from kvtierd.sessions import SessionEnd, SessionRegistry
+from kvtierd.sessions import SessionRegistry
 
 from .store_env import Env, err, lay
 
@@ -116,7 +117,7 @@ def test_same_pid_namespace_is_watched_through_a_pidfd(r):
         assert select.select([fd], [], [], 5)[0] == [fd]    # what the server's poller sees
         r.reg.died(fd)
         assert r.ended == [(s.id, SessionEnd.DIED)]
-        assert r.watching == set() and r.reg.pidfds == {} and r.env.store.sessions == {}
+        assert r.watching == set() and r.reg.pidfds == {} and r.env.store.attachments.sessions == {}
         with pytest.raises(OSError):
             os.fstat(fd)                                     # closed
     finally:
@@ -131,7 +132,7 @@ def test_a_pid_gone_at_hello_ends_the_session_at_once(r):
         r.attach(b"late", pid=done.pid)
     assert "does not exist" in info.value.message
     assert [cause for _, cause in r.ended] == [SessionEnd.DEAD_AT_HELLO]
-    assert r.reg.session_of(b"late") is None and len(r.reg) == 0 and r.env.store.sessions == {}
+    assert r.reg.session_of(b"late") is None and len(r.reg) == 0 and r.env.store.attachments.sessions == {}
 
 
 def test_end_forgets_everything_and_close_ends_the_rest(r):
@@ -139,10 +140,10 @@ def test_end_forgets_everything_and_close_ends_the_rest(r):
     b, _, _ = r.attach(b"b", rank=1)
     r.reg.end(a, SessionEnd.LEFT)
     assert r.reg.session_of(b"a") is None and r.reg.proven(a.id, token) is None
-    assert a.id not in r.reg.heartbeats and a.id not in r.env.store.sessions
+    assert a.id not in r.reg.heartbeats and a.id not in r.env.store.attachments.sessions
     r.reg.close()
     assert r.ended == [(a.id, SessionEnd.LEFT), (b.id, SessionEnd.DAEMON_STOPPED)]
-    assert len(r.reg) == 0 and r.env.store.sessions == {} and r.env.store.jobs.engines == {}
+    assert len(r.reg) == 0 and r.env.store.attachments.sessions == {} and r.env.store.jobs.engines == {}
 
 
 def test_role():

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvtierd.attachments import SessionEnd
 from kvtierd.contract.protocol import ErrorCode, RequestError
 from kvtierd.contract.region_format import EntryState
 from kvtierd.processes import Process
-from kvtierd.sessions import SessionEnd
 from kvtierd.store import Store
 
 from .store_env import TIMEOUT, FakeClock, P, W, err, lay, make_view, reopen
@@ -66,7 +66,7 @@ def test_engine_removed_when_last_session_leaves(env):
     assert env.stats()["open_jobs"] == 0 and env.stats()["pages_fenced"] == 0
     assert "e" in st_.jobs.engines                        # the coordinator is still there
     st_.detach(coord)
-    assert "e" not in st_.jobs.engines and st_.sessions == {}
+    assert "e" not in st_.jobs.engines and st_.attachments.sessions == {}
     st_.detach(coord)                                # idempotent
     # a restarted engine may change its world size, and reuse job ids
     sess = env.engine("e", 4)
@@ -102,7 +102,7 @@ def test_attach_validation(env):
         st_.attach("e", None, 2, lay("sharded", 2))
     with err(ErrorCode.BAD_REQUEST):
         st_.attach("e", 2, 2, layout)
-    assert set(st_.sessions) == {s0.id}
+    assert set(st_.attachments.sessions) == {s0.id}
     s1 = st_.attach("e", 1, 2, layout)
     assert s1.id != s0.id
     st_.detach(s0)
@@ -115,7 +115,7 @@ def test_bad_rank_leaves_no_engine_behind(env):
     st_ = env.store
     with err(ErrorCode.BAD_REQUEST):
         st_.attach("e", 4, 4, lay("replicated", 4))
-    assert st_.jobs.engines == {} and st_.sessions == {}
+    assert st_.jobs.engines == {} and st_.attachments.sessions == {}
     st_.attach("e", 0, 2, lay("replicated", 2))      # not held to the refused world size
 
 # ---------------------------------------------------------------------------- randomized
@@ -369,7 +369,7 @@ class StoreMachine(RuleBasedStateMachine):
             len(ns.index) for ns in self.store.index.namespaces.values())
         index = self.store.index
         assert stats["entries_pinned"] == sum(
-            1 for ns in index.namespaces.values() for e in ns.index.values() if index.holds(e.slot)[0])
+            1 for ns in index.namespaces.values() for e in ns.index.values() if index.holds.of(e.slot)[0])
         if stats["pages_fenced"]:
             event("pages fenced")
         if stats["evictions"]:
@@ -406,7 +406,7 @@ def test_an_engines_later_sessions_must_come_from_its_uid_with_its_secret(env):
     with err(ErrorCode.FORBIDDEN):
         st_.attach("e", 1, 3, ns, process=Process(uid=1000), secret=b"t" * 16)     # another secret
     second = st_.attach("e", 1, 3, ns, process=Process(uid=1000), secret=b"s" * 16)
-    assert second.engine is first.engine and len(st_.sessions) == 2
+    assert second.engine is first.engine and len(st_.attachments.sessions) == 2
     st_.detach(first)
     st_.detach(second)                                                            # gone: the id is free again
     st_.attach("e", 0, 3, ns, process=Process(uid=1001))

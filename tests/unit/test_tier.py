@@ -1,4 +1,5 @@
-"""kvtierd.tier without engines: extents of page chains, tier keys, the guard's breaker.
+"""kvtierd.tier without engines: extents of page chains, tier keys, seals, settings, the disk
+tier's record checksums, the guard's breaker and its log.
 
 The guard is driven by a scripted backend (a plain object answering the interface as told): it
 checks the guard's own state machine; the backends themselves are tested against real engines
@@ -13,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from kvtierd.tier.backend import (Backend, CircuitOpen, TierRejected, TierTimeout, TierUnavailable, error_from,
-                                  page_extents)
+from kvtierd.tier.backend import (Backend, CircuitOpen, TierRejected, TierTimeout, TierUnavailable, check_settings,
+                                  error_from, page_extents)
 from kvtierd.tier.guard import CLOSED, HALF_OPEN, OPEN, Guard
 from kvtierd.tier.keys import Keyspace
 
@@ -35,7 +36,7 @@ def test_extents_refuse_a_length_the_pages_do_not_fit():
 def test_keyspaces_of_two_identities_never_share_a_key():
     a, b = Keyspace(b"model-a|bf16|16|replicated"), Keyspace(b"model-b|bf16|16|replicated")
     assert a.names([b"\x00\x01"]) == [a.prefix + "0001"]
-    assert a.prefix != b.prefix and a.prefix.startswith("kvt1/")
+    assert a.prefix != b.prefix and a.prefix.startswith("kvt2/")
     assert Keyspace(b"model-a|bf16|16|replicated").prefix == a.prefix     # stable across processes
     with pytest.raises(ValueError):
         Keyspace(b"")
@@ -64,9 +65,9 @@ class Scripted(Backend):
             raise step
         return step
 
-    def attach(self, memory): pass
-    def put(self, keys, blocks): return []
-    def get(self, keys, blocks): return []
+    def attach(self, memory, owner): pass
+    def put(self, keys, blocks, seals): return []
+    def get(self, keys, blocks, seals): return []
     def remove(self, keys): return 0
     def clear(self, prefix): return 0
     def health(self): pass
@@ -132,3 +133,45 @@ def test_a_call_past_its_deadline_is_abandoned_and_blocks_others_until_it_return
     assert g.call("exists", ["k"]) == [False]
     assert g.state in (CLOSED, HALF_OPEN) and g.snapshot()["errors_timeout"] == 1
     g.close()
+
+
+def test_a_call_abandoned_can_be_waited_for():
+    b = Scripted()
+    release = threading.Event()
+    g = Guard(b, timeout=0.05, failures=5, cooldown=0.0)
+    b.script = [release]
+    with pytest.raises(TierTimeout):
+        g.call("exists", ["k"])
+    assert g.wait_abandoned(0.05) is False           # still running
+    release.set()
+    assert g.wait_abandoned(10) is True and g.stuck_for() == 0
+    g.close()
+
+
+def test_the_guard_logs_the_first_failure_and_each_breaker_change(caplog):
+    b, clock = Scripted(), Clock()
+    g = Guard(b, timeout=1.0, failures=2, cooldown=1.0, clock=clock, lane="meta")
+    b.script = [TierUnavailable("node down")] * 2 + [[True]]
+    caplog.set_level("INFO", logger="kvtierd.tier")
+    for _ in range(3):
+        with pytest.raises(TierUnavailable):
+            g.call("exists", ["k"])
+        clock.t += 0.4                              # the third call is still refused: not logged again
+    clock.t = 10.0
+    assert g.call("exists", ["k"]) == [True]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["scripted meta lane: node down",
+                     "scripted meta lane: breaker open for 1.0 s after 2 consecutive failures (last: node down)",
+                     "scripted meta lane: exists succeeded after 2 failures; breaker closed"], lines
+    g.close()
+
+
+def test_settings_a_backend_does_not_take_are_refused_with_the_ones_it_does():
+    check_settings("redis", {"ttl_s": 60, "timeout": 1.0})
+    with pytest.raises(ValueError, match="unknown key 'ttl' for the redis backend; its keys are timeout, "
+                                         "node_cooldown, ttl_s"):
+        check_settings("redis", {"ttl": 60})
+    with pytest.raises(ValueError, match="set the disk backend's address with tier_address"):
+        check_settings("disk", {"address": "/x"})
+    with pytest.raises(ValueError, match="unknown tier backend 'nfs'"):
+        check_settings("nfs", {})

@@ -1,106 +1,28 @@
 """kvtierd.tiering without a companion: the daemon's side of demote and promote, step by step.
 
-``Tiering`` runs over a real store (``store_env``: a region in memory, a fake clock) and a
-scripted link standing in for ``TierLink`` (as tests/unit/test_tier.py scripts a backend for the
-guard): it records what the daemon asks and lets the test answer — in time, late, failed, or
-with the companion gone. The companion, the engines and the bytes are tested for real in
-tests/tier/. Every scenario checks the store's own consistency (``verify``: pages, the policy,
-the fence table against the companion's writer row).
+The tier runs over a real store (``store_env``: a region in memory, a fake clock) and a scripted
+link standing in for ``TierLink`` (``tier_env``): it records what the daemon asks and lets the
+test answer — in time, late, failed, or with the companion gone. The companion, the engines and
+the bytes are tested for real in tests/tier/. Every scenario checks the store's own consistency
+(``verify``: pages, the policy, the fence table against the companion's writer row).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import numpy as np
 import pytest
 
-from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome
-from kvtierd.contract.region_format import EntryState
+from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome, encode
 from kvtierd.tier.backend import TierTimeout, TierUnavailable
-from kvtierd.tier.link import LinkBusy, LinkDown, Outcome, Request
-from kvtierd.tiering import ABSENT_SECONDS, CHECK_DELAY, PATIENCE, TierConfig, Tiering, identity
+from kvtierd.tier.keys import identity
+from kvtierd.tiering.promote import ABSENT_SECONDS, CHECK_DELAY, PATIENCE
 
-from .store_env import Env, keys, lay
+from .store_env import keys
+from .tier_env import TierEnv
 
 W, P = StoreOutcome.WRITE, StoreOutcome.PRESENT
-
-
-class ScriptedLink:
-    """Records the requests it is given; ``answer`` queues their outcomes for the next ``collect``."""
-
-    def __init__(self, max_inflight: int = 8):
-        self.state = "ready"
-        self.pid: int | None = os.getpid()      # a living process: the fence's writer row needs one
-        self.max_inflight = max_inflight
-        self.inflight: dict[int, Request] = {}
-        self.sent: list[tuple[int, str, dict]] = []
-        self.info: dict = {}
-        self.last_error = None
-        self.counters = {"started": 1, "killed": 0}
-        self.restart_backoff = 0.0
-        self._ids = itertools.count(1)
-        self._out: list[Outcome] = []
-
-    def start(self) -> None: pass
-    def stop(self, timeout: float = 0) -> None: pass
-
-    def submit(self, op: str, context=None, **fields) -> int:
-        if self.state != "ready":
-            raise LinkDown("down")
-        if len(self.inflight) >= self.max_inflight:
-            raise LinkBusy("busy")
-        rid = next(self._ids)
-        self.inflight[rid] = Request(rid, op, 0.0, context)
-        self.sent.append((rid, op, fields))
-        return rid
-
-    def collect(self, now=None) -> list[Outcome]:
-        out, self._out = self._out, []
-        return out
-
-    def last(self, op: str) -> tuple[int, dict]:
-        rid, _, fields = [s for s in self.sent if s[1] == op][-1]
-        return rid, fields
-
-    def answer(self, rid: int, ok: bool = True, final: bool = True, error=None, **result) -> None:
-        req = self.inflight.pop(rid) if final else self.inflight[rid]
-        self._out.append(Outcome(req.op, req.context, final, ok, result, error))
-
-    def die(self) -> None:
-        """The companion died and was reaped: every request ends (final, failed); a new one starts."""
-        for rid in list(self.inflight):
-            self.answer(rid, ok=False, error=TierUnavailable("the tier companion exited (-9)"))
-        self.state, self.pid = "down", None
-
-
-class TierEnv(Env):
-    def __init__(self, num_pages: int = 32, **config):
-        super().__init__(num_pages)
-        self.link = ScriptedLink()
-        self.tier = Tiering(self.store.index, self.store.fence, self.link,
-                            TierConfig("scripted", "nowhere", **{"low_watermark": 0.25, "cooldown": 5.0, **config}),
-                            clock=self.clock)
-        self.store.tiering = self.tier
-        self.pump()
-
-    def pump(self) -> None:
-        self.tier.pump(self.clock())
-        self.store.verify()
-
-    def lookup(self, session, ks: list[bytes]) -> tuple[int, int]:
-        """A lookup as the server serves it: the reply, then the loop's turn after CHECK_DELAY
-        (which sends the existence checks the lookup promised)."""
-        hits = self.store.lookup(session, ks)
-        reply = hits, self.store.pending(session, ks, hits)
-        self.clock.advance(CHECK_DELAY)
-        self.pump()
-        return reply
-
-    def ready(self, session, key: bytes) -> bool:
-        e = session.engine.ns.index.get(key)
-        return e is not None and e.state is EntryState.READY
 
 
 @pytest.fixture
@@ -108,6 +30,7 @@ def tenv():
     e = TierEnv()
     yield e
     e.store.verify()
+    encode(e.store.stats())                 # the stats reply's part: plain values the wire can carry
 
 
 # ------------------------------------------------------------------------------------------ demote
@@ -132,7 +55,7 @@ def test_victims_are_demoted_before_their_pages_are_reused_then_freed(tenv):
     tenv.pump()
     # The first was looked up meanwhile (used: it stays); the other was not: freed, and in the tier.
     assert tenv.ready(s, victims[0]) and not tenv.ready(s, victims[1])
-    assert s.engine.ns.index[victims[0]].in_tier
+    assert tenv.tier.copies.held[s.engine.ns.index[victims[0]].slot]
     stats = tenv.tier.stats()
     assert stats["demoted_blocks"] == 2 and stats["demoted_bytes"] == 2 * 4096
     assert stats["demoting_blocks"] == len(tenv.link.last("put")[1]["keys"])     # the next pass is under way
@@ -142,7 +65,7 @@ def test_a_block_the_tier_holds_is_freed_without_a_second_put(tenv):
     (s,) = tenv.engine("e")
     tenv.put([s], 1, keys("k", 26))
     for entry in s.engine.ns.index.values():
-        entry.in_tier = True                    # promoted, or demoted before
+        tenv.tier.copies.held[entry.slot] = True    # promoted, or demoted before
     tenv.pump()
     assert [op for _, op, _ in tenv.link.sent] == ["stats"]             # no put
     assert tenv.store.index.pages.free_count == 8                       # the reserve, freed ahead of need
@@ -263,7 +186,7 @@ def test_a_miss_is_checked_then_promoted_and_reported_pending_until_ready(tenv):
     assert get["keys"] == keys("t", 4)                       # the leading run the tier holds
     assert tenv.tier.stats()["promoting_blocks"] == 4 and tenv.stats()["pages_fenced"] == 0
     fence = tenv.store.fence
-    row = tenv.tier.writer.row
+    row = tenv.tier.companion.writer.row
     assert sorted(np.flatnonzero(fence.table == row).tolist()) == sorted(
         np.frombuffer(get["pages"], PAGES_DTYPE).tolist())  # fenced for the companion before it was asked
     assert tenv.lookup(s, ks) == (2, 4)                      # promoting; "absent" ends the run
@@ -273,7 +196,7 @@ def test_a_miss_is_checked_then_promoted_and_reported_pending_until_ready(tenv):
     tenv.link.answer(rid, done=b"\x01\x01\x01\x01")
     tenv.pump()
     assert tenv.lookup(s, ks) == (6, 0)                      # "absent" is remembered: no new check
-    assert all(s.engine.ns.index[k].in_tier for k in keys("t", 4))
+    assert all(tenv.tier.copies.held[s.engine.ns.index[k].slot] for k in keys("t", 4))
     assert not (fence.table == row).any()
     stats = tenv.tier.stats()
     assert stats["promoted_blocks"] == 4 and stats["lookup_keys"] == {"hit": 6, "miss": 1}
@@ -312,16 +235,16 @@ def test_the_companion_gone_mid_promote_releases_the_pages_and_a_new_one_gets_a_
     rid, _ = tenv.link.last("exists")
     tenv.link.answer(rid, present=b"\x01\x01")
     tenv.pump()
-    first_row = tenv.tier.writer.row
+    first_row = tenv.tier.companion.writer.row
     tenv.link.die()
     tenv.pump()
-    assert tenv.tier.writer is None and tenv.stats()["pages_fenced"] == 0
+    assert tenv.tier.companion.writer is None and tenv.stats()["pages_fenced"] == 0
     assert not tenv.ready(s, b"t0") and tenv.tier.stats()["promote_failed_blocks"] == 2
     assert tenv.lookup(s, keys("t", 2)) == (0, 0)             # no companion: nothing checked
     tenv.link.state, tenv.link.pid = "ready", os.getpid()
     tenv.pump()
-    assert tenv.tier.writer is not None and tenv.store.fence.writers[tenv.tier.writer.row] is tenv.tier.writer
-    assert first_row not in tenv.store.fence.writers or tenv.tier.writer.row == first_row
+    assert tenv.tier.companion.writer is not None and tenv.store.fence.writers[tenv.tier.companion.writer.row] is tenv.tier.companion.writer
+    assert first_row not in tenv.store.fence.writers or tenv.tier.companion.writer.row == first_row
 
 
 def test_a_failed_or_slow_check_costs_lookups_nothing(tenv):
@@ -347,12 +270,12 @@ def test_clear_reaches_the_tier_and_says_how_it_went(tenv):
     (s,) = tenv.engine("e")
     tenv.put([s], 1, keys("k", 2))
     for entry in s.engine.ns.index.values():
-        entry.in_tier = True
+        tenv.tier.copies.held[entry.slot] = True
     replies = []
     tenv.store.clear_tier(s.engine.ns.id.name(), lambda tier, n: replies.append((tier, n)))
     rid, fields = tenv.link.last("clear")
     assert fields == {"ns": identity(s.engine.ns.id)} and replies == []
-    assert not any(e.in_tier for e in s.engine.ns.index.values())     # their copies are going
+    assert not any(tenv.tier.copies.held[e.slot] for e in s.engine.ns.index.values())     # their copies are going
     tenv.link.answer(rid, removed=5)
     tenv.pump()
     assert replies == [("removed", 5)] and tenv.tier.stats()["cleared_blocks"] == 5
@@ -407,7 +330,7 @@ def test_the_check_goes_out_after_the_reply(tenv):
 def test_the_data_file_replaced_ends_what_the_companion_had_and_restarts_it(tenv):
     # Server._replace_data: sessions end, then the tier (its companion maps the old file), then
     # Store.drop_all, whose Fence.reset needs no writer attached.
-    from kvtierd.sessions import SessionEnd
+    from kvtierd.attachments import SessionEnd
     (s,) = tenv.engine("e")
     tenv.put([s], 1, keys("k", 4))
     tenv.lookup(s, keys("t", 2) + keys("u", 2))
@@ -422,15 +345,15 @@ def test_the_data_file_replaced_ends_what_the_companion_had_and_restarts_it(tenv
     tenv.link.answer(rid, present=b"\x01\x01")
     tenv.pump()                                              # and another one in flight
     assert tenv.stats()["pages_fenced"] == 4 and tenv.tier.stats()["promoting_blocks"] == 2
-    row = tenv.tier.writer.row
+    row = tenv.tier.companion.writer.row
     tenv.store.detach(s, SessionEnd.REGION_REPLACED)
     tenv.link.kill = tenv.link.die
     tenv.tier.data_replaced()
-    assert tenv.tier.writer is None and not tenv.tier.promotes
+    assert tenv.tier.companion.writer is None and not tenv.tier.promotes.jobs
     assert not (tenv.store.fence.table == row).any()
     assert tenv.store.drop_all() == 4                        # Fence.reset: nothing attached
-    assert tenv.tier.link.restart_at == tenv.clock()        # restarted at the loop's next turn
+    assert tenv.link.restart_at == tenv.clock()        # restarted at the loop's next turn
     assert tenv.tier.stats()["promote_failed_blocks"] == 6 and tenv.stats()["pages_fenced"] == 0
     tenv.link.state, tenv.link.pid = "ready", os.getpid()    # the new companion, on the new file
     tenv.pump()
-    assert tenv.tier.writer is not None and tenv.store.fence.writers[tenv.tier.writer.row] is tenv.tier.writer
+    assert tenv.tier.companion.writer is not None and tenv.store.fence.writers[tenv.tier.companion.writer.row] is tenv.tier.companion.writer

@@ -5,7 +5,9 @@ Scheduler and worker connector (harness.py says what is real and what stands in)
 - a TP=4 and a TP=2 engine of one MLA model: the replicated namespace does not depend on TP;
 - the weights changed under the same model path: no hit; the same weights again: hits;
 - kvtierd killed under a running engine: the engine keeps serving (misses, nothing stored), and
-  once kvtierd is back its requests hit again.
+  once kvtierd is back its requests hit again;
+- kvtierd restarted as systemctl restart does (SIGTERM, start): the engine attaches again as soon
+  as it serves and its next request loads what it stored before, nothing recomputed.
 """
 
 from __future__ import annotations
@@ -152,3 +154,32 @@ def test_the_engine_serves_while_kvtierd_is_away_and_hits_resume_when_it_is_back
             attempt += 1
             time.sleep(0.1)
         assert holds(ranks, blocks, PROMPT)
+
+
+def test_a_planned_restart_is_invisible_beyond_its_own_duration(start_daemon):
+    """SIGTERM (what systemctl restart and an upgrade send), then a new kvtierd on the same region:
+    the engine attaches again as soon as it serves — with kvtier_retry_s at 600 s, it does not
+    wait for it — and the same prompt then loads every block it stored before (none recomputed),
+    with the right bytes. A request served while kvtierd was down computes and does not fail."""
+    daemon = start_daemon(page_size="4KiB")
+    recipe = EngineRecipe("tiny-llama", 1, daemon.socket, "planned", extra={"kvtier_retry_s": 600,
+                                                                            "kvtier_timeout_s": 2})
+    with running(recipe) as (engine, ranks):
+        engine.serve("stored", PROMPT)
+        assert daemon.stop(signal.SIGTERM) == 0                  # drained and stopped cleanly
+        engine.forget_prefix_cache()
+        request, blocks = engine.serve("meanwhile", PROMPT)      # kvtierd is down: computed, nothing fails
+        assert engine.first_computed["meanwhile"] == 0
+        assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and holds(ranks, blocks, PROMPT)
+
+        daemon.start()
+        deadline = time.monotonic() + 60                          # a bound for the test, not a target
+        while not engine.manager.link.up:
+            assert time.monotonic() < deadline, "the engine did not attach again"
+            time.sleep(0.01)
+        engine.forget_prefix_cache()
+        all_call(ranks, "zero")
+        request, blocks = engine.serve("again", PROMPT)
+        assert loaded_all(engine, "again") and engine.manager.stats.load_failures == 0
+        assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and holds(ranks, blocks, PROMPT)
+    assert daemon.stats()["load_hit_keys"] == FULL

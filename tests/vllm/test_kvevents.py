@@ -349,8 +349,10 @@ def test_vllms_own_publisher_and_ours_frame_the_same_way(tmp_path):
 def engine_events(feed, tracker) -> tuple[set, set]:
     """What vLLM's OffloadingConnector publishes for the feed's OffloadingEvents (vLLM's own
     OffloadingEventsTracker, self-describing events off: its default): (stored, removed) (hash, group)."""
+    from vllm.v1.kv_offload.base import Medium, OffloadingEvent
+    offloading = [OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed) for removed, keys in feed.take()]
     stored, removed = set(), set()
-    for event in tracker.take_events(feed.take()):
+    for event in tracker.take_events(offloading):
         assert event.medium == "CPU"
         (stored if isinstance(event, BlockStored) else removed).update((h, event.group_idx) for h in event.block_hashes)
     return stored, removed
@@ -364,7 +366,7 @@ def test_every_engine_of_the_namespace_announces_what_any_of_them_stored(stream)
     import msgpack
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
 
-    from kvtier.integrations.vllm.events import EventFeed
+    from kvtier.integrations.offload.events import EventFeed
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
 
     table = stream.table

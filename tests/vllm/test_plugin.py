@@ -37,8 +37,9 @@ from kvtier import NamespaceId  # noqa: E402
 from kvtier.integrations import vllm as plugin  # noqa: E402
 from kvtier.integrations.vllm.identity import ModelIdentity  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager  # noqa: E402
-from kvtier.integrations.vllm.settings import (KvtierSettings, kvtier_key, kvtier_keys,  # noqa: E402
-                                               namespace_id, offload_key_bytes, offload_keys)
+from kvtier.integrations.offload.keys import kvtier_key, kvtier_keys, offload_keys  # noqa: E402
+from kvtier.integrations.vllm.settings import KvtierSettings, namespace_id, offload_key_bytes  # noqa: E402
+from kvtier.integrations.vllm.transfer import JobPart, KvtierLoadStoreSpec  # noqa: E402
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, LoadFailed  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -238,9 +239,10 @@ def tier(start_daemon):
         made.append(m)
         return m
 
-    def worker(seed: int = 1, reports_failures: bool = True):
+    def worker(seed: int = 1, reports_failures: bool = True, **changes):
         caches, pages = kv_caches(seed)
-        w = KvtierOffloadingWorker(settings, "unit-engine", 0, 1, namespace, caches, reports_failures=reports_failures)
+        w = KvtierOffloadingWorker(replace(settings, **changes), "unit-engine", 0, 1, namespace, caches,
+                                   reports_failures=reports_failures)
         made.append(w)
         return w, pages
 
@@ -404,8 +406,7 @@ def test_on_the_plain_spec_path_a_failed_load_stops_the_engine_even_under_python
 
 def settled(manager) -> None:
     """Wait until the link thread has served everything queued before (it serves in order)."""
-    served = manager.link.submit(lambda client: None).wait(30)
-    assert served
+    manager.link.submit(lambda client: None).result(30)
 
 
 def test_a_full_region_is_not_offered_again(tier):
@@ -430,9 +431,16 @@ def test_a_full_region_is_not_offered_again(tier):
     assert manager.link.requests == requests and daemon.stats()["store_no_space_keys"] == 3
 
 
+def small_parts(monkeypatch, keys_per_part: int) -> None:
+    """kvtier jobs and lookups of at most ``keys_per_part`` keys (PART_KEYS where the manager's
+    bookkeeping uses it)."""
+    for module in ("jobs", "lookups"):
+        monkeypatch.setattr(f"kvtier.integrations.offload.{module}.PART_KEYS", keys_per_part)
+
+
 def test_large_transfers_are_split_into_several_kvtier_jobs(tier, monkeypatch):
     _, make_manager, make_worker = tier
-    monkeypatch.setattr("kvtier.integrations.vllm.manager.PART_KEYS", 3)
+    small_parts(monkeypatch, 3)
     manager = make_manager()
     worker, pages = make_worker()
     ks = keys("big", 8)
@@ -493,7 +501,7 @@ def test_the_batched_lookup_leases_its_hits_and_the_load_consumes_the_lease(tier
 
 def test_leases_of_a_load_split_into_jobs_follow_the_lookups_parts(tier, monkeypatch):
     daemon, make_manager, make_worker = tier
-    monkeypatch.setattr("kvtier.integrations.vllm.manager.PART_KEYS", 3)
+    small_parts(monkeypatch, 3)
     manager = make_manager()
     worker, pages = make_worker()
     ks = keys("parts", 8)
@@ -616,6 +624,29 @@ def test_an_answer_from_before_a_restart_is_asked_again_and_leased_anew(tier):
     spec = manager.prepare_load(ks, ctx)
     worker.submit_load(4, spec, gpu([8, 9, 10]))
     assert drain(worker, {4})[4].success and worker.take_load_outcomes() == [(4, None)]
+    assert [block_bytes(pages, b) for b in (8, 9, 10)] == [block_bytes(pages, b) for b in range(3)]
+
+
+def test_after_a_planned_restart_manager_and_worker_attach_again_without_waiting_retry_s(tier):
+    """kvtierd stopped with SIGTERM (systemctl restart) and started again: the link thread and a
+    worker that found it away (its store during the outage) attach again as soon as it serves —
+    kvtier_retry_s is 600 s here — and the blocks stored before load in full."""
+    daemon, make_manager, make_worker = tier
+    manager = make_manager(timeout_s=1.0, retry_s=600)
+    worker, pages = make_worker(timeout_s=1.0, retry_s=600)
+    ks = keys("planned", 3)
+    store(manager, worker, ks, 1, range(3))
+    assert daemon.stop(signal.SIGTERM) == 0
+    until(lambda: not manager.link.up)
+    away = KvtierLoadStoreSpec([JobPart(1000, tuple(keys("away", 1)))])   # prepared just before the stop
+    worker.submit_store(2, gpu([5]), away)
+    assert drain(worker, {2})[2].success                  # not cached; the engine does not see it
+    daemon.start()                                        # the same region: its READY blocks are recovered
+    until(lambda: manager.link.up, timeout=60)
+    ctx = request(manager, ks, "after")
+    assert prefix_lookup(manager, ks, ctx) == [LookupResult.HIT] * 3
+    worker.submit_load(3, manager.prepare_load(ks, ctx), gpu([8, 9, 10]))
+    assert drain(worker, {3})[3].success and worker.take_load_outcomes() == [(3, None)]
     assert [block_bytes(pages, b) for b in (8, 9, 10)] == [block_bytes(pages, b) for b in range(3)]
 
 

@@ -42,12 +42,14 @@ bounded map). A read of other pages than were leased (ranks that disagreed on th
 a plain load; a prefetch SGLang drops (below its threshold, out of host memory) leaves its lease
 to expire.
 
-Failure: kvtierd unreachable or restarting never raises into SGLang's threads. A request waits
-at most ``kvtier_timeout_s`` for its reply and the client re-attaches for at most as long again;
-then the backend serves misses (0 hits, False) at once for ``kvtier_retry_s`` before it asks
-kvtierd again, so a storage thread is held for a few ``kvtier_timeout_s`` once per outage, never
-more. Blocks stored before a daemon restart stay (kvtierd recovers its ready entries); a load in
-flight at the restart is redone by the client once it re-attached.
+Failure: kvtierd unreachable, stopping or restarting never raises into SGLang's threads. A request
+waits at most ``kvtier_timeout_s`` for its reply and the client re-attaches for at most as long
+again (at once when a restarted daemon binds its socket); then the backend serves misses (0 hits,
+False) at once and asks kvtierd nothing until a daemon serves its socket anew (a restart: the next
+call after it attaches) or ``kvtier_retry_s`` passed (``kvtier.reach.Away``), so a storage thread
+is held for a few ``kvtier_timeout_s`` once per outage, never more. Blocks stored before a daemon
+restart stay (kvtierd recovers its ready entries); a load in flight at the restart is redone by
+the client once it re-attached.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from collections import OrderedDict
 from typing import Any, List, Optional
 
@@ -64,16 +65,17 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtierd.contract import protocol as P
-from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached
+from kvtierd.contract.errors import KvtierError
 
-from ...api import Client
+from ...reach import AWAY_ERRORS, Away
+from ...session import Client
+from ..common import PART_KEYS
 from .identity import Identity, identify, server_args
 from .pages import HostPages
 from .settings import KvtierSettings
 
 logger = logging.getLogger("sglang.kvtier")
 
-PART_KEYS = 4096                       # keys per kvtier job (SGLang batches 128 pages)
 STAGING_BYTES = 64 << 20               # the generic path's staging buffer: at most this ...
 STAGING_PAGES = 128                    # ... and at most SGLang's STORAGE_BATCH_SIZE pages
 JOB_MEMORY = 65536                     # key lists whose job occurrences are remembered
@@ -114,10 +116,12 @@ class KvtierStorage(HiCacheStorage):
         self.identity: Identity | None = None
         self._rank: Client | None = None            # rank session: copies and votes
         self._lookup: Client | None = None          # coordinator session: batch_exists
-        self._state = threading.Lock()              # connecting, the down state
+        self._state = threading.Lock()              # connecting, the away state
         self._rank_lock = threading.Lock()          # the rank session (backup and io-aux threads)
         self._lookup_lock = threading.Lock()
-        self._down_until = 0.0
+        self._away = Away(self.settings.socket, self.settings.retry_s, "SGLang HiCache storage",
+                          "it serves misses (0 hits, nothing stored)", logger)
+        self._closed = False
         self._staging: torch.Tensor | None = None
         self._occurrences: OrderedDict = OrderedDict()
         self._leased: OrderedDict = OrderedDict()   # _lease_id(leased keys) -> lease id, until read
@@ -151,13 +155,14 @@ class KvtierStorage(HiCacheStorage):
         return [self._staging]
 
     def _clients(self) -> tuple[Client, Client] | None:
-        """Both sessions, attaching first if needed; None while kvtierd is away (see _down)."""
+        """Both sessions, attaching first if needed; None while kvtierd is away (``Away``)."""
         with self._state:
+            if self._closed or self.identity is None or not self._away.due():
+                return None
             if self._rank is not None and self._lookup is not None:
                 return self._rank, self._lookup
-            if self.identity is None or time.monotonic() < self._down_until:
-                return None
             ident, s = self.identity, self.settings
+            tried = self._away.look()
             try:
                 if self._rank is None:
                     rank = Client(s.socket, engine_id=ident.engine_id, rank=ident.rank, world_size=ident.world_size,
@@ -174,27 +179,23 @@ class KvtierStorage(HiCacheStorage):
                                           world_size=ident.world_size, namespace=ident.namespace, timeout=s.timeout_s,
                                           reconnect_timeout=s.timeout_s)
             except KvtierError as exc:
-                self._down_locked(exc, "cannot attach")
+                self._away.lost(exc, tried)
                 return None
+            self._away.back()
             logger.info("kvtier: attached to kvtierd (%s, SGLang storage writer=%s)", self._rank.info.namespace,
                         self.config.is_storage_writer)
             return self._rank, self._lookup
 
-    def _down(self, exc: BaseException, what: str) -> None:
+    def _reached(self, failure: KvtierError | None, what: str) -> None:
+        """After a request: kvtierd away (serve misses until it serves again), a refusal of this
+        one request, or served (back, if it was away)."""
         with self._state:
-            self._down_locked(exc, what)
-
-    def _down_locked(self, exc: BaseException, what: str) -> None:
-        if time.monotonic() >= self._down_until:
-            logger.warning("kvtier: %s (%s); HiCache storage serves misses for %gs", what, exc, self.settings.retry_s)
-        self._down_until = time.monotonic() + self.settings.retry_s
-
-    def _failed(self, exc: KvtierError, what: str) -> None:
-        """A request failed: kvtierd gone (go down for retry_s) or a refusal of this one request."""
-        if isinstance(exc, (DaemonUnavailable, NotAttached)):
-            self._down(exc, what)
-        else:
-            logger.warning("kvtier: %s: %s", what, exc)
+            if isinstance(failure, AWAY_ERRORS):
+                self._away.lost(failure)
+            elif failure is not None:
+                logger.warning("kvtier: %s: %s", what, failure)
+            elif self._away.down:
+                self._away.back()
 
     def _job_id(self, kind: str, keys: List[bytes]) -> int:
         """Same kind and keys, same occurrence: the same id on every rank (module docstring)."""
@@ -250,12 +251,14 @@ class KvtierStorage(HiCacheStorage):
             logger.warning("kvtier: %s skipped: the kvtier session stayed busy for %gs", what, self.settings.timeout_s)
             return failed
         try:
-            return fn(clients[0])
+            done = fn(clients[0])
         except KvtierError as exc:
-            self._failed(exc, what)
+            self._reached(exc, what)
             return failed
         finally:
             self._rank_lock.release()
+        self._reached(None, what)
+        return done
 
     def _need(self, v1: bool, method: str) -> None:
         if self.settings.interface_v1 != v1:
@@ -286,10 +289,12 @@ class KvtierStorage(HiCacheStorage):
             held = clients[1].lease_held(lease) if lease is not None else None
             if held is not None:
                 self._remember_lease(self._lease_id(tkeys[:held.leased]), lease)
+            failure = None
         except KvtierError as exc:
-            self._failed(exc, "lookup failed")
+            failure = exc
         finally:
             self._lookup_lock.release()
+        self._reached(failure, "lookup failed")
         return hits
 
     @staticmethod
@@ -430,6 +435,6 @@ class KvtierStorage(HiCacheStorage):
         with self._state:
             clients = [c for c in (self._rank, self._lookup) if c is not None]
             self._rank = self._lookup = None
-            self._down_until = float("inf")         # no re-attach after close
+            self._closed = True                     # no re-attach after close
         for client in clients:
             client.close()

@@ -22,11 +22,11 @@ vLLM. The rest is split the way vLLM splits its own offloading code (vllm/v1/kv_
 - ``identity``: vLLM's config mapped onto the model fingerprint in the namespace (what the KV
   bytes depend on; the digest is ``kvtier.integrations.fingerprint``);
 - ``spec``: ``KvtierOffloadingSpec``, which builds the two sides;
-- ``manager``: the scheduler side, ``KvtierOffloadingManager``, a kvtierd *coordinator* session,
-  whose I/O runs on a ``link`` thread;
+- ``manager``: the scheduler side, ``KvtierOffloadingManager``, a kvtierd *coordinator* session;
+  its bookkeeping and its link thread are engine-free (``kvtier.integrations.offload``);
 - ``worker``: the worker side, ``KvtierOffloadingWorker``, the kvtierd *rank* session of one TP
   rank;
-- ``transfer``: the kvtier jobs of one transfer, as the manager hands them to the workers;
+- ``transfer``: the spec that carries a transfer's kvtier jobs from the manager to the workers;
 - ``connector``: ``KvtierOffloadingConnector``, which reports failed loads to vLLM.
 
 All sessions of one vLLM engine (one per DP rank) form one kvtier engine, with world size =

@@ -3,12 +3,9 @@
 - **Settings.** ``KvtierSettings`` reads and checks the ``kvtier_*`` keys of
   ``kv_connector_extra_config`` (docs/vllm.md describes each); a misspelt ``kvtier_*`` key is an
   error, not ignored.
-- **Keys.** vLLM's ``OffloadKey`` (block hash ‖ 4-byte group index, 36 bytes with sha256) is the
-  kvtier key as is; a key longer than kvtierd's limit is shortened to sha256(hash) ‖ group index
-  (``kvtier_key``). vLLM 0.33's hash functions make keys of 36 (sha256, sha256_cbor) or 20 bytes
-  (xxhash, xxhash_cbor), so a kvtier key of a vLLM namespace is an OffloadKey, and
-  ``offload_keys`` turns the keys of kvtierd's event log back into the OffloadKeys an engine
-  could have produced (its hash length, its KV-cache groups) without guessing.
+- **Keys.** vLLM's ``OffloadKey`` is the kvtier key as is, shortened past kvtierd's limit
+  (``kvtier.integrations.offload.keys``); ``offload_key_bytes`` is an engine's key length, which
+  its KV events need unshortened.
 - **Namespaces.** ``namespace_id`` builds the engine's ``NamespaceId`` (model, KV dtype, tokens
   per block, bytes per block per rank, sharding). The model part is ``<model name>@<fingerprint>``
   (``identity``: what determines the KV bytes, weights included) with vLLM's KV-cache memory
@@ -24,11 +21,9 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-import numpy as np
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtierd.contract import protocol as P
@@ -36,6 +31,7 @@ from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, Namespa
 
 from ...select import COPIERS
 from ..common import read_settings, shorten
+from ..offload.keys import GROUP_BYTES
 from .identity import ModelIdentity
 
 
@@ -71,53 +67,16 @@ class KvtierSettings:
         return cls(**values)
 
 
-# Keys per kvtier request: a vLLM transfer or lookup with more keys is split.
-PART_KEYS = min(4096, P.MAX_KEYS_PER_REQUEST)
-
-
-def kvtier_key(key: bytes) -> bytes:
-    """The kvtier key of a vLLM OffloadKey: the key itself when it fits kvtierd's limit, else
-    sha256(block hash) ‖ group index (4 bytes), which keeps keys of different groups apart."""
-    key = bytes(key)
-    if len(key) <= P.MAX_KEY_BYTES:
-        return key
-    return hashlib.sha256(key[:-4]).digest() + key[-4:]
-
-
-def kvtier_keys(keys: Iterable[bytes]) -> list[bytes]:
-    """``kvtier_key`` of every key; vLLM's sha256 keys (36 bytes) pass as they are, checked in one
-    C-level pass (this runs on the scheduler thread for thousands of keys per request)."""
-    keys = list(keys)
-    if keys and max(map(len, keys)) > P.MAX_KEY_BYTES:
-        return [kvtier_key(k) for k in keys]
-    return keys
-
-
 def offload_key_bytes(hash_algo: str) -> int:
     """The length of an engine's OffloadKeys: its block hash (``prefix_caching_hash_algo``) and
     the group index. Raises ValueError when kvtier would shorten them (``kvtier_key``): such keys
     cannot be mapped back to block hashes, so their KV events cannot be published."""
     from vllm.utils.hashing import get_hash_fn_by_name
-    nbytes = len(get_hash_fn_by_name(hash_algo)(b"")) + 4
+    nbytes = len(get_hash_fn_by_name(hash_algo)(b"")) + GROUP_BYTES
     if nbytes > P.MAX_KEY_BYTES:
         raise ValueError(f"prefix_caching_hash_algo {hash_algo!r} makes {nbytes}-byte keys, which kvtier shortens: "
                          "their KV events cannot name vLLM's block hashes; use sha256")
     return nbytes
-
-
-def offload_keys(key_len: int, blob: bytes, key_bytes: int, num_groups: int) -> list[bytes]:
-    """The OffloadKeys, in order, among a blob of ``key_len``-byte kvtier keys (an event record of
-    the engine's namespace) that this engine could produce: keys of its length (``key_bytes``)
-    whose group index is one of its ``num_groups``. A kvtier key of that length is the OffloadKey
-    itself; keys of another length come from engines hashing with another algorithm and name no
-    block this engine can ask for."""
-    if key_len != key_bytes:
-        return []
-    rows = np.frombuffer(blob, np.uint8).reshape(-1, key_len)
-    keep = rows[:, -4:].copy().view(">u4").ravel() < num_groups
-    if not keep.all():
-        rows = rows[keep]
-    return np.frombuffer(rows.tobytes(), np.dtype((np.void, key_len))).tolist()
 
 
 def namespace_id(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None) -> NamespaceId:

@@ -8,8 +8,10 @@ every rank voted on its store; a load's pins drop when every rank released it. T
 docstring gives the contract per vLLM method.
 
 Its calls to kvtierd run on vLLM's model-runner thread, so they are bounded: each by
-``kvtier_timeout_s``, and after kvtierd did not answer the worker does not ask again for
-``kvtier_retry_s`` (stores are then not cached, loads fail and are reported).
+``kvtier_timeout_s`` (and the client's re-attach by as long again), and after kvtierd did not
+answer the worker asks nothing more until a daemon serves its socket anew (a restart: noticed at
+the next transfer) or ``kvtier_retry_s`` passed (``kvtier.reach.Away``); meanwhile stores are not
+cached and loads fail and are reported.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached
+from kvtierd.contract.errors import KvtierError
 from kvtierd.contract.namespace import NamespaceId
 
-from ...api import Client
+from ...reach import AWAY_ERRORS, Away
+from ...session import Client
 from .settings import KvtierSettings
 from .transfer import KvtierLoadStoreSpec
 
@@ -119,18 +122,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._connect = functools.partial(connect, settings.socket, engine_id=engine_id, rank=rank,
                                           world_size=world_size, namespace=namespace, copier=settings.copier,
                                           timeout=settings.timeout_s, reconnect_timeout=settings.timeout_s)
-        self._retry_s = settings.retry_s
-        self._clock = clock
-        self._down_until = 0.0
+        self._away = Away(settings.socket, settings.retry_s, f"rank {rank} of engine {engine_id}",
+                          "its stores are not cached and its loads fail (reported to vLLM)", logger, clock)
         self._client: Client | None = None
         self._owner: dict[int, tuple[int, int]] = {}    # kvtier job -> (vLLM transfer job, its first block)
         self._transfers: dict[int, _Transfer] = {}      # vLLM transfer job -> its state
         self._finished: list[TransferResult] = []
         self._load_outcomes: list[tuple[int, int | None]] = []
         self.engine_id = engine_id
-        if self._connected() is None:
-            logger.warning("kvtier: rank %d of engine %s starts without kvtierd; it attaches when the scheduler "
-                           "hands it a transfer", rank, engine_id)
+        self._connected()             # attach now if kvtierd serves; else at a later transfer
 
     @property
     def client(self) -> Client | None:
@@ -149,18 +149,27 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     self.namespace.block_bytes)
 
     def _connected(self) -> Client | None:
-        """The session, attaching if needed; None while kvtierd is treated as away."""
-        if self._client is None and self._clock() >= self._down_until:
+        """The session, attaching if needed; None while kvtierd is away (``kvtier.reach.Away``)."""
+        if not self._away.due():
+            return None
+        if self._client is None:
+            tried = self._away.look()
             try:
                 self._attach()
-            except (DaemonUnavailable, NotAttached) as exc:
-                self._away(exc)
-        return self._client if self._clock() >= self._down_until else None
+            except AWAY_ERRORS as exc:
+                self._away.lost(exc, tried)
+                return None
+            self._away.back()
+        return self._client
 
-    def _away(self, exc: BaseException) -> None:
-        logger.warning("kvtier: rank %d: kvtierd unreachable (%s); no kvtierd calls for %gs", self.rank, exc,
-                       self._retry_s)
-        self._down_until = self._clock() + self._retry_s
+    def _reached(self, failure: KvtierError | None) -> bool:
+        """After one request of a transfer: True (go on) unless it found kvtierd away."""
+        if isinstance(failure, AWAY_ERRORS):
+            self._away.lost(failure)
+            return False
+        if failure is None and self._away.down:
+            self._away.back()
+        return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         transfer = self._begin(job_id, "store")
@@ -178,10 +187,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     decision = client.store(part.job, list(part.keys), block_ids[first:offset])
                 except KvtierError as exc:
                     self._fail(transfer, f"store job {part.job}: {exc}")
-                    if isinstance(exc, (DaemonUnavailable, NotAttached)):
-                        self._away(exc)
+                    if not self._reached(exc):
                         break
                     continue
+                self._reached(None)
                 self._track(job_id, transfer, part.job, first)
                 if client.is_writer:
                     transfer.nbytes += decision.written * self.namespace.block_bytes
@@ -205,10 +214,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     hits = client.load(part.job, list(part.keys), block_ids[first:offset], lease=part.lease)
                 except KvtierError as exc:
                     self._fail(transfer, f"load job {part.job}: {exc}", first)
-                    if isinstance(exc, (DaemonUnavailable, NotAttached)):
-                        self._away(exc)
+                    if not self._reached(exc):
                         break
                     continue
+                self._reached(None)
                 self._track(job_id, transfer, part.job, first)
                 transfer.nbytes += hits * self.namespace.block_bytes
                 if hits < len(part.keys):

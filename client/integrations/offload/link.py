@@ -1,11 +1,11 @@
 """The scheduler's line to kvtierd: one thread that owns the coordinator session.
 
-vLLM's scheduler thread must never wait on kvtierd longer than it chooses to, so it never touches
-a socket. A ``Link`` thread owns the coordinator ``Client``: it attaches, re-attaches after a
-restart (the same ``Client``, so that it leases again what its old session held), and while
-kvtierd is unreachable retries every ``retry_s``. The scheduler hands it work through a queue
-(``submit``: a ``Call`` it may wait on with its own bound; ``send``: fire and forget) and reads
-three plain attributes the thread alone writes:
+An engine's scheduler thread must never wait on kvtierd longer than it chooses to, so it never
+touches a socket. A ``Link`` thread owns the coordinator ``Client``: it attaches, and re-attaches
+the same ``Client`` after kvtierd went away (so that the client leases again what its old session
+held). The scheduler hands it work through a queue (``submit``: a ``Future`` it may wait on with
+its own bound; ``send``: fire and forget) and reads three plain attributes the thread alone
+writes:
 
 - ``up``: attached and the connection stands. While False the scheduler does no I/O.
 - ``replies``: how many answers the thread has had; a scheduler that gave up waiting remembers
@@ -13,12 +13,17 @@ three plain attributes the thread alone writes:
 - ``epoch``: the client's count of attachments (``Client.attachments``) as last seen; it moves
   when the session is new (a daemon restart), which ends what the old one held (leases).
 
-A daemon that dies closes its end of the IPC connection; the thread watches for that (a ZMQ
-socket monitor, checked every ``WATCH_INTERVAL_S`` while idle) and marks the link down at once,
-where a request would only find out after ``kvtier_timeout_s``.
+A daemon that stops or dies closes its end of the IPC connection; the thread watches for that (a
+ZMQ socket monitor, checked every ``WATCH_INTERVAL_S`` while idle, and the daemon's socket path,
+which a stopped daemon removes and a restarted one binds anew) and marks the link down at once,
+where a request would only find out after ``kvtier_timeout_s``. While down it answers every
+queued call with ``DaemonUnavailable`` and looks at the daemon's socket path every
+``kvtier.reach.POLL_S``: it attaches again as soon as a daemon bound it anew (a restart, planned
+or not), else after ``retry_s`` (``kvtier.reach.Away``). Its client makes one attempt per
+re-attach (``reconnect_timeout`` 0): the pacing is the link's.
 
-The thread never takes vLLM's ``manager.lock`` (which vLLM holds for a whole ``schedule()``), and
-the scheduler never blocks on the thread except inside ``Call.wait``.
+The thread never takes the engine's locks (vLLM's ``manager.lock`` is held for a whole
+``schedule()``), and the scheduler never blocks on the thread except in a ``Future``'s wait.
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached
+from kvtierd.contract.errors import DaemonUnavailable, KvtierError
 
-from ...api import Client
+from ...reach import AWAY_ERRORS, POLL_S, Away
+from ...session import Client
 
 logger = logging.getLogger("vllm.kvtier")
 
@@ -43,73 +49,47 @@ logger = logging.getLogger("vllm.kvtier")
 WATCH_INTERVAL_S = 0.05
 
 # Errors after which the session is gone: the link drops it and attaches afresh.
-LOST = (DaemonUnavailable, NotAttached)
-
-
-class Call:
-    """One piece of work for the link thread: ``fn(client)``; its value or error once done."""
-
-    __slots__ = ("fn", "value", "error", "_done")
-
-    def __init__(self, fn: Callable[[Client], Any]):
-        self.fn = fn
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float) -> bool:
-        """True once done; False if ``timeout`` seconds passed first."""
-        return self._done.wait(timeout)
-
-    def result(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-    def _finish(self, value: Any, error: BaseException | None) -> None:
-        self.value, self.error = value, error
-        self._done.set()
-
+LOST = AWAY_ERRORS
 
 _STOP = object()
 
 
 class Link:
-    """The thread that owns the coordinator session (see the module docstring)."""
+    """The thread that owns the coordinator session (see the module docstring).
 
-    def __init__(self, connect: Callable[[], Client], retry_s: float, what: str, first_wait_s: float):
+    ``connect()`` builds the coordinator ``Client``; ``socket_path`` is the daemon's socket it
+    watches while away; ``what`` names the session in log lines."""
+
+    def __init__(self, connect: Callable[[], Client], socket_path: str, retry_s: float, what: str,
+                 first_wait_s: float):
         self._connect = connect
-        self.retry_s = retry_s
         self.what = what                      # for log lines: "coordinator of engine X at <socket>"
         self.up = False
         self.replies = 0
         self.epoch = 0
         self.requests = 0                     # requests sent to kvtierd (the thread counts them)
         self.client: Client | None = None     # the link thread's; others only read it for logging
+        self._away = Away(socket_path, retry_s, what, "the engine serves without it (every lookup a miss, "
+                          "nothing stored)", logger)
         self._watch: zmq.Socket | None = None
         self._watched = None                  # the client's channel that _watch watches
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._first = threading.Event()
         self._stopping = threading.Event()
-        self._said_down = False
         self._thread = threading.Thread(target=self._run, name="kvtier-link", daemon=True)
         self._thread.start()
         self._first.wait(first_wait_s)        # start-up only: the first attempt, bounded
 
     # --- the scheduler's side
-    def submit(self, fn: Callable[[Client], Any]) -> Call:
-        """Queue ``fn(client)``; wait on the returned Call as long as you choose to."""
-        call = Call(fn)
-        self._queue.put(call)
-        return call
+    def submit(self, fn: Callable[[Client], Any]) -> Future:
+        """Queue ``fn(client)``; wait on the returned Future as long as you choose to."""
+        future: Future = Future()
+        self._queue.put((fn, future))
+        return future
 
     def send(self, fn: Callable[[Client], Any]) -> None:
         """Queue ``fn(client)`` without waiting; dropped (and its error logged at debug) if it fails."""
-        self._queue.put(Call(fn))
+        self._queue.put((fn, None))
 
     def close(self) -> None:
         self._stopping.set()
@@ -120,9 +100,9 @@ class Link:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                if not self.up and not self._attach():
+                if not self.up and not (self._away.due() and self._attach()):
                     self._first.set()
-                    self._refuse_until(time.monotonic() + self.retry_s)
+                    self._refuse(POLL_S)
                     continue
                 self._first.set()
                 try:
@@ -131,16 +111,29 @@ class Link:
                     item = None
                 if item is _STOP:
                     break
-                if self._dropped():
-                    self._lose(DaemonUnavailable("kvtierd closed the connection"))
+                gone = self._gone()
+                if gone is not None:
+                    self._lose(DaemonUnavailable(gone))
                     if item is not None:
-                        item._finish(None, DaemonUnavailable(f"{self.what}: kvtierd is unreachable"))
+                        self._answer(item[1], None, DaemonUnavailable(f"{self.what}: kvtierd is unreachable"))
                 elif item is not None:
-                    self._serve(item)
+                    self._serve(*item)
         finally:
             self._first.set()
             self.up = False
             self._drop_client()
+
+    def _gone(self) -> str | None:
+        """Why the daemon the client attached to is gone, or None: it closed the connection (a
+        stop or a crash), or its socket path no longer holds the socket the client attached
+        through (removed by a stopped daemon, bound anew by a restarted one: seen even when the
+        connection's end came before the watch on it began)."""
+        if self._dropped():
+            return "kvtierd closed the connection"
+        watch = self.client.socket_watch
+        if watch.look() != watch.known:
+            return "kvtierd's socket was removed or bound anew"
+        return None
 
     def _dropped(self) -> bool:
         """Whether the daemon closed the connection of the client's (current) channel. (The
@@ -177,65 +170,72 @@ class Link:
 
     def _attach(self) -> bool:
         """Attach (the first time) or re-attach the same client: one attempt."""
+        tried = self._away.look()
         try:
             if self.client is None:
                 self.client = self._connect()
             else:
                 self.client.reconnect()
         except KvtierError as exc:
-            if not self._said_down:
-                level = logging.WARNING if isinstance(exc, LOST) else logging.ERROR
-                logger.log(level, "kvtier: %s cannot attach (%s); the engine serves without kvtierd (every lookup "
-                           "a miss, nothing stored) and tries again every %gs", self.what, exc, self.retry_s)
-                self._said_down = True
+            self._away.lost(exc, tried)
             return False
+        self._away.back()
+        self._dropped()                       # watch the new connection from now on
         logger.info("kvtier: %s attached, namespace %s", self.what, self.client.info.namespace)
-        self._said_down = False
         self.replies += 1
         self.epoch = self.client.attachments
         self.up = True
         return True
 
-    def _refuse_until(self, deadline: float) -> None:
-        """kvtierd is away: answer every queued call with DaemonUnavailable until ``deadline``."""
-        while not self._stopping.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            try:
-                item = self._queue.get(timeout=left)
-            except queue.Empty:
-                return
+    def _refuse(self, timeout: float) -> None:
+        """kvtierd is away: answer what is queued within ``timeout`` with DaemonUnavailable."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
             if item is _STOP:
                 self._stopping.set()
                 return
-            item._finish(None, DaemonUnavailable(f"{self.what}: kvtierd is unreachable"))
+            self._answer(item[1], None, DaemonUnavailable(f"{self.what}: kvtierd is unreachable"))
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
 
-    def _serve(self, call: Call) -> None:
+    @staticmethod
+    def _answer(future: Future | None, value: Any, error: BaseException | None) -> None:
+        if future is None:
+            if error is not None:
+                logger.debug("kvtier: a background call to kvtierd failed: %s", error)
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def _serve(self, fn: Callable[[Client], Any], future: Future | None) -> None:
         try:
-            value = call.fn(self.client)
+            value = fn(self.client)
         except LOST as exc:
-            call._finish(None, exc)
+            self._answer(future, None, exc)
             self._lose(exc)
             return
         except KvtierError as exc:            # kvtierd answered with an error
             self.replies += 1
             self.epoch = self.client.attachments
-            call._finish(None, exc)
+            self._answer(future, None, exc)
             logger.debug("kvtier: %s: %s", self.what, exc)
             return
         except Exception as exc:              # a bug on our side: report it, keep the line
             logger.exception("kvtier: %s: unexpected error", self.what)
-            call._finish(None, exc)
+            self._answer(future, None, exc)
             return
         self.replies += 1
         self.epoch = self.client.attachments   # the client may have re-attached on its own
-        call._finish(value, None)
+        self._answer(future, value, None)
 
     def _lose(self, exc: BaseException) -> None:
         """The connection is gone: down until ``_attach`` re-attaches the same client."""
         self.up = False
-        logger.warning("kvtier: %s lost kvtierd (%s); the engine serves without it (every lookup a miss, nothing "
-                       "stored) and re-attaches within %gs", self.what, exc, self.retry_s)
-        self._said_down = True
+        self._away.lost(exc)
         self._unwatch()

@@ -1,15 +1,15 @@
-"""The KV events of an engine's kvtier namespace: kvtierd's event log, read on the manager's link
-thread, handed to vLLM as the OffloadingEvents (medium CPU) that
-``KvtierOffloadingManager.take_events`` will return, so that vLLM's own publisher announces every
-block of the shared tier this engine can load — stored by any engine of the namespace, removed
-for any cause (docs/events.md).
+"""The KV events of an engine's kvtier namespace: kvtierd's event log, read on the link thread,
+queued for the scheduler as (removed, OffloadKeys) pairs, which ``KvtierOffloadingManager.take_events``
+hands to vLLM as OffloadingEvents (medium CPU), so that vLLM's own publisher announces every block
+of the shared tier this engine can load — stored by any engine of the namespace, removed for any
+cause (docs/events.md).
 
 - ``poll(read)`` (link thread): reads the log from the feed's cursor (``read`` sends one events
   request and returns its reply), a few replies at most until it caught up, and queues the
   changes of its ``kvtier.events.EventView``. A feed that fell behind the daemon's log (or a
   restarted daemon) is reset there: its next changes are exactly the difference between what
   it announced and what kvtierd holds.
-- ``take()`` (scheduler thread, ``take_events``): the queued events; never waits on kvtierd.
+- ``take()`` (scheduler thread, ``take_events``): the queued changes; never waits on kvtierd.
 - ``due()``: whether to send a poll now: none in flight, and the queue below
   ``max_pending_keys`` (an engine that does not step, and so does not drain it, stops the
   polls; kvtierd's log keeps or drops the history, and the feed resyncs when it reads again).
@@ -21,11 +21,9 @@ import functools
 import threading
 from typing import Callable
 
-from vllm.v1.kv_offload.base import Medium, OffloadingEvent
-
 from kvtier.events import EventView
 
-from .settings import offload_keys
+from .keys import offload_keys
 
 # Replies one poll reads at most (each up to kvtierd's MAX_EVENT_KEYS keys) before it lets the
 # link serve other calls.
@@ -37,7 +35,7 @@ class EventFeed:
         self.view = EventView(keep=functools.partial(offload_keys, key_bytes=key_bytes, num_groups=num_groups))
         self.max_pending_keys = max_pending_keys
         self._lock = threading.Lock()
-        self._pending: list[OffloadingEvent] = []
+        self._pending: list[tuple[bool, list[bytes]]] = []       # (removed, keys), in order
         self._pending_keys = 0
         self._polling = False
         self.announced = 0                # keys handed to vLLM (stored + removed)
@@ -47,25 +45,24 @@ class EventFeed:
 
     def poll(self, read: Callable[[dict], dict]) -> None:
         """(link thread) Read the log until caught up (``POLL_REPLIES`` replies at most) and queue
-        the view's changes as OffloadingEvents."""
+        the view's changes."""
         self._polling = True
         try:
             for _ in range(POLL_REPLIES):
                 reply = read(self.view.request())
-                events = [OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed)
-                          for removed, keys in self.view.apply(reply)]
-                if events:
+                changes = list(self.view.apply(reply))
+                if changes:
                     with self._lock:
-                        self._pending.extend(events)
-                        self._pending_keys += sum(len(e.keys) for e in events)
+                        self._pending.extend(changes)
+                        self._pending_keys += sum(len(keys) for _, keys in changes)
                 if not reply["behind"] and not self.view.resyncing:
                     break
         finally:
             self._polling = False
 
-    def take(self) -> list[OffloadingEvent]:
-        """(scheduler thread) The events queued since the last call, in order."""
+    def take(self) -> list[tuple[bool, list[bytes]]]:
+        """(scheduler thread) The changes queued since the last call, in order: (removed, keys)."""
         with self._lock:
-            events, self._pending, self._pending_keys = self._pending, [], 0
-        self.announced += sum(len(e.keys) for e in events)
-        return events
+            changes, self._pending, self._pending_keys = self._pending, [], 0
+        self.announced += sum(len(keys) for _, keys in changes)
+        return changes

@@ -1,0 +1,151 @@
+"""Namespaces: what every entry of one namespace has in common, and the region's namespace table.
+
+A namespace is a ``NamespaceId`` (model, dtype, tokens per block, bytes per block and rank,
+sharding; invariant 8) recorded in a slot of the region's namespace table, so that recovery and
+offline tools know it. ``Namespaces`` keeps the live ones by id and by slot and writes their
+records. Which namespace to take over when the table is full is the index's decision
+(``Index.namespace``: it must first free the namespace's entries, and nothing may free what a
+writer or reader may still touch).
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import repeat
+from operator import attrgetter
+from typing import Iterator
+
+import numpy as np
+
+from .contract.namespace import NamespaceId
+from .contract.protocol import PAGES_DTYPE
+from .contract.region_format import ENTRY_DTYPE, NS_CHECKSUMS, EntryState, RegionView, namespace_identities, \
+    namespace_record
+from .recovery import RegionScan
+
+log = logging.getLogger(__name__)
+
+_PAGES = attrgetter("pages")
+_STATE = attrgetter("state")
+_READY = bytes([EntryState.READY])
+
+
+class _Absent:
+    """Stands in for a key the namespace does not hold, so that a state can be read for every key."""
+    state = EntryState.FREE
+
+
+_ABSENT = _Absent()
+
+
+class Namespace:
+    """One namespace's entries, and what every entry of it has in common."""
+
+    __slots__ = ("slot", "id", "index", "shards", "pages_per_shard", "entry_pages", "shard_bytes", "record",
+                 "users", "identity")
+
+    def __init__(self, slot: int, ns_id: NamespaceId, page_size: int, identity: int):
+        self.slot = slot                  # in the region's namespace table
+        self.id = ns_id
+        self.identity = identity          # namespace_identities of its record: every entry's record_sum covers it
+        self.index: dict = {}             # key → Entry (kvtierd.index)
+        self.shards = ns_id.shards
+        self.pages_per_shard = ns_id.pages_per_shard(page_size)
+        self.entry_pages = ns_id.entry_pages(page_size)
+        self.shard_bytes = self.pages_per_shard * 4   # bytes of one shard's page list
+        self.users = 0                    # attached engines of this namespace
+        # What every new entry record of this namespace starts from.
+        self.record = np.zeros(1, ENTRY_DTYPE)
+        self.record[["state", "ns", "page_count", "length"]] = (EntryState.WRITING, slot, self.entry_pages,
+                                                                 ns_id.entry_bytes)
+
+    def ready(self, keys: list[bytes]) -> list:
+        """The entries of the leading keys that are READY (a C-level pass over the keys)."""
+        entries = list(map(self.index.get, keys, repeat(_ABSENT)))
+        states = bytes(map(_STATE, entries))               # one byte per key
+        hits = len(states) - len(states.lstrip(_READY))
+        return entries if hits == len(entries) else entries[:hits]
+
+    def find(self, keys: list[bytes]) -> list:
+        """The entry of each key (READY or WRITING), or None."""
+        return list(map(self.index.get, keys))
+
+    def pages_for(self, entries: list, rank: int | None) -> list[bytes]:
+        """The pages ``rank`` copies of each entry, in order: the whole chain of a replicated
+        entry (its one copy: rank 0 writes it, every rank loads it), run ``rank`` of a sharded one;
+        the whole chain of every entry for ``rank`` None (a writer of whole entries: the tier).
+
+        One call for a job's entries: per entry it would be a Python frame per key."""
+        if self.shards == 1 or rank is None:
+            return list(map(_PAGES, entries))
+        lo, hi = rank * self.shard_bytes, (rank + 1) * self.shard_bytes
+        return [e.pages[lo:hi] for e in entries]
+
+    def shard_pages(self, entries: list) -> np.ndarray:
+        """The entries' pages as [entry, shard, page of the shard] (one shard when replicated)."""
+        return np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).reshape(
+            len(entries), self.shards, self.pages_per_shard)
+
+
+class Namespaces:
+    """The live namespaces of a region (by id and by table slot) and their records."""
+
+    def __init__(self, view: RegionView, page_size: int, checksums: bool):
+        self.view = view
+        self.page_size = page_size
+        self.checksums = checksums        # new records say that their entries carry data checksums
+        self.by_id: dict[NamespaceId, Namespace] = {}
+        self.by_slot: dict[int, Namespace] = {}
+
+    def recover(self, found: RegionScan) -> None:
+        """The namespaces ``recovery.scan`` found sound; damaged records are discarded."""
+        table = self.view.namespaces
+        for slot, why in found.damaged_namespaces.items():
+            log.warning("namespace slot %d is damaged (%s); discarding it and its entries", slot, why)
+            table[slot]["in_use"] = 0
+        flag = NS_CHECKSUMS if self.checksums else 0
+        for slot, ns_id in found.namespaces.items():
+            self._live(slot, ns_id)
+            if int(table[slot]["flags"]) & NS_CHECKSUMS != flag:
+                table[slot] = namespace_record(ns_id, flag)   # the setting changed: it follows
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __iter__(self) -> Iterator[Namespace]:
+        return iter(list(self.by_id.values()))
+
+    def get(self, ns_id: NamespaceId) -> Namespace | None:
+        return self.by_id.get(ns_id)
+
+    def at(self, slot: int) -> Namespace:
+        """The namespace recorded in table slot ``slot``."""
+        return self.by_slot[slot]
+
+    def free_slot(self) -> int | None:
+        """A table slot no namespace holds, if any."""
+        free = np.flatnonzero(self.view.namespaces["in_use"] == 0)
+        return int(free[0]) if len(free) else None
+
+    def add(self, ns_id: NamespaceId, slot: int) -> Namespace:
+        """Record ``ns_id`` in the free table slot ``slot``."""
+        self.view.namespaces[slot] = namespace_record(ns_id, NS_CHECKSUMS if self.checksums else 0)
+        log.info("namespace %d: %s", slot, ns_id.name())
+        return self._live(slot, ns_id)
+
+    def drop(self, ns: Namespace) -> None:
+        """Forget ``ns`` and free its table slot (its entries are gone already)."""
+        assert not ns.index and not ns.users, "dropping a namespace still in use"
+        del self.by_id[ns.id]
+        del self.by_slot[ns.slot]
+        self.view.namespaces[ns.slot]["in_use"] = 0
+
+    def _live(self, slot: int, ns_id: NamespaceId) -> Namespace:
+        ns = Namespace(slot, ns_id, self.page_size, int(namespace_identities(self.view.namespaces[slot:slot + 1])[0]))
+        self.by_id[ns_id] = ns
+        self.by_slot[slot] = ns
+        return ns
+
+    def stats(self) -> list[dict]:
+        return [{"slot": ns.slot, "name": ns.id.name(), "entries": len(ns.index),
+                 "entry_pages": ns.entry_pages} for ns in self.by_id.values()]
