@@ -1,9 +1,10 @@
 """``EventView``: a reader's copy of one namespace's READY keys, kept equal to kvtierd's through the
 events op, and the changes to announce as it moves.
 
-A reader (the vLLM plugin's manager, on its link thread) asks with ``request()``'s fields and
-hands each reply to ``apply``, which returns what changed in the view, in order: lists of keys
-stored and removed, ready to become an engine's KV events. The view never jumps silently:
+A reader (the vLLM plugin's manager, on its link thread) asks with ``request()``'s fields
+(``Coordinator.events(**view.request())``) and hands each reply to ``apply``, which returns what
+changed in the view, in order: lists of keys stored and removed, ready to become an engine's KV
+events. The view never jumps silently:
 
 - a reply that continues the cursor gives records, applied in sequence order; a key is
   announced as stored only when it was not in the view, as removed only when it was;
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Callable
 
 from kvtierd.contract.events import Kind, split_keys
+from kvtierd.contract.protocol import EventsReply
 
 # A change to announce: (removed, keys) — removed False: the keys became loadable.
 Change = tuple[bool, list]
@@ -45,15 +47,15 @@ class EventView:
         """The events op's fields for the next read."""
         return {"epoch": self.epoch, "cursor": self.cursor, "snapshot_from": self.snapshot_from}
 
-    def apply(self, reply: dict) -> list[Change]:
+    def apply(self, reply: EventsReply) -> list[Change]:
         """Apply one events reply; returns the changes of the view, in order."""
-        if reply["reset"]:
+        if reply.reset:
             self._building = set()
             self.resets += 1
-        self.epoch, self.cursor, self.snapshot_from = reply["epoch"], reply["seq"], reply["snapshot_next"]
+        self.epoch, self.cursor, self.snapshot_from = reply.epoch, reply.seq, reply.snapshot_next
         building = self._building
         changes: list[Change] = []
-        for _seq, kind, _cause, key_len, blob in reply["records"]:
+        for _seq, kind, _cause, key_len, blob in reply.records:
             keys = self.keep(key_len, blob)
             if building is not None:
                 (building.update if kind == Kind.STORED else building.difference_update)(keys)
@@ -68,7 +70,7 @@ class EventView:
                     self.keys.difference_update(gone)
                     changes.append((True, gone))
         if building is not None:
-            for key_len, blob in reply["snapshot"]:
+            for key_len, blob in reply.snapshot:
                 building.update(self.keep(key_len, blob))
             if self.snapshot_from is None:
                 changes = self._replace(building)

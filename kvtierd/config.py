@@ -266,6 +266,11 @@ SETTINGS: tuple[Setting, ...] = (
             "wait for: those blocks are dropped).", lo=0, hi=0.5),
     Setting("tier_exclude", "str", "", "Models (comma-separated, as a namespace's model field) whose blocks never "
             "go to nor come from the second tier."),
+    # KV cache events (docs/events.md).
+    Setting("events_log_bytes", "size", "64MiB", "Memory for the event log: per namespace that an engine (or the "
+            "daemon's own KV events stream) follows, the keys that became READY and that left, for readers to "
+            "catch up from; past it the oldest records go, and a reader that had not read them is resynced "
+            "from a snapshot.", lo=1 << 20, hi=1 << 40),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

@@ -180,7 +180,7 @@ class Daemon:
                       max_leased_keys_per_engine=c.max_leased_keys_per_engine, max_leased_keys=c.max_leased_keys,
                       max_writer_rows=max_writer_rows, max_writer_rows_per_peer=c.max_writer_rows_per_peer,
                       held_shares=(c.max_held_share_per_engine, c.max_held_share_per_namespace, c.max_held_share),
-                      tier=build_tier(c, self.region.paths, self.region.geometry))
+                      events_log_bytes=c.events_log_bytes, tier=build_tier(c, self.region.paths, self.region.geometry))
         # The recovered index (up to millions of entries) lives as long as the daemon: keep it
         # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
         gc.freeze()

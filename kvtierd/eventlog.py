@@ -23,6 +23,11 @@ cursor, and the log forgets its oldest records to stay within its memory budget.
 - **Consistency with the index.** The observer must append before the daemon serves the next
   request, and the snapshot reads the entry table, whose state byte says READY exactly while the
   index does (kvtierd.index): then a snapshot page and the records agree at every read.
+- **Fed by the index's events** (``Recorder``, a listener of ``kvtierd.events``): a namespace's
+  log is kept from its first read on (``follow``; every namespace's while the daemon publishes
+  its own stream), so that a namespace nobody follows costs nothing; its first read resets onto
+  a snapshot anyway. Logs are keyed by the namespace's table slot; a slot taken over by another
+  namespace ends the log (``forget``): a reader of the new one starts on a new epoch.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 
 from .contract.events import Cause, Kind
 from .contract.region_format import EntryState
+from .events import EntryEvents, Gone
 
 # A record holds at most this many keys (a batch is cut into several), so that any reply of at
 # least RECORD_KEYS keys moves a reader on by at least one record.
@@ -170,6 +176,7 @@ class EventLog:
         # Counters (kvtierd_events_*): keys appended by kind, keys dropped unread or not, reads
         # that reset a reader, snapshot keys sent.
         self.appended = {Kind.STORED: 0, Kind.REMOVED: 0}
+        self.removed_by_cause = dict.fromkeys((c.value for c in Cause), 0)
         self.dropped_keys = 0
         self.resets = 0
         self.snapshot_keys = 0
@@ -181,7 +188,9 @@ class EventLog:
 
     def removed(self, ns: Hashable, keys: Sequence[bytes], cause: Cause) -> None:
         """READY ``keys`` of ``ns`` left, for ``cause``."""
-        self._append(ns, Kind.REMOVED, Cause(cause).value, keys)
+        cause = Cause(cause).value
+        self._append(ns, Kind.REMOVED, cause, keys)
+        self.removed_by_cause[cause] += len(keys)
 
     def forget(self, ns: Hashable) -> None:
         """The namespace is gone (its slot reclaimed for another): its log ends; a reader of it
@@ -268,10 +277,51 @@ class EventLog:
         return log.keys - (first.upto - first.count)
 
     def stats(self) -> dict:
-        return {"events_log_bytes": self.bytes, "events_log_namespaces": len(self._logs),
-                "events_stored_keys": self.appended[Kind.STORED], "events_removed_keys": self.appended[Kind.REMOVED],
-                "events_dropped_keys": self.dropped_keys, "events_resets": self.resets,
-                "events_snapshot_keys": self.snapshot_keys}
+        """The log's part of ``StatsReply.events`` (docs/operations.md, kvtierd_events_*)."""
+        return {"log_bytes": self.bytes, "log_budget_bytes": self.budget_bytes, "namespaces": len(self._logs),
+                "stored_keys": self.appended[Kind.STORED], "removed_keys": dict(self.removed_by_cause),
+                "dropped_keys": self.dropped_keys, "resets": self.resets, "snapshot_keys": self.snapshot_keys}
+
+
+# The index's reasons for entries leaving, as a removal record names them (ABORTED: never READY,
+# never announced: no record).
+CAUSES = {Gone.EVICTED: Cause.EVICTED, Gone.AHEAD: Cause.EVICTED, Gone.CLEARED: Cause.CLEARED,
+          Gone.RECLAIMED: Cause.RECLAIMED, Gone.REGION_REPLACED: Cause.REGION_REPLACED}
+
+
+class Recorder(EntryEvents):
+    """The index's events into the event log, for the namespaces someone follows (see the module
+    docstring). ``follow_all``: every namespace (the daemon's own KV events stream is on)."""
+
+    def __init__(self, log: EventLog, follow_all: bool = False):
+        self.log = log
+        self.follow_all = follow_all
+        self._followed: dict[int, object] = {}      # table slot → the namespace whose log it holds
+
+    def follow(self, ns) -> int:
+        """Keep ``ns``'s log from now on (a reader asks for it); returns its key in the log."""
+        owner = self._followed.get(ns.slot)
+        if owner is not ns:
+            if owner is not None:
+                self.log.forget(ns.slot)             # the slot changed hands without a removal to tell
+            self._followed[ns.slot] = ns
+        return ns.slot
+
+    def ready(self, ns, slots: np.ndarray, keys: list[bytes]) -> None:
+        if self.follow_all or self._followed.get(ns.slot) is ns:
+            self.log.stored(self.follow(ns), keys)
+
+    def leaving(self, cause: Gone, slots: np.ndarray, keys: list[bytes], namespaces: np.ndarray) -> None:
+        if cause is Gone.ABORTED:
+            return
+        followed = [n for n in np.unique(namespaces).tolist() if n in self._followed]
+        for n in followed:
+            mine = keys if len(followed) == 1 and (namespaces == n).all() else \
+                [keys[i] for i in np.flatnonzero(namespaces == n).tolist()]
+            self.log.removed(n, mine, CAUSES[cause])
+            if cause is Gone.RECLAIMED:
+                self.log.forget(n)
+                del self._followed[n]
 
 
 def _runs(keys: Sequence[bytes]) -> list[tuple[int, bytes]]:

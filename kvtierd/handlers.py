@@ -1,5 +1,5 @@
 """What the daemon does for each request of the protocol: the client socket's ops (hello, bye,
-ping, lookup, store, commit, load, unlease, release, abort, jobs, stats) and the admin socket's
+ping, lookup, store, commit, load, unlease, release, abort, jobs, events, stats) and the admin socket's
 (clients, evict, clear, stats, ping), each from (identity, session, request fields) to its
 declared reply (``protocol.REPLIES``, ``ADMIN_REPLIES``). No sockets and no loop: the server
 (``kvtierd.server``) decodes a frame, calls the op's handler and encodes what it returns.
@@ -24,6 +24,7 @@ from typing import Callable
 
 from .attachments import Session, SessionEnd
 from .contract import protocol as P
+from .contract.events import MAX_EVENT_KEYS
 from .contract.namespace import NamespaceId
 from .contract.protocol import ErrorCode, RequestError
 from .peers import Conn
@@ -69,7 +70,7 @@ class Handlers:
         self.client: dict[str, Callable[[bytes, Session | None, dict], P.Reply]] = {
             "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
             "store": self._store, "commit": self._commit, "load": self._load, "unlease": self._unlease,
-            "release": self._release, "abort": self._abort, "jobs": self._jobs,
+            "release": self._release, "abort": self._abort, "jobs": self._jobs, "events": self._events,
             "stats": lambda identity, session, msg: stats(),
         }
         self.admin: dict[str, Callable[[dict], P.Reply | Later]] = {
@@ -194,6 +195,11 @@ class Handlers:
 
     def _jobs(self, identity: bytes, session: Session, msg: dict) -> P.JobsReply:
         return P.JobsReply(self.store.job_states(session, msg["jobs"]))
+
+    def _events(self, identity: bytes, session: Session, msg: dict) -> P.EventsReply:
+        read = self.store.events(session, msg.get("epoch"), msg.get("cursor"), msg.get("snapshot_from"),
+                                 msg.get("max_keys", MAX_EVENT_KEYS))
+        return P.EventsReply(**read.to_wire())
 
     # ------------------------------------------------------------------ admin ops
     def _clients(self, msg: dict) -> P.ClientsReply:

@@ -27,6 +27,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
+from .contract.events import Cause
 from .contract.protocol import REQUESTS, AbortCause, ErrorCode, JobKind, StatsReply
 from .fence import ROW_CAPS, Reason, Release
 from .histogram import Histogram
@@ -62,6 +63,7 @@ LABEL_VALUES: dict[str, Callable[[StatsReply], Iterable[str]]] = {
     "hold_capped_keys": lambda s: HOLD_CAPS,
     "tier_seal_rejected_blocks": lambda s: SEAL_REASONS,
     "tier_disk_errors": lambda s: DISK_ERROR_CAUSES,
+    "events_removed_keys": lambda s: [c.value for c in Cause],
 }
 TIER_ERROR_CODES = (*TIER_ERRORS, LinkBusy.code)
 
@@ -199,8 +201,29 @@ class DaemonCollector:
                          _every_op(REQUESTS, s.latency))
         yield _histogram("kvtierd_vote_wait_seconds", "Time from a store job's first request to its last vote.",
                          None, {"": s.vote_wait})
+        yield from events_families(s.events, gauge, counter, labelled)
         if tier is not None:
             yield from tier_families(tier, gauge, counter, labelled)
+
+
+def events_families(e: dict, gauge, counter, labelled) -> Iterator[Metric]:
+    """The event log's families (``Store.events_stats``; docs/events.md)."""
+    yield gauge("events_log_bytes", "Bytes the event log holds (bounded by events_log_bytes).", e["log_bytes"])
+    yield gauge("events_namespaces", "Namespaces whose event log is kept (followed by a reader or the daemon's "
+                "stream).", e["namespaces"])
+    yield counter("events_stored_keys", "Keys the event log recorded as READY.", e["stored_keys"])
+    yield labelled(CounterMetricFamily, "events_removed_keys", "Keys the event log recorded as gone, by cause: "
+                   "evicted (room, or ahead of need for the second tier), cleared (kvtierctl evict/clear), "
+                   "reclaimed (their namespace's slot taken over), region_replaced.", "cause", e["removed_keys"])
+    yield counter("events_dropped_keys", "Keys of records the event log dropped to stay within events_log_bytes "
+                  "(a reader that had not read them is resynced from a snapshot).", e["dropped_keys"])
+    yield counter("events_resets", "Reads that reset a reader that fell behind the log (or read across a "
+                  "restart) onto a snapshot.", e["resets"])
+    yield counter("events_snapshot_keys", "Keys sent in snapshot pages to readers being resynced.",
+                  e["snapshot_keys"])
+    yield gauge("events_readers", "Coordinator sessions that read their namespace's events.", e["readers"])
+    yield gauge("events_reader_lag_keys", "Keys recorded after the cursor of the reader furthest behind.",
+                e["reader_lag_keys"])
 
 
 def tier_families(t: dict, gauge, counter, labelled) -> Iterator[Metric]:

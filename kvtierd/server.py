@@ -394,6 +394,7 @@ class Server:
             checksums=self.store.checksums,
             connections=len(self.connections),
             connections_refused=dict(self.connections.refused),
+            events=self.store.events_stats(),
         )
 
     def _replace_data(self) -> None:

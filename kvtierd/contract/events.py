@@ -27,8 +27,7 @@ class Cause(str, enum.Enum):
     announced, so their end is no removal."""
 
     EVICTED = "evicted"                   # room for a store, or ahead of need (the second tier)
-    OPERATOR = "operator"                 # kvtierctl evict
-    CLEARED = "cleared"                   # kvtierctl clear
+    CLEARED = "cleared"                   # kvtierctl evict or clear
     RECLAIMED = "reclaimed"               # the namespace's table slot was taken over
     REGION_REPLACED = "region_replaced"   # the region file was truncated and replaced
 

@@ -41,6 +41,7 @@ from typing import Any, Callable, ClassVar, TypeVar
 
 import msgpack
 
+from .events import MAX_EVENT_KEYS
 from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 
 # 2: hello's "layout" map became "namespace", its "kind" field "sharding".
@@ -53,7 +54,9 @@ from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 #    skipped_leased and revoked_leases; the lease counters in stats, leases per session in clients.
 # 5: lookup replies say how many keys after the hits are being promoted from the second tier
 #    (pending); evict/clear replies say whether they reached it; stats carry the tier (issue 16).
-PROTOCOL_VERSION = 5
+# 6: the events op: a coordinator session reads its namespace's event log after a cursor (what
+#    became READY and what left, kvtierd.eventlog); stats carry the log's counters (issue 23).
+PROTOCOL_VERSION = 6
 
 # --- limits (enforced before any allocation) ------------------------------------------------
 MAX_FRAME_BYTES = 4 * 1024 * 1024      # a request frame larger than this is refused undecoded
@@ -222,6 +225,14 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "abort": {"job": JOB},
     "jobs": {"jobs": Field("ints", lo=0, hi=MAX_JOB_ID)},
     "stats": {},
+    # A coordinator session reads its namespace's event log (kvtierd.eventlog): the records after
+    # ``cursor`` of log ``epoch`` (both None, or a cursor the log cannot continue: the reply resets
+    # the reader onto a snapshot), the snapshot page from entry slot ``snapshot_from`` while one is
+    # in progress, at most about ``max_keys`` keys of records and as many of snapshot.
+    "events": {"epoch": _int(0, 1 << 63, nullable=True, required=False),
+               "cursor": _int(0, 1 << 63, nullable=True, required=False),
+               "snapshot_from": _int(0, 1 << 32, nullable=True, required=False),
+               "max_keys": _int(1, MAX_EVENT_KEYS, required=False)},
 }
 
 # Ops that need an attached session (everything but hello and stats).
@@ -638,6 +649,21 @@ class StatsReply(Reply):
     connections_refused: dict         # why connections were closed at once (total | per_peer) → count
     tier: dict                        # the second tier: {"backend": "off"} or its state and counters
                                       # (kvtierd.tiering: CompanionTier.stats; docs/operations.md)
+    events: dict                      # the event log and its readers (kvtierd.eventlog: EventLog.stats,
+                                      # docs/events.md), and the daemon's KV events stream when it publishes
+
+
+@_shape
+class EventsReply(Reply):
+    """The events op: records of the session's namespace after the cursor (kvtierd.contract.events)."""
+
+    epoch: int                        # the log's epoch: send it back with the cursor
+    seq: int                          # the cursor to send next
+    reset: bool                       # start the view again from empty (the cursor could not be continued)
+    records: list                     # [seq, kind, cause, key_len, keys] each, in order
+    snapshot: list                    # [key_len, keys] runs: READY keys of a range of entry slots
+    snapshot_next: int | None         # the slot the next snapshot page starts at (None: no snapshot in progress)
+    behind: int                       # records after ``seq`` still to read
 
 
 @_shape
@@ -664,7 +690,7 @@ class EvictReply(Reply):
 REPLIES: dict[str, type[Reply]] = {
     "hello": HelloReply, "ping": PingReply, "bye": EmptyReply, "lookup": LookupReply, "store": StoreReply,
     "commit": EmptyReply, "load": LoadReply, "unlease": UnleaseReply, "release": EmptyReply, "abort": EmptyReply,
-    "jobs": JobsReply, "stats": StatsReply,
+    "jobs": JobsReply, "stats": StatsReply, "events": EventsReply,
 }
 ADMIN_REPLIES: dict[str, type[Reply]] = {
     "stats": StatsReply, "ping": AdminPingReply, "clients": ClientsReply, "evict": EvictReply, "clear": EvictReply,

@@ -22,6 +22,7 @@ import pytest
 from kvtierd import config
 from kvtierd.attachments import Attachments, SessionEnd
 from kvtierd.contract import protocol as P
+from kvtierd.contract.events import Cause
 from kvtierd.fence import ROW_CAPS, Reason, Release
 from kvtierd.histogram import Histogram
 from kvtierd.holds import CAPS as HOLD_CAPS
@@ -128,6 +129,9 @@ def snapshot(pinned: str, tier: bool = True) -> P.StatsReply:
         policy_segments={segment: 1 for segment in policy_segments()},
         policy_evictions={segment: 1 for segment in policy_segments()}, policy_extra={},
         tier=tier_snapshot() if tier else {"backend": "off"},
+        events={"log_bytes": 1, "log_budget_bytes": 2, "namespaces": 1, "stored_keys": 3,
+                "removed_keys": {cause.value: 1 for cause in Cause}, "dropped_keys": 1, "resets": 1,
+                "snapshot_keys": 1, "readers": 1, "reader_lag_keys": 1},
     )
 
 

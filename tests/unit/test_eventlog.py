@@ -16,13 +16,14 @@ from hypothesis import strategies as st
 
 from kvtier.events import EventView
 from kvtierd.contract.events import Cause, Kind, split_keys
+from kvtierd.contract.protocol import EventsReply
 from kvtierd.eventlog import RECORD_KEYS
 from tests.eventlog import Table
 
 
-def wire(read) -> dict:
+def wire(read) -> EventsReply:
     """The reply as a reader receives it (through msgpack, as the protocol sends it)."""
-    return msgpack.unpackb(msgpack.packb(read.to_wire(), use_bin_type=True), raw=False)
+    return EventsReply.from_wire(msgpack.unpackb(msgpack.packb(read.to_wire(), use_bin_type=True), raw=False))
 
 
 def read(table: Table, ns: int, view: EventView, max_keys: int, announced: set) -> dict:
@@ -35,7 +36,7 @@ def read(table: Table, ns: int, view: EventView, max_keys: int, announced: set) 
 def catch_up(table: Table, ns: int, view: EventView, max_keys: int, announced: set) -> None:
     for _ in range(10_000):
         reply = read(table, ns, view, max_keys, announced)
-        if not reply["behind"] and not view.resyncing:
+        if not reply.behind and not view.resyncing:
             return
     raise AssertionError("the reader never caught up")
 
@@ -78,14 +79,14 @@ def test_records_are_batched_and_continue_from_the_cursor():
     table = Table(64, 1 << 20, scan_slots=64)
     view = EventView()
     first = wire(table.log.read(0, None, None, None, 100))
-    assert first["reset"] and first["seq"] == 0 and first["snapshot_next"] is None
+    assert first.reset and first.seq == 0 and first.snapshot_next is None
     view.apply(first)
     keys = [bytes([i]) * 36 for i in range(10)]
     table.store(0, keys[:6])
     table.remove(0, keys[:2], Cause.CLEARED)
     table.store(0, keys[6:])
     reply = wire(table.log.read(0, view.epoch, view.cursor, view.snapshot_from, 100))
-    assert not reply["reset"] and [r[:4] for r in reply["records"]] == [
+    assert not reply.reset and [r[:4] for r in reply.records] == [
         [1, Kind.STORED, None, 36], [2, Kind.REMOVED, "cleared", 36], [3, Kind.STORED, None, 36]]
     assert view.apply(reply) == [(False, keys[:6]), (True, keys[:2]), (False, keys[6:])]
     assert table.log.read(0, view.epoch, view.cursor, None, 100).records == []
@@ -100,9 +101,9 @@ def test_a_large_batch_is_cut_into_records_and_a_small_reply_still_moves_on():
     counts = []
     while True:
         reply = wire(table.log.read(0, view.epoch, view.cursor, view.snapshot_from, 10))
-        if not reply["records"]:
+        if not reply.records:
             break
-        counts.append(len(reply["records"][0][4]) // 36)
+        counts.append(len(reply.records[0][4]) // 36)
         view.apply(reply)
     assert counts == [RECORD_KEYS, RECORD_KEYS, 5] and view.keys == set(keys)
 
@@ -123,7 +124,7 @@ def test_a_reader_that_fell_behind_is_reset_and_told_what_left():
     while True:
         reply = wire(table.log.read(0, view.epoch, view.cursor, view.snapshot_from, 3))
         changes += view.apply(reply)
-        if not reply["behind"] and not view.resyncing:
+        if not reply.behind and not view.resyncing:
             break
     assert view.resets == 2 and table.log.resets == 1   # the first read, then the fall
     assert changes == [(True, sorted(keys[:5], key=keys.index)), (False, keys[10:12])] or \
@@ -186,5 +187,5 @@ def test_memory_stays_within_the_budget_when_nobody_reads():
     assert log.bytes <= budget and log.dropped_keys > 0
     assert after_many < after_few * 1.2 + (1 << 20)
     stats = log.stats()
-    assert stats["events_stored_keys"] == 6600 * 256 and stats["events_log_bytes"] == log.bytes
-    assert stats["events_dropped_keys"] == log.dropped_keys and stats["events_log_namespaces"] == 1
+    assert stats["stored_keys"] == 6600 * 256 and stats["log_bytes"] == log.bytes
+    assert stats["dropped_keys"] == log.dropped_keys and stats["namespaces"] == 1

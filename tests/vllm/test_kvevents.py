@@ -200,7 +200,7 @@ def test_a_subscriber_holds_exactly_the_ready_blocks_of_each_namespace(stream):
     pub.flush()
     stream.table.store(0, a[60:])
     stream.table.remove(0, a[:20])
-    stream.table.remove(1, b[:5], Cause.OPERATOR)
+    stream.table.remove(1, b[:5], Cause.CLEARED)
     pub.flush()
     stream.table.remove(0, list(stream.table.ready(0)), Cause.CLEARED)
     stream.table.store(0, a[:4])
@@ -367,6 +367,7 @@ def test_every_engine_of_the_namespace_announces_what_any_of_them_stored(stream)
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
 
     from kvtier.integrations.offload.events import EventFeed
+    from kvtierd.contract.protocol import EventsReply
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
 
     table = stream.table
@@ -375,8 +376,9 @@ def test_every_engine_of_the_namespace_announces_what_any_of_them_stored(stream)
 
     def engine(ns: int, key_bytes: int = 36, groups: int = 2):
         feed = EventFeed(key_bytes, groups)
-        def read(req: dict) -> dict:          # one events request, through msgpack as the wire sends it
-            return msgpack.unpackb(msgpack.packb(table.log.read(ns, max_keys=64, **req).to_wire()))
+        def read(**req) -> EventsReply:     # one events request, through msgpack as the wire sends it
+            read = table.log.read(ns, max_keys=64, **req)
+            return EventsReply.from_wire(msgpack.unpackb(msgpack.packb(read.to_wire())))
         return feed, read, OffloadingEventsTracker(config)
 
     a, b, other, xx = engine(0), engine(0), engine(1), engine(0, key_bytes=20)

@@ -1,12 +1,12 @@
 """The KV events of an engine's kvtier namespace: kvtierd's event log, read on the link thread,
-queued for the scheduler as (removed, OffloadKeys) pairs, which ``KvtierOffloadingManager.take_events``
-hands to vLLM as OffloadingEvents (medium CPU), so that vLLM's own publisher announces every block
-of the shared tier this engine can load — stored by any engine of the namespace, removed for any
-cause (docs/events.md).
+queued for the scheduler as (removed, OffloadKeys) pairs, which
+``KvtierOffloadingManager.take_events`` hands to vLLM as OffloadingEvents (medium CPU), so that
+vLLM's own publisher announces every block of the shared tier this engine can load — stored by
+any engine of the namespace, removed for any cause (docs/events.md).
 
-- ``poll(read)`` (link thread): reads the log from the feed's cursor (``read`` sends one events
-  request and returns its reply), a few replies at most until it caught up, and queues the
-  changes of its ``kvtier.events.EventView``. A feed that fell behind the daemon's log (or a
+- ``poll(read)`` (link thread): reads the log from the feed's cursor (``read``, e.g.
+  ``Coordinator.events``, sends one events request and returns its reply), a few replies at
+  most until it caught up, and queues the changes of its ``kvtier.events.EventView``. A feed that fell behind the daemon's log (or a
   restarted daemon) is reset there: its next changes are exactly the difference between what
   it announced and what kvtierd holds.
 - ``take()`` (scheduler thread, ``take_events``): the queued changes; never waits on kvtierd.
@@ -22,6 +22,7 @@ import threading
 from typing import Callable
 
 from kvtier.events import EventView
+from kvtierd.contract.protocol import EventsReply
 
 from .keys import offload_keys
 
@@ -43,19 +44,19 @@ class EventFeed:
     def due(self) -> bool:
         return not self._polling and self._pending_keys < self.max_pending_keys
 
-    def poll(self, read: Callable[[dict], dict]) -> None:
+    def poll(self, read: Callable[..., EventsReply]) -> None:
         """(link thread) Read the log until caught up (``POLL_REPLIES`` replies at most) and queue
         the view's changes."""
         self._polling = True
         try:
             for _ in range(POLL_REPLIES):
-                reply = read(self.view.request())
+                reply = read(**self.view.request())
                 changes = list(self.view.apply(reply))
                 if changes:
                     with self._lock:
                         self._pending.extend(changes)
                         self._pending_keys += sum(len(keys) for _, keys in changes)
-                if not reply["behind"] and not self.view.resyncing:
+                if not reply.behind and not self.view.resyncing:
                     break
         finally:
             self._polling = False
