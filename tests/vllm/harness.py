@@ -56,6 +56,7 @@ class EngineRecipe:
     num_blocks_memory: int = 1 << 20   # KV-cache bytes per rank handed to vLLM's planner
     connector: str = "KvtierOffloadingConnector"     # or "OffloadingConnector": the plain spec path
     failure_policy: str = "recompute"                 # kv_load_failure_policy
+    kv_events: dict | None = None                     # vLLM's --kv-events-config (KVEventsConfig's fields)
 
     def extra_config(self) -> dict:
         return {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
@@ -70,7 +71,7 @@ class EngineRecipe:
 def build(recipe: EngineRecipe, rank: int = 0):
     """(vllm_config, kv_cache_config, per-layer specs) for ``rank`` of the recipe's engine."""
     import torch
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
@@ -82,6 +83,7 @@ def build(recipe: EngineRecipe, rank: int = 0):
         cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
         parallel_config=ParallelConfig(tensor_parallel_size=recipe.tp, distributed_executor_backend="mp"),
         kv_transfer_config=KVTransferConfig(**recipe.transfer_config()),
+        **({"kv_events_config": KVEventsConfig(**recipe.kv_events)} if recipe.kv_events else {}),
     )
     vllm_config.scheduler_config.async_scheduling = False
     vllm_config.parallel_config.rank = rank
@@ -253,6 +255,9 @@ class Engine:
         self.connector_scheduler = self.scheduler.connector.connector_scheduler
         self.manager = self.connector_scheduler.manager
         self.first_computed: dict[str, int] = {}     # request -> tokens it had before its first forward
+        # vLLM's KV connector counters (kv_offload_*) summed over the steps' scheduler stats: what
+        # the engine's /metrics shows.
+        self.connector_counters: dict[str, float] = {}
 
     def add_request(self, request_id: str, prompt: list[int], max_tokens: int = 2):
         from vllm import SamplingParams
@@ -294,7 +299,12 @@ class Engine:
         outputs = [ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                      sampled_token_ids=sampled, kv_connector_output=kv)
                    for kv in kv_outputs]
-        self.scheduler.update_from_output(output, self.aggregator.aggregate(outputs))
+        core_outputs = self.scheduler.update_from_output(output, self.aggregator.aggregate(outputs))
+        for core_output in core_outputs.values():
+            stats = core_output.scheduler_stats.kv_connector_stats if core_output.scheduler_stats else None
+            for name, series in (stats or {}).get("data", {}).items():
+                if stats["types"].get(name) == "counter":
+                    self.connector_counters[name] = self.connector_counters.get(name, 0) + sum(series.values())
 
     def serve(self, request_id: str, prompt: list[int], max_tokens: int = 2, timeout: float = 60.0):
         """Add a request and step until it finished and every transfer completed. Returns vLLM's

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from . import identity
 from .manager import KvtierOffloadingManager
+from .settings import announce_hash_algo
 from .spec import KvtierOffloadingSpec
 
 logger = logging.getLogger("vllm.kvtier")
@@ -44,7 +45,8 @@ class KvtierOffloadingConnector(OffloadingConnector):
     """vLLM's OffloadingConnector for kvtier (see the module docstring)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
-        with identity.announce(functools.partial(identity.from_vllm_config, vllm_config)):
+        with identity.announce(functools.partial(identity.from_vllm_config, vllm_config)), \
+                announce_hash_algo(vllm_config.cache_config.prefix_caching_hash_algo):
             super().__init__(vllm_config, role, kv_cache_config)
         ours = (isinstance(self.connector_scheduler.manager, KvtierOffloadingManager) if role == KVConnectorRole.SCHEDULER
                 else isinstance(self.connector_worker.spec, KvtierOffloadingSpec))

@@ -5,7 +5,8 @@
   error, not ignored.
 - **Keys.** vLLM's ``OffloadKey`` is the kvtier key as is, shortened past kvtierd's limit
   (``kvtier.integrations.offload.keys``); ``offload_key_bytes`` is an engine's key length, which
-  its KV events need unshortened.
+  its KV events need unshortened, from its ``prefix_caching_hash_algo`` (``engine_hash_algo``: announced
+  by ``KvtierOffloadingConnector``, which has the VllmConfig that vLLM does not hand a spec).
 - **Namespaces.** ``namespace_id`` builds the engine's ``NamespaceId`` (model, KV dtype, tokens
   per block, bytes per block per rank, sharding). The model part is ``<model name>@<fingerprint>``
   (``identity``: what determines the KV bytes, weights included) with vLLM's KV-cache memory
@@ -21,8 +22,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
@@ -65,6 +69,32 @@ class KvtierSettings:
         if values.get("copier", "auto") not in COPIERS:
             raise ValueError(f"kvtier_copier must be one of {', '.join(COPIERS)}, got {values['copier']!r}")
         return cls(**values)
+
+
+logger = logging.getLogger("vllm.kvtier")
+
+_HASH_ALGO: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvtier_hash_algo", default=None)
+
+
+@contextlib.contextmanager
+def announce_hash_algo(name: str) -> Iterator[None]:
+    """Make ``name`` the block hash algorithm of the spec built inside this block."""
+    token = _HASH_ALGO.set(name)
+    try:
+        yield
+    finally:
+        _HASH_ALGO.reset(token)
+
+
+def engine_hash_algo() -> str:
+    """The engine's ``prefix_caching_hash_algo``: announced (``announce_hash_algo``), else vLLM's
+    default, sha256, which the plain spec path (no VllmConfig) can only assume."""
+    announced = _HASH_ALGO.get()
+    if announced is None:
+        logger.info("kvtier: KV events assume prefix_caching_hash_algo sha256 (vLLM's default): the plain "
+                    "OffloadingConnector path cannot see the engine's; KvtierOffloadingConnector can")
+        return "sha256"
+    return announced
 
 
 def offload_key_bytes(hash_algo: str) -> int:
