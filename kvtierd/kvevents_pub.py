@@ -32,6 +32,12 @@ No call blocks: PUB drops what a slow subscriber cannot take (ZMQ's high-water m
 subscriber sees the gap in the sequence numbers), replays are sent ``replay_batches`` messages per
 call, and a replay that meets the ROUTER's high-water mark is cut short (its subscriber asks
 again).
+
+**In the daemon's loop** (``pump``, once per loop iteration, like the second tier's): replay
+requests are served at once; the log's news is published at most once per ``flush_interval``
+(``kv_events_flush_ms``), so that the stores of a busy loop go out as one batch per namespace
+and interval instead of one per store (what a batch costs besides its keys is most of a small
+store's cost). ``NoStream`` stands in when ``kv_events_endpoint`` is empty.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable
 
 import zmq
 
@@ -51,6 +57,29 @@ from .eventlog import EventLog
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+IDLE_S = 1.0                  # how long the loop may sleep, as far as the stream goes, with no news
+
+
+def topic_of(template: str, node: str, name: str, model: str) -> str:
+    """A namespace's topic (setting ``kv_events_topic``): {node}, {namespace} (``name``) and
+    {model} (the model name up to its first "@": llm-d splits a topic on "@" into three parts)."""
+    return template.format(node=node, namespace=name, model=model.split("@", 1)[0])
+
+
+class NoStream:
+    """No KV events stream (``kv_events_endpoint`` empty): nothing to pump, no sockets."""
+
+    def pump(self, now: float) -> float:
+        return IDLE_S
+
+    def sockets(self) -> Iterable[zmq.Socket]:
+        return ()
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -76,7 +105,8 @@ class KvEventsPublisher:
                  endpoint: str, replay_endpoint: str | None = None, hash_form: wire.HashForm = wire.HashForm.INT,
                  buffer_batches: int = 10_000, buffer_bytes: int = 64 << 20, hwm: int = 100_000,
                  flush_keys: int = 65_536, replay_batches: int = 256, resync_interval: float = 10.0,
-                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic):
+                 flush_interval: float = 0.002, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic):
         self.events = events
         self.namespaces = namespaces              # ns -> its topic, for every namespace the index holds
         self.hash_form = wire.HashForm(hash_form)
@@ -89,6 +119,10 @@ class KvEventsPublisher:
         self._buffered_bytes = 0
         self._replays: deque[_Replay] = deque()
         self._last_resync = float("-inf")
+        self.flush_interval = flush_interval
+        self._last_flush = float("-inf")
+        self._mark = -1               # the log's appended keys at the last flush: news when it moved
+        self._unsettled = True        # a snapshot, a resync or a cut flush is in progress (and at start)
         # The last batch's sequence number. The stream starts at the wall clock in microseconds, not at
         # 0 as a vLLM engine's does: a subscriber of the previous daemon sees the restart as a gap
         # (never as numbers it has seen already) and asks the replay socket, which answers from the
@@ -117,6 +151,25 @@ class KvEventsPublisher:
             raise
         events.forgetting = self._flush_namespace
 
+    # ------------------------------------------------------------------ the loop's side
+    def pump(self, now: float) -> float:
+        """Serve the replay requests; publish the log's news if the last flush is
+        ``flush_interval`` old. Returns the seconds until the stream needs the loop again."""
+        self.serve_replay()
+        if not self._unsettled and sum(self.events.appended.values()) == self._mark:
+            return IDLE_S if not self._replays else 0.0
+        wait = self._last_flush + self.flush_interval - now
+        if wait > 0:
+            return wait
+        self._mark = sum(self.events.appended.values())
+        self._last_flush = now
+        self.flush()
+        return self.flush_interval if self._unsettled or self._replays else IDLE_S
+
+    def sockets(self) -> Iterable[zmq.Socket]:
+        """The sockets the loop polls for the stream: the replay ROUTER."""
+        return () if self.replay is None else (self.replay,)
+
     # ------------------------------------------------------------------ publishing
     def flush(self) -> int:
         """Publish what the log holds past each namespace's cursor, up to ``flush_keys`` keys in
@@ -135,6 +188,8 @@ class KvEventsPublisher:
             count, keys = self._publish_namespace(ns, topic.encode(), budget)
             sent += count
             budget -= keys
+        self._unsettled = budget <= 0 or any(c.seq is None or c.snapshot_from is not None
+                                             for c in self._cursors.values())
         return sent
 
     def _flush_namespace(self, ns: Hashable) -> None:
@@ -185,6 +240,7 @@ class KvEventsPublisher:
     def resync(self) -> None:
         """Publish every namespace again from scratch: AllBlocksCleared, then its READY keys."""
         self._last_resync = self._monotonic()
+        self._unsettled = True
         self.counters["resyncs"] += len(self._cursors)
         for cursor in self._cursors.values():
             cursor.seq = None
@@ -236,9 +292,10 @@ class KvEventsPublisher:
         return sent + 1
 
     def stats(self) -> dict:
-        return {**{f"kvevents_{name}": value for name, value in self.counters.items()},
-                "kvevents_seq": self.seq, "kvevents_buffered_batches": len(self._buffer),
-                "kvevents_buffered_bytes": self._buffered_bytes, "kvevents_replays_pending": len(self._replays)}
+        """The stream's part of ``StatsReply.events`` (``stream``; kvtierd_kvevents_*)."""
+        return {**self.counters, "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "seq": self.seq,
+                "buffered_batches": len(self._buffer), "buffered_bytes": self._buffered_bytes,
+                "replays_pending": len(self._replays)}
 
     def close(self) -> None:
         if self.events.forgetting == self._flush_namespace:

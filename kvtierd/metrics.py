@@ -224,6 +224,20 @@ def events_families(e: dict, gauge, counter, labelled) -> Iterator[Metric]:
     yield gauge("events_readers", "Coordinator sessions that read their namespace's events.", e["readers"])
     yield gauge("events_reader_lag_keys", "Keys recorded after the cursor of the reader furthest behind.",
                 e["reader_lag_keys"])
+    stream = e.get("stream")
+    if stream:                                      # kv_events_endpoint set: the daemon publishes
+        yield counter("kvevents_batches", "KVEventBatch messages the daemon's stream published.", stream["batches"])
+        yield counter("kvevents_events", "Events (BlockStored, BlockRemoved, AllBlocksCleared) in them.",
+                      stream["events"])
+        yield counter("kvevents_sent_bytes", "Bytes of their payloads.", stream["bytes"])
+        yield counter("kvevents_resyncs", "Namespaces published again from AllBlocksCleared (the stream fell "
+                      "behind the event log, or a replay asked for more than its buffer holds).", stream["resyncs"])
+        yield counter("kvevents_replays", "Replay requests served.", stream["replays"])
+        yield counter("kvevents_replay_batches", "Batches sent again to replay requests.", stream["replay_batches"])
+        yield counter("kvevents_replays_cut", "Replays cut short (the subscriber gone or at its high-water mark).",
+                      stream["replays_cut"])
+        yield gauge("kvevents_buffered_batches", "Batches kept for replays (at most kv_events_buffer_batches).",
+                    stream["buffered_batches"])
 
 
 def tier_families(t: dict, gauge, counter, labelled) -> Iterator[Metric]:

@@ -131,7 +131,11 @@ def snapshot(pinned: str, tier: bool = True) -> P.StatsReply:
         tier=tier_snapshot() if tier else {"backend": "off"},
         events={"log_bytes": 1, "log_budget_bytes": 2, "namespaces": 1, "stored_keys": 3,
                 "removed_keys": {cause.value: 1 for cause in Cause}, "dropped_keys": 1, "resets": 1,
-                "snapshot_keys": 1, "readers": 1, "reader_lag_keys": 1},
+                "snapshot_keys": 1, "readers": 1, "reader_lag_keys": 1,
+                "stream": {"batches": 1, "events": 2, "bytes": 3, "resyncs": 1, "replays": 1, "replay_batches": 1,
+                           "replays_cut": 0, "bad_replay_requests": 0, "endpoint": "tcp://*:5557",
+                           "replay_endpoint": None, "seq": 5, "buffered_batches": 1, "buffered_bytes": 10,
+                           "replays_pending": 0}},
     )
 
 

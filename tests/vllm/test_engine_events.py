@@ -9,11 +9,15 @@ decodes what it publishes with vLLM's own msgspec types.
   exactly those blocks;
 - engine C of another namespace publishes no CPU event at all;
 - vLLM's own offloading stats count kvtier's transfers once: the store and load bytes in the
-  scheduler's ``OffloadingConnectorStats`` are kvtierd's own counts (the manager adds none).
+  scheduler's ``OffloadingConnectorStats`` are kvtierd's own counts (the manager adds none);
+- the daemon's own stream (``kv_events_endpoint``), read by a router that subscribes after the
+  stores (the replay socket gives it the stream from its start), follows ``kvtierctl evict`` and
+  a SIGKILLed and restarted daemon (AllBlocksCleared, then the blocks the region kept).
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -26,6 +30,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  
 
 from .harness import BLOCK_TOKENS, EngineRecipe, prompt_blocks, running  # noqa: E402
 from .test_engines import kvtierctl  # noqa: E402
+from .test_kvevents import Subscriber as StreamSubscriber  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -123,3 +128,41 @@ def test_every_engine_of_the_namespace_announces_what_any_stored_and_what_left(s
     finally:
         context.destroy(linger=0)
 
+
+def test_the_daemons_stream_holds_the_nodes_blocks_across_a_late_start_an_evict_and_a_restart(start_daemon,
+                                                                                               tmp_path):
+    daemon = start_daemon("--kv-events-endpoint", f"ipc://{tmp_path}/node.pub", "--kv-events-replay-endpoint",
+                          f"ipc://{tmp_path}/node.replay", "--kv-events-node", "node-a", page_size="4KiB")
+    context = zmq.Context()
+    try:
+        recipe = EngineRecipe("tiny-llama", 1, daemon.socket, "engine-a", kv_events=events_config(tmp_path, "a"))
+        with running(recipe) as (engine, _):
+            own = Subscriber(context, f"ipc://{tmp_path}/a.pub")
+            time.sleep(0.2)
+            engine.serve("a", PROMPT)
+            gpu = set(own.hashes(BlockStored, "GPU"))
+            assert len(gpu) == FULL
+
+        router = StreamSubscriber(context, f"ipc://{tmp_path}/node.pub", f"ipc://{tmp_path}/node.replay")
+        time.sleep(0.2)
+
+        def view() -> set:
+            router.sync()
+            return {h for state in router.state.values() for h, _ in state}
+        assert view() == gpu and router.cleared == 1  # late: everything came from the replay socket
+        assert [topic.split("@")[:2] for topic in router.state] == [["kv", "node-a"]]
+
+        assert kvtierctl(daemon, "evict", "--count", "2")["evicted"] == 2
+        left = view()
+        assert len(left) == FULL - 2 and left < gpu
+
+        daemon.stop(signal.SIGKILL)                 # the blocks stay in the region; a new daemon adopts them
+        daemon.start()
+        deadline = time.monotonic() + 20            # a new stream: its numbers jump; replayed from its start
+        while router.cleared < 2 and time.monotonic() < deadline:
+            view()
+        assert view() == left and router.cleared == 2
+        stats = daemon.stats()["events"]["stream"]
+        assert stats["replays"] >= 1 and stats["batches"] >= 1
+    finally:
+        context.destroy(linger=0)

@@ -87,18 +87,20 @@ class Subscriber:
     restarted) is filled by asking the replay socket; every batch is decoded with vLLM's decoder
     and applied to the topic's set of (hash, group). A subscriber of one topic asks its replays
     with the topic as prefix (the stream's extension), so that it gets only its topic's batches;
-    the gaps the other topics leave in its sequence numbers cost it a replay request each."""
+    the gaps the other topics leave in its sequence numbers cost it a replay request each.
+    ``serve``: lets an in-process publisher answer the replay request (a daemon answers its own)."""
 
-    def __init__(self, context: zmq.Context, publisher: KvEventsPublisher, topic: str = ""):
-        self.publisher = publisher
+    def __init__(self, context: zmq.Context, endpoint: str, replay_endpoint: str, topic: str = "",
+                 serve=lambda: None):
+        self.serve = serve
         self.sub = context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.topic = topic.encode()
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
-        self.sub.connect(publisher.endpoint)
+        self.sub.connect(endpoint)
         self.dealer = context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.connect(publisher.replay_endpoint)
+        self.dealer.connect(replay_endpoint)
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.last = -1
         self.state: dict[str, set] = defaultdict(set)
@@ -138,7 +140,7 @@ class Subscriber:
         self.dealer.send_multipart([b"", start.to_bytes(8, "big")] + ([self.topic] if self.topic else []))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            self.publisher.serve_replay()
+            self.serve()
             if not self.dealer.poll(5):
                 continue
             _, topic, seq_bytes, payload = self.dealer.recv_multipart()
@@ -177,7 +179,7 @@ def stream(tmp_path):
             return pub
 
         def subscribe(self, pub: KvEventsPublisher, topic: str = "") -> Subscriber:
-            sub = Subscriber(context, pub, topic)
+            sub = Subscriber(context, pub.endpoint, pub.replay_endpoint, topic, serve=pub.serve_replay)
             made.append(sub)
             return sub
 
@@ -297,7 +299,7 @@ def test_a_daemon_restart_gives_all_cleared_then_the_recovered_contents(stream):
     stream.table.restart(log_budget=1 << 20, scan_slots=64)
     old_seq = pub.seq
     pub = stream.publisher()
-    sub.publisher = pub
+    sub.serve = pub.serve_replay
     pub.flush()                                  # its first batch: likely lost while the SUB reconnects
     stream.table.store(1, offload_keys(2, 61))
     deadline = time.monotonic() + 10
@@ -417,3 +419,24 @@ def test_every_engine_of_the_namespace_announces_what_any_of_them_stored(stream)
     b[0].poll(b[1])                                      # b last read before keys[20:25] went
     assert engine_events(b[0], b[2]) == (set(), set(map(event_id, keys[20:25] + sorted(lost))))
     assert b[0].view.keys == table.ready(0)
+
+
+def test_the_loop_publishes_the_news_at_most_once_per_flush_interval(stream):
+    """``pump`` (the daemon loop's call): the stores of one interval go out as one batch per
+    namespace; with no news it asks for no wake-up; a replay request is served at once."""
+    now = [50.0]
+    pub = stream.publisher(flush_interval=0.002, monotonic=lambda: now[0])
+    sub = stream.subscribe(pub)
+    assert pub.pump(now[0]) == 1.0                        # at start: every namespace from AllBlocksCleared,
+    batches = pub.counters["batches"]                     # then nothing new: the loop may sleep
+    assert batches == len(TOPICS) and pub.pump(now[0]) == 1.0
+    keys = offload_keys(30, 12)
+    for i in range(0, 30, 3):                             # ten stores within one interval
+        stream.table.store(0, keys[i:i + 3])
+        assert pub.pump(now[0]) == pytest.approx(0.002)   # too soon: the loop comes back then
+    assert pub.counters["batches"] == batches
+    now[0] += 0.002
+    assert pub.pump(now[0]) == 1.0
+    assert pub.counters["batches"] == batches + 1 and pub.counters["events"] >= 30
+    sub.sync()
+    assert sub.state[TOPICS[0]] == stream.truth(0)
