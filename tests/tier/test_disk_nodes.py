@@ -25,6 +25,7 @@ import urllib.request
 
 import pytest
 
+from kvtierbench.harness import HOLD_ALL
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.launcher import DaemonProcess
 from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
@@ -42,13 +43,15 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def disk_nodes():
     """Factory: disk_nodes(address, *extra_args, size=...) → a ready daemon whose second tier is
-    the disk directory ``address``."""
+    the disk directory ``address``. Like the bench's daemons, they let one engine hold the whole
+    region: the tests load a third of a region in one job, which the shares of kvtierd.holds would
+    cut (tests/unit/test_holds.py tests those)."""
     started = []
 
     def start(address: str, *args: str, size: str = "16MiB", low_watermark: float = 0.25, wait: bool = True):
         d = new_daemon("--tier-backend", "disk", "--tier-address", address, "--tier-low-watermark",
                        str(low_watermark), "--tier-timeout", "2", "--tier-cooldown", "1",
-                       "--tier-restart-backoff", "0.5", *args, size=size)
+                       "--tier-restart-backoff", "0.5", *HOLD_ALL, *args, size=size)
         started.append(d)
         d.start()
         if wait:
