@@ -92,9 +92,9 @@ test-tier: tier-install
 bench-tier: tier-install
 	$(BIN)/python -m kvtierbench.tier $(if $(QUICK),--quick)
 
-# One engine in the foreground for manual runs: make tier-up ENGINE=mooncake|redis
+# One second-tier server in the foreground for manual runs: make tier-up SERVER=mooncake|redis
 tier-up: tier-install
-	$(BIN)/python -m kvtierd.tier.engines $(or $(ENGINE),mooncake)
+	$(BIN)/python -m kvtierbench.tierservers $(or $(SERVER),mooncake)
 
 # The long soak: 16 client processes (4 engines x TP=4, two namespaces) for 5 minutes under
 # constant eviction; every loaded block verified by hash; prints its figures. CI runs an 8 s one.

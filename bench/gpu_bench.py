@@ -118,7 +118,7 @@ def one_copy_tp(tp: int, args) -> list[dict]:
 
     import torch
 
-    from kvtierd.launcher import DaemonProcess
+    from kvtierbench.launcher import DaemonProcess
     from tests.gpu.cuda_ranks import CudaRank, GpuCacheSpec, all_call
     spec = GpuCacheSpec(layers=61, num_blocks=args.blocks_per_job, block_tokens=64)
     gpus = torch.cuda.device_count()

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tp = args.tp or (2 if gpus >= 2 else 1)
     result["tp"] = tp
-    from kvtierd.launcher import DaemonProcess
+    from kvtierbench.launcher import DaemonProcess
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-e2e-", dir="/dev/shm"))
     (work / "model").mkdir()
     (work / "model" / "config.json").write_text(json.dumps(MODEL))

@@ -367,7 +367,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
-    from kvtierd import launcher
+    from kvtierbench import launcher
 
     root = tempfile.mkdtemp(prefix="kvt-bench-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     model = os.path.join(root, "tiny-llama-32k")

@@ -5,12 +5,12 @@ dependencies (prometheus-client). Of the daemon's package it imports only the fl
 share, ``kvtierd.contract``. See ``kvtier.api`` for the API.
 """
 
+from kvtierd.contract.codes import ErrorCode, StoreOutcome
 from kvtierd.contract.errors import (AccessDenied, BadRequest, Conflict, DaemonError, DaemonUnavailable, Forbidden,
-                                    InternalError, JobAborted, JobTimeout, KvtierError, LayoutMismatch, LimitExceeded,
-                                    NoSpace, NotAttached, ShuttingDown, UnknownJob, VersionMismatch)
+                                     InternalError, JobAborted, JobTimeout, KvtierError, LayoutMismatch, LimitExceeded,
+                                     NoSpace, NotAttached, ShuttingDown, UnknownJob, VersionMismatch)
 from kvtierd.contract.namespace import NamespaceId, Sharding
 from kvtierd.contract.paths import default_socket
-from kvtierd.contract.protocol import ErrorCode, StoreOutcome
 
 from .api import Client, Coordinator, JobResult, Lease, Rank, StoreDecision
 

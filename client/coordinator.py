@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from kvtierd.contract.codes import StoreOutcome
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.events import MAX_EVENT_KEYS
-from kvtierd.contract.protocol import EventsReply, LoadReply, StoreOutcome, StoreReply
+from kvtierd.contract.replies import EventsReply, LoadReply, StoreReply
 
 from .results import StoreDecision
 from .session import Client

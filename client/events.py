@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Callable
 
 from kvtierd.contract.events import Kind, split_keys
-from kvtierd.contract.protocol import EventsReply
+from kvtierd.contract.replies import EventsReply
 
 # A change to announce: (removed, keys) — removed False: the keys became loadable.
 Change = tuple[bool, list]

@@ -28,11 +28,14 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kvtierd.contract import protocol as P
+from kvtierd.contract.codes import StoreOutcome
 from kvtierd.contract.errors import DaemonUnavailable, KvtierError
 from kvtierd.contract.mapping import Mapping, Populate
 from kvtierd.contract.namespace import NamespaceId
-from kvtierd.contract.protocol import HelloReply, LoadReply, StoreOutcome, StoreReply
-from kvtierd.contract.region_format import HEADER_BYTES, DataHeader, FormatError, shard_checksum
+from kvtierd.contract.region_format import HEADER_BYTES, FormatError
+from kvtierd.contract.region_sums import shard_checksum
+from kvtierd.contract.region_view import DataHeader
+from kvtierd.contract.replies import HelloReply, LoadReply, StoreReply
 
 from .copy import Copier, CopyHandle
 from .kvcache import KVCacheLayout

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtierd.contract.codes import StoreOutcome
 from kvtierd.contract.errors import KvtierError
-from kvtierd.contract.protocol import StoreOutcome
 
 
 @dataclass

@@ -30,7 +30,7 @@ from kvtierd.contract.channel import Channel
 from kvtierd.contract.errors import DaemonUnavailable, KvtierError, NotAttached
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.paths import default_socket
-from kvtierd.contract.protocol import HelloReply, JobsReply, LookupReply, StatsReply, UnleaseReply
+from kvtierd.contract.replies import HelloReply, JobsReply, LookupReply, StatsReply, UnleaseReply
 
 from .reach import AWAY_ERRORS, SocketWatch
 from .results import Lease

@@ -7,9 +7,9 @@ import shutil
 
 import numpy as np
 
-from kvtierd.launcher import DaemonProcess
-
 from .harness import DATA_PAGE, Context, MiB, bench_daemon, bench_namespace, make_keys, say, target
+from .launcher import DaemonProcess
+
 
 class _CountingCopier:
     """Wraps a rank's copier to count the bytes it was asked to copy."""

@@ -12,10 +12,11 @@ import numpy as np
 
 from kvtierd.contract.channel import Channel
 from kvtierd.contract.mapping import Mapping
-from kvtierd.launcher import DaemonProcess
 
 from .harness import (DATA_PAGE, QUICK, BlockBench, Context, MiB, bench_daemon, mem_available, pct, region_size, say,
                       target)
+from .launcher import DaemonProcess
+
 
 def _memmove(dst: int, src: int, n: int) -> float:
     t0 = time.perf_counter()

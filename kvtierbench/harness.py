@@ -1,5 +1,5 @@
 """What the bench sections share: the plan of a run, key streams, machine facts, targets and
-ratios, the daemons they start (``kvtierd.launcher.DaemonProcess``) and the stop of their worker
+ratios, the daemons they start (``kvtierbench.launcher.DaemonProcess``) and the stop of their worker
 processes (``stop_processes``), a rank copying blocks through the client (``BlockBench``), a rank
 storing at the protocol level (``RankChannel``), and the full region that eviction fills and
 recovery restarts."""
@@ -20,7 +20,8 @@ import numpy as np
 
 from kvtierd.contract.namespace import NamespaceId
 from kvtierd.contract.region_format import Geometry
-from kvtierd.launcher import DaemonProcess
+
+from .launcher import DaemonProcess
 
 KEY_BYTES = 36                     # a vLLM key: 32-byte block hash + 4-byte group index
 MiB = 1 << 20

@@ -37,11 +37,11 @@ from collections import deque
 
 from kvtierd.contract import protocol as P
 from kvtierd.contract.namespace import NamespaceId
-from kvtierd.launcher import DaemonProcess
 from kvtierd.policy import DEFAULT, POLICIES
 
 from . import traces
 from .harness import HOLD_ALL, Context, KeyStream, bench_namespace, ratio, region_size, say, target
+from .launcher import DaemonProcess
 
 HASH_SEED = "0"
 MIN_REGION = 8 << 20                # the daemon's smallest --size

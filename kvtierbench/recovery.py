@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from kvtierd.contract.mapping import Mapping
-from kvtierd.contract.region_format import RegionView
+from kvtierd.contract.region_view import RegionView
 from kvtierd.recovery import scan
 from kvtierd.store import Store
 

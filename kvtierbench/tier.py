@@ -2,7 +2,7 @@
 engine's own raw put/get of the same blocks in the same run; and the lookup-miss latency the
 tier check adds, against a local lookup of the same keys.
 
-Per engine (a real one on loopback, started and stopped here: ``kvtierd.tier.engines``) and block
+Per engine (a real one on loopback, started and stopped here: ``kvtierbench.tierservers``) and block
 size S, N blocks per repetition, median of ``reps`` after a warm-up, fresh keys every time, the
 raw floor and the daemons taking turns at going first:
 
@@ -47,13 +47,13 @@ import time
 import numpy as np
 
 from kvtierd.tier.backend import Owner, open_backend
-from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
 from kvtierd.tier.keys import Keyspace, identity
 
 from . import disktier
 from .tiernode import demote_x, promote_x
 from .harness import (DATA_PAGE, FULL, QUICK, BlockBench, Context, MiB, bench_daemon, bench_namespace, make_keys, pct,
                       region_size, say, target)
+from .tierservers import MooncakeCluster, RedisCluster, ServerUnavailable
 
 ENGINES = ("mooncake", "redis", "disk")
 OWNER = Owner("kvtierbench", "")          # the raw floors' own clients: no directory to claim
@@ -65,11 +65,11 @@ IDLE = 0.003
 
 
 class Buffer:
-    """The raw floor's memory: 2N blocks of S in /dev/shm, mapped here (registered with Mooncake)."""
+    """The raw floor's memory: 2N blocks of S in the bench's directory (/dev/shm unless --workdir
+    moves it), mapped here (registered with Mooncake)."""
 
-    def __init__(self, size: int):
-        self.dir = tempfile.mkdtemp(prefix="kvtbench-tier-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
-                                    else None)
+    def __init__(self, size: int, base: str):
+        self.dir = tempfile.mkdtemp(prefix="raw-", dir=base)
         path = os.path.join(self.dir, "raw")
         with open(path, "wb") as f:
             f.truncate(size)
@@ -271,7 +271,7 @@ def engine_rows(ctx: Context, kind: str) -> tuple[list[dict], list[dict], str]:
     segment = max(512 * MiB, 4 * n * biggest)
     engine = (MooncakeCluster(segment_bytes=segment) if kind == "mooncake"
               else RedisCluster(maxmemory=f"{segment // MiB}mb"))
-    buffer = Buffer(2 * n * biggest)
+    buffer = Buffer(2 * n * biggest, ctx.workdir)
     raw = None
     rows = []
     try:
@@ -337,7 +337,7 @@ def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
                 notes.append(version)
                 continue
             got, lat, version = engine_rows(ctx, kind)
-        except (EngineUnavailable, ImportError) as exc:
+        except (ServerUnavailable, ImportError) as exc:
             skipped.append(f"{kind}: {exc}")
             say(f"tier: {kind} skipped: {exc}")
             continue

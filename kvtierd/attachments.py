@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from .contract.codes import ErrorCode, RequestError
 from .contract.namespace import NamespaceId, Sharding
-from .contract.protocol import ErrorCode, RequestError
 from .namespaces import Namespace
 from .processes import Process
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import __version__, config
 from .contract.paths import DaemonPaths, access_problem
-from .contract.protocol import StatsReply
+from .contract.replies import StatsReply
 
 
 # ------------------------------------------------------------------ kvtierd
@@ -149,7 +149,7 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 
 # --- fetchers -----------------------------------------------------------------------------------
-# The fields of protocol.StatsReply that `kvtierctl status` shows of a running daemon.
+# The fields of replies.StatsReply that `kvtierctl status` shows of a running daemon.
 STATUS_FIELDS = ("daemon_pid", "socket", "admin_socket", "metrics_address", "region", "generation", "pinned",
                  "hugepages", "huge_page_size", "huge_bytes", "file_bytes", "capacity_bytes", "used_bytes",
                  "pages_total", "pages_free", "pages_fenced", "entries_ready", "entries_writing", "entries_pinned",
@@ -165,7 +165,7 @@ def fetch_stats(args: argparse.Namespace) -> dict:
     return _stats(_paths(args)[0], args.timeout).to_wire()
 
 
-# What `kvtierctl status` shows of the second tier (protocol.StatsReply.tier; all of it: stats).
+# What `kvtierctl status` shows of the second tier (replies.StatsReply.tier; all of it: stats).
 TIER_STATUS_FIELDS = ("backend", "address", "state", "pid", "last_error", "breaker", "inflight", "restarts",
                       "demoted_blocks", "demoting_blocks", "demote_dropped_blocks", "promoted_blocks",
                       "promoting_blocks", "promote_failed_blocks", "seal_rejected_blocks", "lookup_keys")

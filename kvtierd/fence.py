@@ -58,8 +58,10 @@ from typing import Callable
 
 import numpy as np
 
-from .contract.protocol import PAGES_DTYPE, ErrorCode, RequestError
-from .contract.region_format import FENCE_NONE, WRITER_DTYPE, WRITER_SLOTS, RegionView, WriterState
+from .contract.codes import ErrorCode, RequestError
+from .contract.protocol import PAGES_DTYPE
+from .contract.region_format import FENCE_NONE, WRITER_DTYPE, WRITER_SLOTS, WriterState
+from .contract.region_view import RegionView
 from .pages import FreeStack
 from .processes import Process, boot_id, open_if_same, own_pid_namespace
 from .recovery import RegionScan

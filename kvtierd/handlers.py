@@ -1,7 +1,7 @@
 """What the daemon does for each request of the protocol: the client socket's ops (hello, bye,
 ping, lookup, store, commit, load, unlease, release, abort, jobs, events, stats) and the admin socket's
 (clients, evict, clear, stats, ping), each from (identity, session, request fields) to its
-declared reply (``protocol.REPLIES``, ``ADMIN_REPLIES``). No sockets and no loop: the server
+declared reply (``replies.REPLIES``, ``ADMIN_REPLIES``). No sockets and no loop: the server
 (``kvtierd.server``) decodes a frame, calls the op's handler and encodes what it returns.
 
 Hello is where a session begins. Who sent it comes from the kernel, not from its word: the
@@ -24,9 +24,12 @@ from typing import Callable
 
 from .attachments import Session, SessionEnd
 from .contract import protocol as P
+from .contract.codes import ErrorCode, RequestError
 from .contract.events import MAX_EVENT_KEYS
 from .contract.namespace import NamespaceId
-from .contract.protocol import ErrorCode, RequestError
+from .contract.replies import (AdminPingReply, ClientsReply, EmptyReply, EventsReply, EvictReply, HelloReply,
+                               JobsReply, LoadReply, LookupReply, PingReply, Reply, StatsReply, StoreReply,
+                               UnleaseReply, ok_reply)
 from .peers import Conn
 from .processes import Process, start_ticks
 from .region import Region
@@ -44,8 +47,8 @@ class Later:
         self.reply: dict | None = None
         self._send: Callable[[dict], None] | None = None
 
-    def resolve(self, reply: P.Reply) -> None:
-        self.reply = P.ok_reply(self.rid, reply)
+    def resolve(self, reply: Reply) -> None:
+        self.reply = ok_reply(self.rid, reply)
         if self._send is not None:
             self._send(self.reply)
 
@@ -60,21 +63,21 @@ class Handlers:
     it needs the connection) and ``admin`` (op → handler of msg)."""
 
     def __init__(self, store: Store, region: Region, sessions: SessionRegistry, heartbeat_timeout: float,
-                 stopping: Callable[[], bool], listening: Callable[[], bool], stats: Callable[[], P.StatsReply]):
+                 stopping: Callable[[], bool], listening: Callable[[], bool], stats: Callable[[], StatsReply]):
         self.store = store
         self.region = region
         self.sessions = sessions
         self.heartbeat_timeout = heartbeat_timeout
         self._stopping = stopping           # the daemon drains
         self._listening = listening         # its sockets are bound (not so in unit tests)
-        self.client: dict[str, Callable[[bytes, Session | None, dict], P.Reply]] = {
+        self.client: dict[str, Callable[[bytes, Session | None, dict], Reply]] = {
             "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
             "store": self._store, "commit": self._commit, "load": self._load, "unlease": self._unlease,
             "release": self._release, "abort": self._abort, "jobs": self._jobs, "events": self._events,
             "stats": lambda identity, session, msg: stats(),
         }
-        self.admin: dict[str, Callable[[dict], P.Reply | Later]] = {
-            "stats": lambda msg: stats(), "ping": lambda msg: P.AdminPingReply(self.region.generation),
+        self.admin: dict[str, Callable[[dict], Reply | Later]] = {
+            "stats": lambda msg: stats(), "ping": lambda msg: AdminPingReply(self.region.generation),
             "clients": self._clients, "evict": self._evict, "clear": self._clear,
         }
 
@@ -92,7 +95,7 @@ class Handlers:
             raise RequestError(ErrorCode.BAD_REQUEST, f"pid {pid} does not exist in the daemon's namespace")
         return Process(pid, ticks, claimed_pid, claimed_ns, uid)
 
-    def hello(self, identity: bytes, session: Session | None, msg: dict, conn: Conn | None = None) -> P.HelloReply:
+    def hello(self, identity: bytes, session: Session | None, msg: dict, conn: Conn | None = None) -> HelloReply:
         if msg["version"] != P.PROTOCOL_VERSION:
             raise RequestError(ErrorCode.VERSION, f"client speaks protocol {msg['version']}, this kvtierd speaks "
                                                   f"{P.PROTOCOL_VERSION}; install matching kvtierd versions")
@@ -129,7 +132,7 @@ class Handlers:
                  session.engine.id, session.role, msg["world_size"], session.pid, ns_id.name(), watched)
         ns = session.engine.ns
         geo = self.region.geometry
-        return P.HelloReply(
+        return HelloReply(
             session=session.id, version=P.PROTOCOL_VERSION, daemon_pid=os.getpid(),
             region=self.region.paths.region, generation=self.region.generation,
             file_bytes=geo.data_bytes, page_size=geo.page_size, num_pages=geo.num_pages,
@@ -138,16 +141,16 @@ class Handlers:
             watched=watched, token=token, heartbeat_interval=None if watched else self.heartbeat_timeout / 3,
             checksums=self.store.checksums)
 
-    def _bye(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:
+    def _bye(self, identity: bytes, session: Session, msg: dict) -> EmptyReply:
         self.sessions.end(session, SessionEnd.LEFT)
-        return P.EmptyReply()
+        return EmptyReply()
 
-    def _ping(self, identity: bytes, session: Session | None, msg: dict) -> P.PingReply:
+    def _ping(self, identity: bytes, session: Session | None, msg: dict) -> PingReply:
         if "session" in msg:       # a heartbeat for a session, possibly from another socket
             if not self.sessions.heartbeat(msg["session"], msg.get("token")):
                 raise RequestError(ErrorCode.NOT_ATTACHED, f"no session {msg['session']} with that token")
-            return P.PingReply(self.region.generation, True)
-        return P.PingReply(self.region.generation, session is not None)
+            return PingReply(self.region.generation, True)
+        return PingReply(self.region.generation, session is not None)
 
     # ------------------------------------------------------------------ data ops
     def _refuse_if_stopping(self, session: Session, job: int) -> None:
@@ -155,61 +158,61 @@ class Handlers:
         if self._stopping() and job not in session.engine.jobs:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new jobs")
 
-    def _lookup(self, identity: bytes, session: Session, msg: dict) -> P.LookupReply:
+    def _lookup(self, identity: bytes, session: Session, msg: dict) -> LookupReply:
         keys = msg["keys"]
         if "lease" not in msg:
             hits = self.store.lookup(session, keys)
-            return P.LookupReply(hits, None, 0, 0, self.store.pending(session, keys, hits))
+            return LookupReply(hits, None, 0, 0, self.store.pending(session, keys, hits))
         if self._stopping():      # a lease promises a load, a new job, which a stopping daemon refuses
             raise RequestError(ErrorCode.SHUTTING_DOWN, "kvtierd is stopping; no new leases")
         ttl = msg["ttl_ms"] / 1000 if "ttl_ms" in msg else None
         found = self.store.lease(session, msg["lease"], keys, ttl)
-        return P.LookupReply(found.hits, found.lease, found.leased, round(found.ttl * 1000),
-                             self.store.pending(session, keys, found.hits))
+        return LookupReply(found.hits, found.lease, found.leased, round(found.ttl * 1000),
+                           self.store.pending(session, keys, found.hits))
 
-    def _unlease(self, identity: bytes, session: Session, msg: dict) -> P.UnleaseReply:
-        return P.UnleaseReply(self.store.unlease(session, msg["leases"]))
+    def _unlease(self, identity: bytes, session: Session, msg: dict) -> UnleaseReply:
+        return UnleaseReply(self.store.unlease(session, msg["leases"]))
 
-    def _store(self, identity: bytes, session: Session, msg: dict) -> P.StoreReply:
+    def _store(self, identity: bytes, session: Session, msg: dict) -> StoreReply:
         self._refuse_if_stopping(session, msg["job"])
         outcomes, pages = self.store.store(session, msg["job"], msg["keys"], msg.get("chain", True),
                                            min(msg.get("cold_tail", 0), len(msg["keys"])))
-        return P.StoreReply(bytes(outcomes), b"".join(pages))
+        return StoreReply(bytes(outcomes), b"".join(pages))
 
-    def _commit(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:
+    def _commit(self, identity: bytes, session: Session, msg: dict) -> EmptyReply:
         self.store.commit(session, msg["job"], msg["ok"], msg.get("checksums"))
-        return P.EmptyReply()
+        return EmptyReply()
 
-    def _load(self, identity: bytes, session: Session, msg: dict) -> P.LoadReply:
+    def _load(self, identity: bytes, session: Session, msg: dict) -> LoadReply:
         self._refuse_if_stopping(session, msg["job"])
         hits, pages = self.store.load(session, msg["job"], msg["keys"], msg.get("lease"))
-        return P.LoadReply(hits, b"".join(pages))
+        return LoadReply(hits, b"".join(pages))
 
-    def _release(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:
+    def _release(self, identity: bytes, session: Session, msg: dict) -> EmptyReply:
         self.store.release(session, msg["job"])
-        return P.EmptyReply()
+        return EmptyReply()
 
-    def _abort(self, identity: bytes, session: Session, msg: dict) -> P.EmptyReply:
+    def _abort(self, identity: bytes, session: Session, msg: dict) -> EmptyReply:
         self.store.abort(session, msg["job"])
-        return P.EmptyReply()
+        return EmptyReply()
 
-    def _jobs(self, identity: bytes, session: Session, msg: dict) -> P.JobsReply:
-        return P.JobsReply(self.store.job_states(session, msg["jobs"]))
+    def _jobs(self, identity: bytes, session: Session, msg: dict) -> JobsReply:
+        return JobsReply(self.store.job_states(session, msg["jobs"]))
 
-    def _events(self, identity: bytes, session: Session, msg: dict) -> P.EventsReply:
+    def _events(self, identity: bytes, session: Session, msg: dict) -> EventsReply:
         read = self.store.events(session, msg.get("epoch"), msg.get("cursor"), msg.get("snapshot_from"),
                                  msg.get("max_keys", MAX_EVENT_KEYS))
-        return P.EventsReply(**read.to_wire())
+        return EventsReply(**read.to_wire())
 
     # ------------------------------------------------------------------ admin ops
-    def _clients(self, msg: dict) -> P.ClientsReply:
-        return P.ClientsReply(self.store.clients(self.sessions.watched, time.monotonic()))
+    def _clients(self, msg: dict) -> ClientsReply:
+        return ClientsReply(self.store.clients(self.sessions.watched, time.monotonic()))
 
-    def _evict(self, msg: dict) -> P.EvictReply:
+    def _evict(self, msg: dict) -> EvictReply:
         # Local only: the second tier keeps its copies (a later lookup promotes them again).
         done = self.store.evict(msg.get("namespace"), msg["count"])
-        return P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases,
-                            self.store.tier.local_evict, None)
+        return EvictReply(done.evicted, done.skipped_leased, done.revoked_leases,
+                          self.store.tier.local_evict, None)
 
     def _clear(self, msg: dict) -> Later:
         """Every evictable entry of the namespace(s) goes (leased ones too with ``force``); then the
@@ -217,5 +220,5 @@ class Handlers:
         done = self.store.evict(msg.get("namespace"), None, msg.get("force", False))
         later = Later(msg.get("rid", 0))
         self.store.clear_tier(msg.get("namespace"), lambda tier, removed: later.resolve(
-            P.EvictReply(done.evicted, done.skipped_leased, done.revoked_leases, tier, removed)))
+            EvictReply(done.evicted, done.skipped_leased, done.revoked_leases, tier, removed)))
         return later

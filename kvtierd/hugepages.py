@@ -221,6 +221,16 @@ def size_for(size: int, p: Plan) -> int:
     return usable
 
 
+def file_lengths(p: Plan, meta_bytes: int, data_bytes: int) -> tuple[int, int]:
+    """(metadata file, data file) lengths of a geometry's bytes: the data file in whole huge pages of
+    the plan (hugetlbfs insists on it, and a tmpfs's last huge page is then all region); the metadata
+    file too on hugetlbfs, which takes nothing else. The geometry fits the size setting; the rounding
+    may add less than one huge page per file (the geometry, hence an adopted region, does not depend
+    on the pages the filesystem gives)."""
+    meta_align = p.align if p.expect == "hugetlb" else 1
+    return -(-meta_bytes // meta_align) * meta_align, -(-data_bytes // p.align) * p.align
+
+
 def space(p: Plan, directory: str, needed: int) -> tuple[int, str]:
     """Bytes a new region file may take in ``directory``, and the command that makes ``needed`` fit."""
     found = p.offer

@@ -34,9 +34,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .contract.codes import ErrorCode, RequestError, StoreOutcome
 from .contract.namespace import NamespaceId
-from .contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
-from .contract.region_format import ENTRY_DTYPE, TICK_LIMIT, EntryState, RegionView, entry_checksum, entry_record_sums
+from .contract.protocol import PAGES_DTYPE
+from .contract.region_format import ENTRY_DTYPE, TICK_LIMIT, EntryState
+from .contract.region_sums import entry_checksum, entry_record_sums
+from .contract.region_view import RegionView
 from .events import EntryEvents, Events, Gone
 from .fence import Fence
 from .holds import Holder, Holds
@@ -66,10 +69,7 @@ class Entry:
     __slots__ = ("slot", "ns", "key", "state", "pages", "write")
 
     def __init__(self, slot: int, ns: Namespace, key: bytes, state: EntryState, pages: bytes, write=None):
-        self.slot = slot
-        self.ns = ns
-        self.key = key
-        self.state = state
+        self.slot, self.ns, self.key, self.state = slot, ns, key, state
         self.pages = pages      # the whole chain, PAGES_DTYPE bytes (sent to clients as slices)
         self.write = write      # the write (kvtierd.writes) writing it (WRITING only)
 

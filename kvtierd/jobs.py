@@ -45,8 +45,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from .attachments import Engine, Session, SessionEnd
+from .contract.codes import AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
 from .contract.namespace import Sharding
-from .contract.protocol import AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
 from .histogram import Histogram
 from .holds import Holds
 from .index import Index

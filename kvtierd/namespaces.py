@@ -19,8 +19,9 @@ import numpy as np
 
 from .contract.namespace import NamespaceId
 from .contract.protocol import PAGES_DTYPE
-from .contract.region_format import ENTRY_DTYPE, NS_CHECKSUMS, EntryState, RegionView, namespace_identities, \
-    namespace_record
+from .contract.region_format import ENTRY_DTYPE, NS_CHECKSUMS, EntryState
+from .contract.region_sums import namespace_identities
+from .contract.region_view import RegionView, namespace_record
 from .recovery import RegionScan
 
 log = logging.getLogger(__name__)

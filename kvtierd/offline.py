@@ -18,7 +18,8 @@ from typing import Iterator
 import numpy as np
 
 from .contract.paths import DaemonPaths
-from .contract.region_format import EntryState, FormatError, RegionView
+from .contract.region_format import EntryState, FormatError
+from .contract.region_view import RegionView
 from .recovery import scan
 
 

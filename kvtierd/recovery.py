@@ -17,9 +17,10 @@ import numpy as np
 from .contract.namespace import NamespaceId
 from .contract.protocol import MAX_KEY_BYTES, PAGES_DTYPE
 from .contract.region_format import (CHAIN_END, ENTRY_DTYPE, FENCE_NONE, NS_CHECKSUMS, TICK_LIMIT, WRITER_SLOTS,
-                                     EntryState, RegionView, WriterState, entry_checksum, entry_record_sums,
-                                     namespace_from_record, namespace_identities, namespace_record_sums,
-                                     shard_checksum)
+                                     EntryState, WriterState)
+from .contract.region_sums import (entry_checksum, entry_record_sums, namespace_identities, namespace_record_sums,
+                                   shard_checksum)
+from .contract.region_view import RegionView, namespace_from_record
 
 
 @dataclass

@@ -48,7 +48,8 @@ import numpy as np
 from . import hugepages
 from .contract.mapping import Mapping, mlock_refusal
 from .contract.paths import DaemonPaths
-from .contract.region_format import HEADER_BYTES, DataHeader, FormatError, Geometry, RegionView, read_geometry
+from .contract.region_format import HEADER_BYTES, FormatError, Geometry, read_geometry
+from .contract.region_view import DataHeader, RegionView
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,8 @@ class Region:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         directory = self.paths.directory
-        _create_file(tmp, _lengths(self.geometry, self._plan)[1], DATA_MODE, self.gid, self._plan)
+        _, length = hugepages.file_lengths(self._plan, self.geometry.meta_bytes, self.geometry.data_bytes)
+        _create_file(tmp, length, DATA_MODE, self.gid, self._plan)
         self.data, _ = _map_data(tmp, self._plan, self._prefault_threads, None, directory)
         _write_data_header(tmp, DataHeader.of(self.geometry, generation), self.data)
         os.replace(tmp, self.paths.region)
@@ -197,21 +199,10 @@ class Region:
         gid = prepare_directory(directory, group)
         lock_fd = _take_lock(paths, gid)
         try:
-            plan = hugepages.plan(huge, hugepages.offer(directory))
-            wanted = Geometry.for_size(hugepages.size_for(size_bytes, plan), page_size)
-        except hugepages.HugePagesUnavailable as exc:
+            plan, wanted, meta_length, data_length = _plan(directory, size_bytes, page_size, huge, pin)
+        except RegionError:
             os.close(lock_fd)
-            raise RegionError(str(exc)) from None
-        except ValueError as exc:
-            os.close(lock_fd)
-            raise RegionError(f"{exc} (settings 'size', 'page_size' and 'hugepages')") from None
-        if plan.note:
-            log.info("%s", plan.note)
-        meta_length, data_length = _lengths(wanted, plan)
-        refusal = mlock_refusal(data_length) if pin == "mlock" else None
-        if refusal is not None:
-            os.close(lock_fd)
-            raise RegionError(refusal)
+            raise
         created: list[str] = []
         meta = data = None
         try:
@@ -304,6 +295,26 @@ class Region:
 def _identity(path: str) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino
+
+
+def _plan(directory: str, size_bytes: int, page_size: int, huge: str,
+          pin: str) -> tuple[hugepages.Plan, Geometry, int, int]:
+    """What the settings make of a region in ``directory``: the huge-page plan, the geometry and the
+    two files' lengths (RegionError, naming the settings, when they cannot be had)."""
+    try:
+        plan = hugepages.plan(huge, hugepages.offer(directory))
+        wanted = Geometry.for_size(hugepages.size_for(size_bytes, plan), page_size)
+    except hugepages.HugePagesUnavailable as exc:
+        raise RegionError(str(exc)) from None
+    except ValueError as exc:
+        raise RegionError(f"{exc} (settings 'size', 'page_size' and 'hugepages')") from None
+    if plan.note:
+        log.info("%s", plan.note)
+    meta_length, data_length = hugepages.file_lengths(plan, wanted.meta_bytes, wanted.data_bytes)
+    refusal = mlock_refusal(data_length) if pin == "mlock" else None
+    if refusal is not None:
+        raise RegionError(refusal)
+    return plan, wanted, meta_length, data_length
 
 
 def _take_lock(paths: DaemonPaths, gid: int | None) -> int:
@@ -399,16 +410,6 @@ def _clear_data_path(paths: DaemonPaths, recreate: bool) -> None:
                               "to replace it (its cached blocks are lost)") from None
         log.warning("recreating %s: %s", paths.region, exc)
     os.unlink(paths.region)
-
-
-def _lengths(geo: Geometry, plan: hugepages.Plan) -> tuple[int, int]:
-    """(metadata file, data file) lengths: the data file in whole huge pages of the plan (hugetlbfs
-    insists on it, and a tmpfs's last huge page is then all region); the metadata file too on
-    hugetlbfs, which takes nothing else. The geometry fits the size setting; the rounding may add
-    less than one huge page per file (the geometry, hence an adopted region, does not depend on
-    the pages the filesystem gives)."""
-    meta_align = plan.align if plan.expect == "hugetlb" else 1
-    return -(-geo.meta_bytes // meta_align) * meta_align, -(-geo.data_bytes // plan.align) * plan.align
 
 
 def _check_space(plan: hugepages.Plan, directory: str, nbytes: int) -> None:

@@ -60,8 +60,9 @@ import zmq
 
 from .attachments import SessionEnd
 from .contract import protocol as P
+from .contract.replies import StatsReply, error_reply, ok_reply
 from .contract.paths import check_socket_path
-from .contract.protocol import ErrorCode, RequestError
+from .contract.codes import ErrorCode, RequestError
 from .handlers import Handlers, Later
 from .histogram import Histogram
 from .kvevents_pub import KvEventsPublisher, NoStream
@@ -283,7 +284,7 @@ class Server:
                 while sock.recv(copy=False).more:
                     parts += 1
                 self._count_error(ErrorCode.BAD_REQUEST)
-                reply = P.error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {parts + 1}")
+                reply = error_reply(0, ErrorCode.BAD_REQUEST, f"expected one frame per request, got {parts + 1}")
             elif sock is self.sock:
                 reply = handle(identity, frame.buffer, functools.partial(self.connections.of, frame))
             else:
@@ -305,8 +306,8 @@ class Server:
         except Exception as exc:
             log.exception("internal error encoding a reply")
             self._count_error(ErrorCode.INTERNAL)
-            return P.encode(P.error_reply(reply.get("rid", 0) if isinstance(reply.get("rid"), int) else 0,
-                                          ErrorCode.INTERNAL, f"internal error: {_describe(exc)}"))
+            return P.encode(error_reply(reply.get("rid", 0) if isinstance(reply.get("rid"), int) else 0,
+                                        ErrorCode.INTERNAL, f"internal error: {_describe(exc)}"))
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, frame: bytes,
@@ -328,15 +329,15 @@ class Server:
             if session is None and op not in P.SESSIONLESS_OPS:
                 raise RequestError(ErrorCode.NOT_ATTACHED, f"{op} before hello: attach a session first")
             if op == "hello":          # the one op that needs the connection: the session is tied to it
-                return P.ok_reply(rid, self.ops.hello(identity, session, msg, conn))
-            return P.ok_reply(rid, self.ops.client[op](identity, session, msg))
+                return ok_reply(rid, self.ops.hello(identity, session, msg, conn))
+            return ok_reply(rid, self.ops.client[op](identity, session, msg))
         except RequestError as exc:
             self._count_error(exc.code)
-            return P.error_reply(rid, exc.code, exc.message)
+            return error_reply(rid, exc.code, exc.message)
         except Exception as exc:  # a bug must cost one request, not the daemon
             log.exception("internal error handling %s", op)
             self._count_error(ErrorCode.INTERNAL)
-            return P.error_reply(rid, ErrorCode.INTERNAL, f"internal error: {_describe(exc)}")
+            return error_reply(rid, ErrorCode.INTERNAL, f"internal error: {_describe(exc)}")
         finally:
             self.latency[op].observe(time.perf_counter() - started)
 
@@ -351,14 +352,14 @@ class Server:
             reply = self.ops.admin[msg["op"]](msg)
             if isinstance(reply, Later):
                 return reply.reply if reply.reply is not None else reply
-            return P.ok_reply(msg.get("rid", 0), reply)
+            return ok_reply(msg.get("rid", 0), reply)
         except RequestError as exc:
             self._count_error(exc.code)
-            return P.error_reply(msg.get("rid", 0), exc.code, exc.message)
+            return error_reply(msg.get("rid", 0), exc.code, exc.message)
         except Exception as exc:
             log.exception("internal error handling an admin request")
             self._count_error(ErrorCode.INTERNAL)
-            return P.error_reply(msg.get("rid", 0), ErrorCode.INTERNAL, f"internal error: {_describe(exc)}")
+            return error_reply(msg.get("rid", 0), ErrorCode.INTERNAL, f"internal error: {_describe(exc)}")
 
     def _refusal(self, frame: bytes, exc: Exception) -> dict[str, Any]:
         """The error reply to a frame that did not decode into a valid request."""
@@ -368,14 +369,14 @@ class Server:
             log.error("decoding a request raised %s", _describe(exc))
             code, message = ErrorCode.BAD_REQUEST, f"undecodable request ({type(exc).__name__})"
         self._count_error(code)
-        return P.error_reply(P.request_id(frame), code, message)
+        return error_reply(P.request_id(frame), code, message)
 
     def _count_error(self, code: ErrorCode) -> None:
         self.errors[ErrorCode(code).name] += 1
 
-    def stats(self) -> P.StatsReply:
+    def stats(self) -> StatsReply:
         """Everything kvtierctl stats and the metrics endpoint show (loop thread only)."""
-        return P.StatsReply(
+        return StatsReply(
             **self.store.stats(),
             namespace_list=self.store.namespace_stats(),
             requests=dict(self.requests),

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .attachments import Session, SessionEnd
-from .contract.protocol import ErrorCode, RequestError
+from .contract.codes import ErrorCode, RequestError
 from .fence import Fence
 from .peers import Conn
 from .processes import own_pid_namespace

@@ -19,8 +19,9 @@ from typing import Callable
 
 from .attachments import Attachments, Session, SessionEnd
 from .contract.namespace import NamespaceId
-from .contract.protocol import ErrorCode, RequestError
-from .contract.region_format import WRITER_SLOTS, RegionView
+from .contract.codes import ErrorCode, RequestError
+from .contract.region_format import WRITER_SLOTS
+from .contract.region_view import RegionView
 from .eventlog import EventLog, EventsRead, Recorder, TableSnapshot
 from .events import Events, Gone
 from .fence import Fence, Release
@@ -59,7 +60,7 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Eviction:
-    """What an operator eviction did (``protocol.EvictReply``)."""
+    """What an operator eviction did (``replies.EvictReply``)."""
 
     evicted: int
     skipped_leased: int
@@ -267,7 +268,7 @@ class Store:
         return self.index.counters["evictions"], self.index.pages.free_count, self.index.pages.total
 
     def stats(self) -> dict:
-        """The store's part of ``protocol.StatsReply``."""
+        """The store's part of ``replies.StatsReply``."""
         index, jobs = self.index, self.jobs
         counters = {name: index.counters[name] for name in INDEX_COUNTERS}
         counters.update({name: jobs.counters[name] for name in JOB_COUNTERS})

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .contract.protocol import PAGES_DTYPE, StoreOutcome
+from .contract.codes import StoreOutcome
+from .contract.protocol import PAGES_DTYPE
 from .contract.region_format import EntryState
 from .fence import Fence, Release, Writer
 from .index import Entry, Index

@@ -25,7 +25,7 @@ import msgpack
 import zmq
 
 from kvtierd.contract import protocol as P
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.codes import ErrorCode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMESPACE = {"model": "attacker", "dtype": "uint8", "block_tokens": 16, "block_bytes": 4096,

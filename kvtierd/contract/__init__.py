@@ -1,8 +1,12 @@
 """The floor: what the daemon and its clients agree on, and the only kvtierd modules a client imports.
 
-- ``protocol``       the wire: ops, request fields, reply shapes, limits, error codes, the version
+- ``protocol``       the wire: transport, the version, limits, ops and their request fields, validation
+- ``codes``          the wire's enumerations: error codes, store outcomes, job kinds, states, abort causes
+- ``replies``        every op's declared reply shape, and the reply envelope
 - ``namespace``      ``NamespaceId``, the namespace identity, declared once; ``Sharding``
-- ``region_format``  the region file's bytes: header, namespace/entry/chain tables, checksums
+- ``region_format``  the region's layout: constants, record dtypes, ``Geometry``
+- ``region_view``    a mapped region read and written: ``RegionView``, namespace records, ``DataHeader``
+- ``region_sums``    the region's integrity sums: record sums and data checksums
 - ``paths``          where a daemon's files live: <dir>/<name>.{region,lock,sock,admin.sock}
 - ``mapping``        mapping a file at a known address, prefault, pinning
 - ``errors``         the typed exceptions, one per error code, and ``DaemonUnavailable``

@@ -17,6 +17,7 @@ import zmq
 from . import protocol as P
 from .errors import AccessDenied, DaemonUnavailable, LimitExceeded, from_reply
 from .paths import access_problem
+from .replies import decode_reply
 
 
 class Channel:
@@ -58,7 +59,7 @@ class Channel:
             if not self._sock.poll(self.timeout_ms, zmq.POLLIN):
                 raise DaemonUnavailable(f"kvtierd at {self.socket_path} did not answer within "
                                         f"{self.timeout_ms / 1000:g}s")
-            reply = P.decode_reply(self._sock.recv())
+            reply = decode_reply(self._sock.recv())
             if reply.get("rid") == rid:
                 break
         if not reply["ok"]:

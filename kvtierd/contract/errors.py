@@ -8,7 +8,7 @@ came at all (daemon stopped, crashed or unreachable), which an engine treats as 
 
 from __future__ import annotations
 
-from .protocol import ErrorCode
+from .codes import ErrorCode
 
 
 class KvtierError(Exception):

@@ -10,7 +10,7 @@ share entries.
 
 Everything else is derived from the fields below: the wire form (hello's ``namespace`` map,
 validated by ``protocol.NAMESPACE_FIELDS``, built from the ``wire`` metadata), the region's
-namespace record (``region_format.namespace_record``), and the name that stats, logs and
+namespace record (``region_view.namespace_record``), and the name that stats, logs and
 ``kvtierctl`` show (``name()``).
 """
 

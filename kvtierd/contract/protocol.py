@@ -1,4 +1,4 @@
-"""The wire contract between kvtierd and its clients: the one place that defines it.
+"""The wire between kvtierd and its clients: transport, version, limits, the requests and their checks.
 
 Transport: a ZMQ ROUTER socket in the daemon, one DEALER socket per client session, over
 ``ipc://``. Every message is exactly one frame holding one msgpack map (the ROUTER adds and
@@ -13,10 +13,9 @@ Reply::
     {"rid": <int>, "ok": True, ...result fields...}
     {"rid": <int>, "ok": False, "code": <ErrorCode int>, "error": <name>, "message": <str>}
 
-Every op's result fields are declared here too, as a ``Reply`` dataclass per op (``REPLIES``,
-``ADMIN_REPLIES``): the daemon builds its replies from them and the clients (``kvtier``,
-``kvtierctl``, the metrics endpoint) read them through them, so a field renamed on one side
-fails at once on the other instead of reading ``None``.
+Each op's result fields are declared in ``replies`` (a ``Reply`` dataclass per op), the error
+codes and the other enumerations of the wire in ``codes``; this module holds the version, the
+limits, the request side (each op's fields and their checks) and the framing.
 
 Replies carry page indices, never block bytes: the bytes move through the shared region.
 A key's pages travel as ``bytes`` holding little-endian uint32 page indices (``PAGES_DTYPE``),
@@ -34,13 +33,12 @@ deep (issue 11: ``repr`` of such an op raised RecursionError).
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable
 
 import msgpack
 
+from .codes import ErrorCode, RequestError
 from .events import MAX_EVENT_KEYS
 from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 
@@ -48,7 +46,7 @@ from .namespace import MAX_MODEL_BYTES, WIRE_FIELDS
 # 3: stats: pages_quarantined became pages_fenced, with fenced_pages by reason, fence releases, the
 #    oldest fence's age, the grace and the writer rows (the page fence, issue 10). The region is two
 #    files: hello's "region" is the data file, whose header the client checks
-#    (region_format.DataHeader); "file_bytes" is that file's size. hello takes a "secret" (issue 11).
+#    (region_view.DataHeader); "file_bytes" is that file's size. hello takes a "secret" (issue 11).
 # 4: leases (issue 13): lookup may ask for one (lease, ttl_ms) and its reply says what it holds
 #    (lease, leased, ttl_ms); load may name one; unlease; admin clear's force, and evict/clear's
 #    skipped_leased and revoked_leases; the lease counters in stats, leases per session in clients.
@@ -73,76 +71,6 @@ MAX_LEASE_ID = (1 << 63) - 1
 MAX_LEASES_PER_UNLEASE = 4096
 
 PAGES_DTYPE = "<u4"                    # page indices on the wire and in the region's chain table
-
-
-class ErrorCode(enum.IntEnum):
-    """Stable error codes. Numbers never change meaning; new codes are appended."""
-
-    BAD_REQUEST = 1       # malformed frame, unknown op, wrong field type or range
-    VERSION = 2           # protocol version not supported
-    NOT_ATTACHED = 3      # request before hello (or after the session ended)
-    LAYOUT_MISMATCH = 4   # engine's sessions disagree on namespace/world size, or rank taken
-    CONFLICT = 5          # a job asked with different keys/kind than its first request
-    UNKNOWN_JOB = 6       # commit/release/status of a job the daemon does not know
-    NO_SPACE = 7          # the region (or its namespace table) cannot take the request at all
-    TIMEOUT = 8           # the job ran past its deadline and was aborted
-    SHUTTING_DOWN = 9     # the daemon is stopping: no new sessions, jobs or leases
-    ABORTED = 10          # the job was aborted (failed vote, conflict, dead rank, ...)
-    LIMIT = 11            # a protocol limit was exceeded (frame size, keys, key length)
-    FORBIDDEN = 12        # the session's role may not do this (e.g. a coordinator voting)
-    INTERNAL = 13         # a bug in the daemon; the request was dropped, the daemon lives on
-
-
-class RequestError(Exception):
-    """A request that cannot be served: validation, state or capacity. Becomes an error reply."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = ErrorCode(code)
-        self.message = message
-
-
-# --- per-key outcomes of a store decision ---------------------------------------------------
-class StoreOutcome(enum.IntEnum):
-    WRITE = 0      # the job writes this key (the writer ranks get pages for it)
-    PRESENT = 1    # already READY, or being written by another job: nothing to do
-    NO_SPACE = 2   # did not fit; nor did any later key that needed writing
-
-
-class JobKind(str, enum.Enum):
-    STORE = "store"
-    LOAD = "load"
-    PROMOTE = "promote"     # the daemon's own: blocks fetched from the second tier (kvtierd.tiering)
-
-
-class JobState(str, enum.Enum):
-    OPEN = "open"
-    DONE = "done"
-    ABORTED = "aborted"
-
-
-class AbortCause(str, enum.Enum):
-    """Why a job was aborted: the ``cause`` of the jobs reply and of kvtierd_aborted_jobs_total."""
-
-    ABORTED_BY_CLIENT = "aborted_by_client"   # a session of the engine sent abort
-    TIMEOUT = "timeout"                       # open past job_timeout
-    CONFLICT = "conflict"                     # a request named another kind or other keys
-    VOTE_FAILED = "vote_failed"               # a rank committed with ok=False
-    ENGINE_LEFT = "engine_left"               # the engine's last session ended
-    # A rank's session ended before it voted or released, by how it ended:
-    RANK_LEFT = "rank_left"                   # bye
-    RANK_DIED = "rank_died"                   # its process died (pidfd)
-    RANK_HEARTBEAT_LOST = "rank_heartbeat_lost"
-    RANK_REHELLO = "rank_rehello"             # the same socket said hello again
-    RANK_REATTACHED = "rank_reattached"       # a new hello replaced the session (with its token)
-    RANK_TAKEN_OVER = "rank_taken_over"       # the same process attached as the same rank again
-    RANK_DEAD_AT_HELLO = "rank_dead_at_hello"
-    RANK_DISCONNECTED = "rank_disconnected"   # its connection ended without bye
-    RANK_REGION_REPLACED = "rank_region_replaced"   # the region file was truncated and replaced
-    RANK_DAEMON_STOPPED = "rank_daemon_stopped"
-    # A promote job (the second tier's companion is its writer):
-    TIER_FAILED = "tier_failed"               # the tier's get failed, or the companion died
-    TIER_TIMEOUT = "tier_timeout"             # the get was not answered within tier_data_timeout
 
 
 # --- field specs ----------------------------------------------------------------------------
@@ -213,7 +141,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "store": {"job": JOB, "keys": KEYS, "chain": Field("bool", required=False),
               "cold_tail": _int(0, MAX_KEYS_PER_REQUEST, required=False)},
     # checksums: with the daemon's checksums setting on, a writer sends the xxh64 of its shard of
-    # each WRITE key (in key order) after its copy (region_format.shard_checksum).
+    # each WRITE key (in key order) after its copy (region_sums.shard_checksum).
     "commit": {"job": JOB, "ok": Field("bool"), "checksums": Field("ints", lo=0, hi=(1 << 64) - 1, required=False,
                                                                       max_items=MAX_KEYS_PER_REQUEST)},
     # lease: a lease of the engine this job consumes; its first request pins the job's ready prefix,
@@ -451,270 +379,3 @@ def validate_fields(op: str, msg: dict[str, Any], spec: dict[str, Field]) -> Non
         if value is None and field.nullable:
             continue
         _CHECKS[field.kind](f"{op}.{name}", value, field)
-
-
-# --- replies --------------------------------------------------------------------------------
-R = TypeVar("R", bound="Reply")
-
-
-class Reply:
-    """A declared reply shape: its dataclass fields are exactly the op's result fields.
-
-    ``to_wire`` gives the map of its fields (``ok_reply`` adds rid and ok); ``from_wire``
-    reads one on the client side, refusing a reply that lacks a declared field.
-    """
-
-    __slots__ = ()
-    FIELDS: ClassVar[tuple[str, ...]] = ()
-
-    def to_wire(self) -> dict[str, Any]:
-        """The fields as a map (each shape gets its own, generated by ``_shape``)."""
-        raise NotImplementedError
-
-    @classmethod
-    def from_wire(cls: type[R], reply: dict[str, Any]) -> R:
-        try:
-            return cls(**{name: reply[name] for name in cls.FIELDS})
-        except KeyError as exc:
-            raise ValueError(f"malformed reply from kvtierd: {cls.__name__} lacks field {exc.args[0]!r} "
-                             "(client and daemon speak different protocols)") from None
-
-
-def _shape(cls: type[R]) -> type[R]:
-    cls = dataclass(slots=True)(cls)
-    cls.FIELDS = tuple(f.name for f in dataclasses.fields(cls))
-    # The daemon builds one reply per request: a generated to_wire (a dict display of the fields,
-    # as dataclass generates __init__) takes 0.12 µs where a loop over FIELDS took 0.55 (measured).
-    body = ", ".join(f"{name!r}: self.{name}" for name in cls.FIELDS)
-    code: dict[str, Any] = {}
-    exec(f"def to_wire(self):\n    return {{{body}}}\n", code)
-    cls.to_wire = code["to_wire"]
-    return cls
-
-
-@_shape
-class EmptyReply(Reply):
-    """bye, commit, release, abort: success carries nothing."""
-
-
-@_shape
-class HelloReply(Reply):
-    session: int                      # the session id (heartbeats and a later hello's ``replaces`` name it)
-    version: int                      # PROTOCOL_VERSION
-    daemon_pid: int
-    region: str                       # the region file to map
-    generation: int                   # changes whenever the region is rebuilt: remap when it does
-    file_bytes: int
-    page_size: int
-    num_pages: int
-    data_offset: int
-    namespace: str                    # NamespaceId.name() of the engine's namespace
-    pages_per_shard: int              # pages of one rank's shard of one block
-    writers: list                     # the ranks that copy into the region (rank 0, or all when sharded)
-    job_timeout: float
-    watched: bool                     # True: the daemon watches the pid; False: send heartbeats
-    token: int                        # proves the session in heartbeats and in ``replaces_token``
-    heartbeat_interval: float | None  # seconds between heartbeats (None when watched)
-    checksums: bool                   # writers send the checksum of their shards with commit
-
-
-@_shape
-class PingReply(Reply):
-    generation: int
-    attached: bool                    # the request came from (or named) an attached session
-
-
-@_shape
-class LookupReply(Reply):
-    hits: int                         # how many leading keys are READY
-    lease: int | None                 # the lease now holding them (None: none asked, or none held)
-    leased: int                       # how many leading hits the lease holds (fewer: the caps)
-    ttl_ms: int                       # for how long from now (0: no lease)
-    pending: int                      # how many keys after them are being promoted from the second tier:
-                                      # ask again later instead of computing them (0 without a tier)
-
-
-@_shape
-class UnleaseReply(Reply):
-    released: int                     # how many of the ids named a live lease
-
-
-@_shape
-class StoreReply(Reply):
-    outcomes: bytes                   # one StoreOutcome byte per key
-    pages: bytes                      # PAGES_DTYPE: this rank's pages of every WRITE key, in key order
-
-
-@_shape
-class LoadReply(Reply):
-    hits: int                         # the leading READY keys, pinned for the job
-    pages: bytes                      # PAGES_DTYPE: this rank's pages of every hit, in key order
-
-
-@_shape
-class JobsReply(Reply):
-    jobs: list                        # per job: {job, state[, kind, waiting | cause]}
-
-
-@_shape
-class StatsReply(Reply):
-    """Everything ``kvtierctl stats`` and the metrics endpoint show (docs/operations.md)."""
-
-    # occupancy
-    capacity_bytes: int
-    page_size: int
-    pages_total: int
-    pages_free: int
-    pages_used: int                   # held by entries or fenced
-    pages_fenced: int                 # held by no entry, kept for a writer that may still copy into them
-    fenced_pages: dict                # fence.Reason value (writer_alive, restart_recovery, grace) → pages
-    fence_released_pages: dict        # fence.Release value (committed, left, reattached, died, grace) → pages
-    fence_oldest_seconds: float       # since the longest-fenced writer's pages were fenced (0: none)
-    fence_grace_seconds: float        # the fence_grace setting
-    writer_rows: int                  # rows in the writer table: writers attached or gone with pages fenced
-    writer_rows_refused: dict         # writer hellos refused past a bound: total | per_peer → count
-    fence_check_failures: int         # checks of a gone writer's process that could not be done (EMFILE, ...)
-    used_bytes: int
-    entries_ready: int
-    entries_writing: int
-    entries_pinned: int
-    evictable: int
-    namespaces: int
-    engines: int
-    sessions: int
-    open_jobs: int
-    jobs_held: int                    # job records held: the open jobs and aborted ones awaiting a writer's commit
-    open_job_keys: int                # keys (+1 per job) of the open jobs (bounded by max_job_keys)
-    tombstones: int                   # finished job ids remembered (bounded by max_tombstones)
-    aborted_jobs: dict                # AbortCause value → jobs
-    # leases (kvtierd.leases)
-    leases_open: int
-    entries_leased: int               # READY entries held by at least one lease
-    leased_keys: int                  # entries in open leases, counted per lease (what the caps count, less 1 each)
-    leases_granted: int               # leases granted or renewed
-    lease_ends: dict                  # leases.LeaseEnd value (consumed, released, replaced, ...) → leases
-    lease_missed_loads: int           # load jobs that named a lease that was not live
-    lease_capped_keys: int            # hits not leased because of a cap (max_leased_keys*, max_held_share*)
-    # what engines hold out of eviction, leases and load pins (kvtierd.holds)
-    held_pages: int                   # pages their holds count (each hold on its own)
-    held_pages_top_engine: int        # the most one engine's holds count
-    hold_capped_keys: dict            # holds.CAPS value (engine, namespace, total) → keys left out past it
-    vote_wait: dict                   # histogram snapshot: first request of a store job → its last vote
-    # monotonic counters
-    lookup_hit_keys: int
-    lookup_miss_keys: int
-    store_written_keys: int
-    store_present_keys: int
-    store_no_space_keys: int
-    store_aborted_keys: int           # keys a store job was writing when it aborted
-    store_jobs_done: int
-    load_hit_keys: int
-    load_miss_keys: int
-    load_jobs_done: int
-    evictions: int                    # entries evicted to make room for a store
-    operator_evictions: int           # entries evicted by kvtierctl evict/clear
-    # the eviction policy (setting policy; kvtierd.policy.PolicyStats)
-    policy: str                       # its name
-    policy_admitted_keys: int         # stored keys that entered the policy as any other
-    policy_refused_keys: int          # stored keys placed first in line for eviction instead
-    policy_segments: dict             # segment -> evictable entries in it now
-    policy_evictions: dict            # segment -> entries evicted from it (room and operator)
-    policy_extra: dict                # the policy's own counters (promotions, sketch bytes, ...)
-    bytes_written: int                # bytes copied into the region (D2H), all shards
-    bytes_saved_dedup: int            # bytes replicated ranks did not have to copy
-    # the server and the region
-    namespace_list: list              # per namespace: {slot, name, entries, entry_pages}
-    session_roles: dict               # {"rank": n, "coordinator": n}
-    requests: dict                    # op → requests
-    errors: dict                      # ErrorCode name → error replies
-    latency: dict                     # op → histogram snapshot of the time to handle one request
-    clients_watched: int
-    uptime_seconds: float
-    region: str
-    socket: str
-    admin_socket: str
-    metrics_address: str | None
-    generation: int
-    pinned: str                       # cuda | mlock | off
-    hugepages: str                    # hugetlb | thp | none: the region's pages in the daemon's mapping at start
-    huge_page_size: int               # bytes of one of its huge pages (the OS page when none)
-    huge_bytes: int                   # bytes of the region mapped by huge pages at start
-    file_bytes: int
-    daemon_pid: int
-    stopping: bool
-    region_problem: str | None        # removed | replaced by another file | truncated
-    sessions_heartbeat: int
-    checksums: bool
-    connections: int                  # open connections to the client socket
-    connections_refused: dict         # why connections were closed at once (total | per_peer) → count
-    tier: dict                        # the second tier: {"backend": "off"} or its state and counters
-                                      # (kvtierd.tiering: CompanionTier.stats; docs/operations.md)
-    events: dict                      # the event log and its readers (kvtierd.eventlog: EventLog.stats,
-                                      # docs/events.md), and the daemon's KV events stream when it publishes
-
-
-@_shape
-class EventsReply(Reply):
-    """The events op: records of the session's namespace after the cursor (kvtierd.contract.events)."""
-
-    epoch: int                        # the log's epoch: send it back with the cursor
-    seq: int                          # the cursor to send next
-    reset: bool                       # start the view again from empty (the cursor could not be continued)
-    records: list                     # [seq, kind, cause, key_len, keys] each, in order
-    snapshot: list                    # [key_len, keys] runs: READY keys of a range of entry slots
-    snapshot_next: int | None         # the slot the next snapshot page starts at (None: no snapshot in progress)
-    behind: int                       # records after ``seq`` still to read
-
-
-@_shape
-class AdminPingReply(Reply):
-    generation: int
-
-
-@_shape
-class ClientsReply(Reply):
-    clients: list                     # per session: {session, engine, role, rank, pid, world_size, namespace,
-                                      #   watched, attached_seconds, leases, leased_keys}
-
-
-@_shape
-class EvictReply(Reply):
-    evicted: int
-    skipped_leased: int               # leased entries in scope that were left (when evictable ones ran out)
-    revoked_leases: int               # leases ended first (clear --force)
-    tier: str                         # whether it reached the second tier: off | local (evict never does) |
-                                      # excluded | removed | failed
-    tier_removed: int | None          # blocks the second tier removed (clear, tier "removed"), else None
-
-
-REPLIES: dict[str, type[Reply]] = {
-    "hello": HelloReply, "ping": PingReply, "bye": EmptyReply, "lookup": LookupReply, "store": StoreReply,
-    "commit": EmptyReply, "load": LoadReply, "unlease": UnleaseReply, "release": EmptyReply, "abort": EmptyReply,
-    "jobs": JobsReply, "stats": StatsReply, "events": EventsReply,
-}
-ADMIN_REPLIES: dict[str, type[Reply]] = {
-    "stats": StatsReply, "ping": AdminPingReply, "clients": ClientsReply, "evict": EvictReply, "clear": EvictReply,
-}
-assert REPLIES.keys() == REQUESTS.keys() and ADMIN_REPLIES.keys() == ADMIN_REQUESTS.keys()
-
-
-def ok_reply(rid: int, reply: Reply) -> dict[str, Any]:
-    fields = reply.to_wire()
-    fields["rid"] = rid
-    fields["ok"] = True
-    return fields
-
-
-def error_reply(rid: int, code: ErrorCode, message: str, **fields: Any) -> dict[str, Any]:
-    if len(message) > MAX_ERROR_CHARS:
-        message = message[:MAX_ERROR_CHARS - 3] + "..."
-    fields.update(rid=rid, ok=False, code=int(code), error=ErrorCode(code).name, message=message)
-    return fields
-
-
-def decode_reply(frame: bytes) -> dict[str, Any]:
-    """Decode a reply on the client side (the daemon is trusted, but a reply must be a map)."""
-    msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    if not isinstance(msg, dict) or "ok" not in msg:
-        raise ValueError("malformed reply from kvtierd")
-    return msg

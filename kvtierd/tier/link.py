@@ -12,8 +12,11 @@ companion died or was killed. Until then its pages must not be reused. A request
 its ``deadline`` gets an early, non-final ``Outcome`` (``TierTimeout``), so the caller can stop
 waiting for it (a promote answers "miss" to the engine) while the pages stay fenced. When the
 oldest fenced request is ``kill_after`` seconds past its deadline the link SIGKILLs the companion
-and reaps it: a dead process provably no longer touches the pages, so every outstanding request
-gets its final outcome and the companion is started again (after ``restart_backoff``).
+and, without waiting for it, reaps it at a later ``collect``: only a reaped process provably no
+longer touches the pages, so only then does every outstanding request get its final outcome and
+the companion is started again (after ``restart_backoff``). A companion stuck in the kernel (a
+hung disk: uninterruptible sleep, ``D``) dies only once its I/O returns; until then the link says
+``killed``, refuses requests and keeps every page fenced, and the loop goes on serving.
 
 The companion is started with ``PR_SET_PDEATHSIG``: it dies with the daemon, never outlives it.
 """
@@ -101,7 +104,8 @@ class TierLink:
         self.socket.setsockopt(zmq.LINGER, 0)
         self._bind(endpoint, socket_mode)
         self.proc: subprocess.Popen | None = None
-        self.state = "stopped"        # stopped | starting | ready | failed | down
+        self.state = "stopped"        # stopped | starting | ready | failed | killed (not yet reaped) | down
+        self.abandoned = False        # its requests' pages are in a replaced data file (``abandon``)
         self.info: dict = {}
         self.last_error: TierError | None = None
         self.restart_at = 0.0
@@ -139,8 +143,15 @@ class TierLink:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Ask the companion to stop, kill it when it does not within ``timeout``; close the socket."""
+    @property
+    def unreaped(self) -> int | None:
+        """The pid of the companion process not reaped yet (alive, or killed and not yet gone)."""
+        return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Ask the companion to stop, SIGKILL it when it has not within ``timeout`` and wait as long
+        again; close the socket. True once it is reaped; False when it still lives (stuck in the
+        kernel): its pages must stay fenced."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 self.socket.send(msgpack.packb({"op": "stop", "id": 0}), zmq.NOBLOCK)
@@ -150,16 +161,31 @@ class TierLink:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait()
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
         self.state = "stopped"
         self.socket.close(0)
+        return self.unreaped is None
 
     def kill(self) -> None:
-        """SIGKILL the companion and reap it: afterwards it provably touches no page."""
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGKILL the companion, without waiting for it: ``collect`` reaps it once it is gone, and
+        until then its requests keep their pages (no final outcome)."""
+        if self.proc is not None and self.proc.poll() is None and self.state != "killed":
             self.proc.kill()
-            self.proc.wait()
+            self.state = "killed"
             self.counters["killed"] += 1
+
+    def abandon(self) -> None:
+        """The region's data file was replaced: every request's pages are in the old file, which
+        nobody maps any more. Kill the companion; every request ends at the next ``collect`` (it
+        may still be dying), and the next companion starts at once after this one is reaped (it
+        holds the tier's claims, such as the disk tier's lock, until then)."""
+        if self.proc is None or self.state == "stopped":
+            return
+        self.kill()
+        self.abandoned = True
 
     # ------------------------------------------------------------------ requests
     def submit(self, op: str, context: Any = None, **fields: Any) -> int:
@@ -205,6 +231,8 @@ class TierLink:
     def _received(self, msg: dict, out: list[Outcome]) -> None:
         rid = msg.get("id")
         if rid is None:                # the companion's own news
+            if self.state == "killed":
+                return                 # sent before it was killed: it serves no more
             if msg.get("op") == "ready":
                 self.state, self.info, self.last_error = "ready", msg.get("info", {}), None
             elif msg.get("op") == "failed":
@@ -221,24 +249,32 @@ class TierLink:
             out.append(Outcome(req.op, req.context, final=True, ok=False, error=err))
 
     def _watch(self, now: float, out: list[Outcome]) -> None:
-        """The companion's life: reap a dead one, kill a stuck one, restart after the backoff."""
+        """The companion's life: kill a stuck one, reap a dead one, restart after the backoff."""
         if self.proc is None or self.state == "stopped":
             return
         stuck = [r for r in self.inflight.values() if r.timed_out and now > r.deadline + self.kill_after]
-        if stuck and self.proc.poll() is None:
+        if stuck:
             self.kill()
-        if self.proc.poll() is not None and self.state in ("starting", "ready", "failed"):
+        if self.abandoned and self.inflight:
+            self._end_all(TierUnavailable("the region's data file was replaced"), out)
+        if self.proc.poll() is None:
+            return                     # alive, or killed but not gone yet: its pages stay fenced
+        if self.state in ("starting", "ready", "failed", "killed"):
             if self.state != "failed":
                 self.counters["died"] += 1
                 self.last_error = TierUnavailable(f"the tier companion exited ({self.proc.returncode})")
             self.state = "down"
-            self.restart_at = now + self.restart_backoff
-            err = self.last_error
-            for req in self.inflight.values():
-                out.append(Outcome(req.op, req.context, final=True, ok=False, error=err))
-            self.inflight.clear()
+            self.restart_at = now if self.abandoned else now + self.restart_backoff
+            self.abandoned = False
+            self._end_all(self.last_error, out)
         if self.state == "down" and now >= self.restart_at:
             self.start()
+
+    def _end_all(self, err: TierError | None, out: list[Outcome]) -> None:
+        """Every request in flight ends now (final, failed)."""
+        for req in self.inflight.values():
+            out.append(Outcome(req.op, req.context, final=True, ok=False, error=err))
+        self.inflight.clear()
 
     def status(self) -> dict:
         return {"state": self.state, "pid": self.pid, "inflight": len(self.inflight), "info": self.info,

@@ -36,7 +36,7 @@ import socket
 from typing import Sequence
 
 from .backend import Backend, Block, Owner, TierFailed, TierRejected, TierUnavailable
-from .seal import SEAL_BYTES, Seals
+from .seal import SEAL_BYTES, Seals, pipeline
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h).
 NO_AVAILABLE_HANDLE = -200       # no segment has room
@@ -151,10 +151,10 @@ class MooncakeBackend(Backend):
             return []
         ptrs, sizes = self._buffers(blocks)
         codes = []
-        for i in range(0, len(keys), MAX_BATCH):
-            j = min(i + MAX_BATCH, len(keys))
-            for b, seal in zip(range(i, j), seals.make_all(range(i, j))):
+        for part, sealed in seals.parts(pipeline(blocks, MAX_BATCH)):    # the next part hashed meanwhile
+            for b, seal in zip(part, sealed):
                 self._seal_view(b)[:] = seal
+            i, j = part.start, part.stop
             codes += self.store.batch_put_from_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j], self.config)
         self._check(codes, "put")
         return [c == 0 or c == OBJECT_ALREADY_EXISTS for c in codes]
@@ -164,9 +164,9 @@ class MooncakeBackend(Backend):
             return []
         ptrs, sizes = self._buffers(blocks)
         want = list(map(sum, sizes))
-        landed = []
-        for i in range(0, len(keys), MAX_BATCH):
-            j = min(i + MAX_BATCH, len(keys))
+        checks = []
+        for part in pipeline(blocks, MAX_BATCH):
+            i, j = part.start, part.stop
             got = self.store.batch_get_into_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j])
             again = [b for b, n in enumerate(got) if n == LEASE_EXPIRED]
             if again:    # the bytes landed but the lease check after them failed: ask once more
@@ -179,8 +179,12 @@ class MooncakeBackend(Backend):
             if got and all(n in UNAVAILABLE for n in got):
                 raise TierUnavailable(f"mooncake get: the master does not answer ({got[0]})")
             whole = [i + b for b, n in enumerate(got) if n == want[i + b]]
-            held = dict(zip(whole, seals.check_all([(b, bytes(self._seal_view(b))) for b in whole])))
-            landed += [held.get(i + b, False) for b in range(len(got))]
+            # Checked while the next part transfers (the seal copied out of its slot first).
+            checks.append((whole, seals.checking([(b, bytes(self._seal_view(b))) for b in whole])))
+        landed = [False] * len(keys)
+        for whole, held in checks:
+            for b, ok in zip(whole, held):
+                landed[b] = ok
         return landed
 
     def remove(self, keys: list[str]) -> int:

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from .backend import Backend, Block, Owner, TierError, TierRejected, TierUnavailable
 from .resp import Cluster, RespError, bulk_from, command, key_slot, read_reply
-from .seal import SEAL_BYTES, Seals
+from .seal import SEAL_BYTES, Seals, pipeline
 
 
 def parse_nodes(nodes: str | Sequence[str]) -> list[tuple[str, int]]:
@@ -86,29 +86,39 @@ class RedisClusterBackend(Backend):
             return []
         argc = 3 + len(self.ttl)
         tail = command(*self.ttl)[1:] if self.ttl else []
-        calls = []
-        sealed = seals.make_all(range(len(keys)))
-        for k, block, seal in zip(map(str.encode, keys), blocks, sealed):
-            head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n" % (argc, len(k), k)
-            value = [*self._views(block), memoryview(seal)]
-            calls.append((key_slot(k), [head, *bulk_from(value), *tail], read_reply))
-        return [r == "OK" for r in self._outcome(self.cluster.execute(calls), "put")]
+        results = []
+        for part, sealed in seals.parts(pipeline(blocks, len(keys))):    # the next part hashed meanwhile
+            calls = []
+            for i, seal in zip(part, sealed):
+                k = keys[i].encode()
+                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n" % (argc, len(k), k)
+                calls.append((key_slot(k), [head, *bulk_from([*self._views(blocks[i]), memoryview(seal)]), *tail],
+                              read_reply))
+            results += self.cluster.execute(calls)
+        return [r == "OK" for r in self._outcome(results, "put")]
 
     def get(self, keys: list[str], blocks: Sequence[Block], seals: Seals) -> list[bool]:
         if not keys:
             return []
-        calls, want = [], []
         trailers = memoryview(bytearray(SEAL_BYTES * len(keys)))
-        for i, (k, block) in enumerate(zip(map(str.encode, keys), blocks)):
-            views = [*self._views(block), trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]]
-            want.append(sum(n for _, n in block) + SEAL_BYTES)
-            calls.append((key_slot(k), command("GET", k), lambda conn, v=views: conn.read_into(v)))
-        results = self._outcome(self.cluster.execute(calls), "get")
-        whole = [i for i, (r, w) in enumerate(zip(results, want)) if r == w]
-        held = seals.check_all([(i, trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]) for i in whole])
+        results, checks = [], []
+        for part in pipeline(blocks, len(keys)):
+            calls, want = [], []
+            for i in part:
+                k = keys[i].encode()
+                views = [*self._views(blocks[i]), trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]]
+                want.append(sum(n for _, n in blocks[i]) + SEAL_BYTES)
+                calls.append((key_slot(k), command("GET", k), lambda conn, v=views: conn.read_into(v)))
+            got = self.cluster.execute(calls)
+            whole = [i for i, r, w in zip(part, got, want) if r == w]
+            # Checked while the next part transfers.
+            checks.append((whole, seals.checking([(i, trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]) for i in whole])))
+            results += got
+        self._outcome(results, "get")
         landed = [False] * len(keys)
-        for i, ok in zip(whole, held):
-            landed[i] = ok
+        for whole, held in checks:
+            for i, ok in zip(whole, held):
+                landed[i] = ok
         return landed
 
     def remove(self, keys: list[str]) -> int:

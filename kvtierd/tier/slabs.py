@@ -1,8 +1,9 @@
 """One slot size of the disk tier: its data and record files, the I/O into them, and what is
 known of each slot in memory (``diskformat`` has the layout).
 
-Blocks move with ``O_DIRECT`` straight between the region's pages and the data file: a block's
-extents are the ``iovec`` of one ``pwritev``/``preadv`` (no staging copy, no page cache). Only
+Blocks move with ``O_DIRECT`` straight between the region's pages and the data file: the extents
+of blocks in consecutive slots are the ``iovec`` of one ``pwritev``/``preadv`` (no staging copy,
+no page cache; a run of small blocks is one large I/O). Only
 the tail of an extent that does not end on ``ALIGN`` — a shard's last, partly used page — goes
 through a small aligned bounce buffer (under 4 KiB per shard, one memcpy), so nothing past the
 block's bytes is read from or written into the region. A filesystem that refuses ``O_DIRECT``
@@ -31,7 +32,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .diskformat import ALIGN, RECORD, roundup, sync_directory
+from .backend import Block
+from .diskformat import ALIGN, RECORD, sync_directory
 
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -180,39 +182,42 @@ class Slab:
         return True
 
     # ------------------------------------------------------------------ blocks
-    def _iov(self, memory: memoryview, block: Sequence[tuple[int, int]]) -> tuple[list, list, int]:
-        """The block's iovec over ``memory`` (tails through bounce buffers), the tails to copy
-        as (region view, bounce view), and the bytes the iovec spans in the slot."""
-        tails = sum(1 for _, n in block if n % ALIGN)
+    def _iov(self, memory: memoryview, blocks: Sequence[Block]) -> tuple[list, list]:
+        """The iovec of ``blocks`` in consecutive slots over ``memory`` (each extent's tail
+        through this thread's bounce buffer), and the tails to copy as (region view, bounce view)."""
+        tails = sum(1 for block in blocks for _, n in block if n % ALIGN)
         bounce = _bounce_buffer(tails * ALIGN) if tails else None
-        iov, copies, used, t = [], [], 0, 0
-        for off, n in block:
-            whole = n - n % ALIGN
-            if whole:
-                iov.append(memory[off:off + whole])
-            if n % ALIGN:
-                b = bounce[t * ALIGN:(t + 1) * ALIGN]
-                copies.append((memory[off + whole:off + n], b))
-                iov.append(b)
-                t += 1
-            used += roundup(n)
-        return iov, copies, used
+        iov, copies, t = [], [], 0
+        for block in blocks:
+            for off, n in block:
+                whole = n - n % ALIGN
+                if whole:
+                    iov.append(memory[off:off + whole])
+                if n % ALIGN:
+                    b = bounce[t * ALIGN:(t + 1) * ALIGN]
+                    copies.append((memory[off + whole:off + n], b))
+                    iov.append(b)
+                    t += 1
+        return iov, copies
 
-    def _fd_for(self, block: Sequence[tuple[int, int]]) -> int:
-        if self.direct_fd is not None and all(off % ALIGN == 0 for off, _ in block):
+    def _fd_for(self, blocks: Sequence[Block]) -> int:
+        if self.direct_fd is not None and all(off % ALIGN == 0 for block in blocks for off, _ in block):
             return self.direct_fd
         return self.data_fd
 
-    def write_block(self, slot: int, memory: memoryview, block: Sequence[tuple[int, int]]) -> None:
-        iov, copies, used = self._iov(memory, block)
+    def write_blocks(self, slot: int, memory: memoryview, blocks: Sequence[Block]) -> None:
+        """Write ``blocks`` into slots ``slot``, ``slot + 1``, ...: one ``pwritev`` (per IOV_MAX
+        extents), so a run of small blocks is one large I/O."""
+        iov, copies = self._iov(memory, blocks)
         for region, bounce in copies:
             bounce[:len(region)] = region
             bounce[len(region):] = bytes(ALIGN - len(region))
-        self._vectored(os.pwritev, self._fd_for(block), iov, slot * self.size, used)
+        self._vectored(os.pwritev, self._fd_for(blocks), iov, slot * self.size, len(blocks) * self.size)
 
-    def read_block(self, slot: int, memory: memoryview, block: Sequence[tuple[int, int]]) -> None:
-        iov, copies, used = self._iov(memory, block)
-        self._vectored(os.preadv, self._fd_for(block), iov, slot * self.size, used)
+    def read_blocks(self, slot: int, memory: memoryview, blocks: Sequence[Block]) -> None:
+        """Read slots ``slot``, ``slot + 1``, ... into ``blocks``: one ``preadv`` (per IOV_MAX extents)."""
+        iov, copies = self._iov(memory, blocks)
+        self._vectored(os.preadv, self._fd_for(blocks), iov, slot * self.size, len(blocks) * self.size)
         for region, bounce in copies:
             region[:] = bounce[:len(region)]
 
@@ -224,7 +229,7 @@ class Slab:
             want = sum(v.nbytes for v in part)
             got = call(fd, part, offset + done)
             if got != want:
-                raise OSError(errno.EIO, f"short {call.__name__} of a disk tier slot ({got} of {want} bytes)")
+                raise OSError(errno.EIO, f"short {call.__name__} of disk tier slots ({got} of {want} bytes)")
             done += got
         if done != total:
-            raise OSError(errno.EIO, "a disk tier block does not fill its slot")
+            raise OSError(errno.EIO, "disk tier blocks do not fill their slots")

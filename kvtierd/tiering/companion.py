@@ -7,8 +7,10 @@ The companion is a writer like a rank (invariant 9): when it is ready it gets a 
 writes whose writer it is (``kvtierd.writes``). When the link has reaped it (it died, or was
 killed for not answering: a reaped process provably touches no page), its row ends with the
 proof ``Release.DIED`` — after its promotes were aborted (``gone`` then ``end``): every page it
-was handed comes back. The link starts a new one after ``restart_backoff``; a replaced data file
-kills the companion at once and starts the next without waiting (``restart_now``).
+was handed comes back. A companion killed but not reaped yet (stuck in the kernel on a hung
+disk) keeps its row and its pages until it is: the loop never waits for it. The link starts a
+new one after ``restart_backoff``; a replaced data file kills the companion (``abandon``: its
+pages are in the old file) and the link starts the next as soon as that one is reaped.
 
 Every call's outcome passes ``observe`` first: its latency (final outcomes), its error (once per
 call, a deadline's notice included), and whether it is past its deadline (``timed_out``).
@@ -69,17 +71,18 @@ class Companion:
         return self.writer if self.writer is not None and self.writer_pid == self.link.pid else None
 
     def gone(self) -> Writer | None:
-        """The row of a companion the link no longer has ready (reaped), if any: its writes must
-        be aborted before ``end``."""
-        pid = self.link.pid if self.ready else None
-        return self.writer if self.writer is not None and pid != self.writer_pid else None
+        """The row of a companion the link has reaped, if any: its writes must be aborted before
+        ``end``. (One killed but not reaped yet is not gone: it may still touch its pages.)"""
+        return self.writer if self.writer is not None and self.link.unreaped != self.writer_pid else None
 
-    def end(self, writer: Writer, now: float) -> None:
-        """The companion of ``writer`` is reaped: everything parked under it comes back."""
-        self.writes.writer_ended(writer, Release.DIED, now)
+    def end(self, writer: Writer, now: float, proof: Release | None = Release.DIED) -> None:
+        """The companion of ``writer`` is reaped (``proof`` DIED): everything parked under it comes
+        back; without a proof its pages stay fenced until the fence sees its process gone."""
+        self.writes.writer_ended(writer, proof, now)
         if writer is self.writer:
-            log.warning("tier companion pid %s is gone (%s); it is restarted in %.0fs", self.writer_pid,
-                        self.link.last_error, self.link.restart_backoff)
+            if proof is Release.DIED:
+                log.warning("tier companion pid %s is gone (%s); it is restarted in %.0fs", self.writer_pid,
+                            self.link.last_error, self.link.restart_backoff)
             self.writer = self.writer_pid = None
 
     def join(self) -> None:
@@ -98,16 +101,14 @@ class Companion:
         """Its writer row, if the fence still holds one."""
         return [w for w in (self.writer,) if w is not None and self.writes.holds(w)]
 
-    def kill(self) -> None:
-        """SIGKILL and reap it (the link's next ``collect`` ends every request it had)."""
-        self.link.kill()
+    def abandon(self) -> None:
+        """The region's data file was replaced: kill it; the link's next ``collect`` ends every
+        request it had, and it starts the next one once this one is reaped (no backoff)."""
+        self.link.abandon()
 
-    def restart_now(self, now: float) -> None:
-        """Start the next one at the loop's next turn (not a failure of the companion's: no backoff)."""
-        self.link.restart_at = now
-
-    def stop(self) -> None:
-        self.link.stop(timeout=2.0)
+    def stop(self) -> bool:
+        """Stop it (killed if it does not stop in time); True once it is reaped."""
+        return self.link.stop(timeout=2.0)
 
     # ------------------------------------------------------------------ calls
     def submit(self, op: str, context: Any, **fields: Any) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..contract.namespace import NamespaceId
-from ..contract.protocol import AbortCause, StoreOutcome
+from ..contract.codes import AbortCause, StoreOutcome
 from ..contract.region_format import EntryState
 from ..fence import Writer
 from ..index import Index

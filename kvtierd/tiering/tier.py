@@ -24,6 +24,7 @@ from typing import Callable
 from ..contract.paths import DaemonPaths
 from ..contract.region_format import Geometry
 from ..events import Events
+from ..fence import Release
 from ..index import Index
 from ..namespaces import Namespace
 from ..tier.backend import check_settings
@@ -84,26 +85,31 @@ class CompanionTier(Tier):
 
     def close(self) -> None:
         """Stop the companion (it is killed if it does not stop in time): every request it had is
-        over, so the pages it was handed come back."""
-        self.companion.stop()
+        over, so the pages it was handed come back — once it is reaped; one still stuck in the
+        kernel keeps them fenced (a restarted daemon proves it gone by its pid and start time)."""
+        reaped = self.companion.stop()
         for writer in self.companion.rows():
             self.promotes.companion_gone(writer)
-            self.companion.end(writer, self.clock())
+            self.companion.end(writer, self.clock(), Release.DIED if reaped else None)
 
     def data_replaced(self) -> None:
         """The region's data file was truncated and is being replaced (``Server._replace_data``):
-        the companion maps the old file. It is killed and reaped (afterwards it provably touches no
-        page), every request it had ends (promote jobs abort and their fenced pages come back,
-        demotes fail and their pins drop), its writer row is released (``Fence.reset`` needs no
-        writer attached), and it is started again at the loop's next turn: the new companion maps
+        the companion maps the old file. It is killed (``abandon``: the loop does not wait for it
+        to be gone), every request it had ends now (promote jobs abort, demotes fail and their
+        pins drop: their pages are in the old file, which nobody maps any more), its writer row
+        ends (``Fence.reset`` needs no writer attached; one not reaped yet is released by that
+        reset), and the link starts the next one as soon as it is reaped: the new companion maps
         the new file, as a client re-attaches and remaps."""
         if self.companion.link.state == "stopped":
             return
-        self.companion.kill()
         now = self.clock()
-        self._apply(now)                        # the link reaps it: every request's final outcome
-        self._follow(now)
-        self.companion.restart_now(now)
+        self.companion.abandon()
+        self._apply(now)                        # every request's final outcome
+        self._follow(now)                       # reaped already: its row ends (DIED)
+        writer = self.companion.writer
+        if writer is not None:                  # still dying: its row goes with the old file's pages
+            self.promotes.companion_gone(writer)
+            self.companion.end(writer, now, proof=None)
 
     def _follow(self, now: float) -> None:
         """A reaped companion's writes abort and its row ends; a ready one gets a row."""

@@ -47,7 +47,7 @@ from collections import Counter
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from kvtierd.launcher import DaemonProcess, in_own_pid_namespace  # noqa: E402
+from kvtierbench.launcher import DaemonProcess, in_own_pid_namespace  # noqa: E402
 
 CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["numpy", "torch", "kvtier"])

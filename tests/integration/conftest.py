@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from kvtierd.launcher import DaemonProcess, in_own_pid_namespace
+from kvtierbench.launcher import DaemonProcess, in_own_pid_namespace
 
 from .ranks import RankProcess
 

@@ -167,7 +167,7 @@ def _worker(conn) -> None:  # runs in the child
         import numpy as np
 
         from kvtierd.contract import protocol as P
-        from kvtierd.contract.protocol import StoreOutcome
+        from kvtierd.contract.codes import StoreOutcome
 
         client = state["client"]
         reply = client.channel.call("store", job=job, keys=list(keys))

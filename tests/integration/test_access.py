@@ -154,7 +154,8 @@ def test_client_group_member_reaches_socket_and_region_but_not_admin(start_daemo
     def probe() -> dict:
         from kvtier import Client, NamespaceId
 
-        from kvtierd.contract.region_format import HEADER_BYTES, DataHeader
+        from kvtierd.contract.region_format import HEADER_BYTES
+        from kvtierd.contract.region_view import DataHeader
         out = {
             "list dir": attempt(lambda: os.listdir(p["dir"])),
             "connect socket": attempt(lambda: unix_connect(p["socket"])),

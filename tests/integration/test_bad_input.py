@@ -7,7 +7,8 @@ import pytest
 import zmq
 
 from kvtierd.contract import protocol as P
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.replies import decode_reply
+from kvtierd.contract.codes import ErrorCode
 from kvtierd.contract.channel import Channel
 
 from .ranks import CacheSpec, all_call
@@ -117,7 +118,7 @@ def test_each_bad_request_gets_its_typed_error_while_an_engine_is_served(daemon,
         raw.connect(f"ipc://{daemon.socket}")
         raw.send_multipart([msgpack.packb({"op": "ping", "rid": 1}), b"extra"])
         assert raw.poll(10000)
-        assert P.decode_reply(raw.recv())["code"] == ErrorCode.BAD_REQUEST
+        assert decode_reply(raw.recv())["code"] == ErrorCode.BAD_REQUEST
         raw.close()
         good_engine_round_trip()
     finally:

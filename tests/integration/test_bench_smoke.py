@@ -16,20 +16,30 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from kvtierbench import SECTIONS
+from kvtierbench.harness import workdir_base
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 BIN = os.path.dirname(sys.executable)
 
 
-def test_bench_quick_reports_every_section_as_ratios(tmp_path):
-    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    out = subprocess.run([os.path.join(BIN, "kvtierctl"), "bench", "--quick", "--json", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=580)
+@pytest.fixture
+def base():
+    """The run's own home for the bench's directories (``--workdir``), where it puts them by default
+    (/dev/shm): other runs' kvtbench-* directories in the shared /dev/shm are none of this run's."""
+    path = tempfile.mkdtemp(prefix="kvtsmoke-", dir=workdir_base())
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_bench_quick_reports_every_section_as_ratios(tmp_path, base):
+    out = subprocess.run([os.path.join(BIN, "kvtierctl"), "bench", "--quick", "--json", "--out", str(tmp_path),
+                          "--workdir", base], capture_output=True, text=True, timeout=580)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout)
     assert set(result["sections"]) == set(SECTIONS)
@@ -47,6 +57,5 @@ def test_bench_quick_reports_every_section_as_ratios(tmp_path):
             assert isinstance(t["met"], bool) and math.isfinite(t["value"]), (name, t)
     assert json.loads((tmp_path / "bench.json").read_text())["sections"].keys() == result["sections"].keys()
     assert "== targets" in (tmp_path / "bench.txt").read_text()
-    assert not os.path.exists(result["workdir"])                     # the bench cleaned up after itself
-    if os.path.isdir("/dev/shm"):
-        assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvtbench-")}
+    assert os.path.dirname(result["workdir"]) == base
+    assert os.listdir(base) == []                                    # the bench cleaned up after itself

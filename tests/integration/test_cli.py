@@ -177,7 +177,7 @@ def test_a_start_that_fails_after_the_region_leaves_nothing_behind(tmp_path):
     assert "kvtierd.admin.sock" in out.stderr
     assert left_behind(directory) == {"kvtierd.admin.sock"}
     (directory / "kvtierd.admin.sock").rmdir()
-    from kvtierd.launcher import DaemonProcess
+    from kvtierbench.launcher import DaemonProcess
     daemon = DaemonProcess(str(directory), "--size", "32MiB", "--pin", "off", "--metrics-address", "127.0.0.1:0")
     try:
         daemon.start()

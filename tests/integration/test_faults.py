@@ -34,7 +34,7 @@ import time
 
 import pytest
 
-from kvtierd.contract.protocol import StoreOutcome
+from kvtierd.contract.codes import StoreOutcome
 
 from .ranks import CacheSpec, RankError, RankProcess, all_call
 from .test_kvtierctl import ctl_json

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from kvtierd.contract.protocol import StoreOutcome
+from kvtierd.contract.codes import StoreOutcome
 
 from .ranks import CacheSpec, RankProcess
 from .test_faults import adopt_line, layout_of, wait_for

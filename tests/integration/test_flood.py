@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from kvtierd.contract import protocol as P
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.codes import ErrorCode
 
 from .ranks import CacheSpec, all_call
 from .test_faults import assert_settled, attach, clobber, load_and_verify, store_all

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtierd.contract import protocol as P
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.codes import ErrorCode
 
 from .ranks import CacheSpec
 from .test_faults import assert_settled, attach, clobber, load_and_verify, store_all

@@ -259,7 +259,7 @@ def test_identity_a_secret_is_all_or_nothing_for_an_engine(daemon):
 def region_tables(daemon):
     """The stopped daemon's tables and pages, writable: (view, close)."""
     from kvtierd.contract.mapping import Mapping
-    from kvtierd.contract.region_format import RegionView
+    from kvtierd.contract.region_view import RegionView
     meta, data = Mapping.of_file(daemon.paths.meta), Mapping.of_file(daemon.region)
     view = RegionView(meta.buffer, data.buffer)
 
@@ -373,7 +373,7 @@ def test_low_namespaces_left_behind_cannot_keep_a_new_model_out(start_daemon, en
 def test_low_a_sparse_region_on_a_full_filesystem_is_refused_naming_the_space(tmp_path):
     # Issue 11 item 8: such a region was refused with "madvise(MADV_POPULATE_WRITE): Bad address".
     import subprocess
-    from kvtierd.launcher import DaemonProcess
+    from kvtierbench.launcher import DaemonProcess
     mnt = tmp_path / "small"
     mnt.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from kvtierbench.harness import huge_tmpfs
+from kvtierbench.launcher import DaemonProcess
 from kvtierd import hugepages
-from kvtierd.launcher import DaemonProcess
 
 from .test_operability import scrape
 

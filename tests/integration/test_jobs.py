@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvtier import Client, NamespaceId
-from kvtierd.contract.protocol import StoreOutcome
+from kvtierd.contract.codes import StoreOutcome
 
 from .ranks import CacheSpec, RankError, all_call
 from .test_tp_roundtrip import connect, keys_for

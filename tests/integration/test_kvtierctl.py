@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvtierd.contract.region_format import RegionView
+from kvtierd.contract.region_view import RegionView
 from kvtierd.contract.mapping import Mapping
 
 from .ranks import CacheSpec

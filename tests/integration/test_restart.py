@@ -14,7 +14,7 @@ import torch
 from kvtier import Client, Coordinator, DaemonUnavailable, LayoutMismatch, NamespaceId, Rank
 from kvtierd.contract.channel import Channel
 from kvtierd.contract import protocol as P
-from kvtierd.contract.region_format import RegionView
+from kvtierd.contract.region_view import RegionView
 from kvtierd.contract.mapping import Mapping
 
 from .ranks import CacheSpec

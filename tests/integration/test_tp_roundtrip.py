@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from kvtierd.contract.protocol import StoreOutcome
+from kvtierd.contract.codes import StoreOutcome
 
 from .ranks import CacheSpec, all_call
 

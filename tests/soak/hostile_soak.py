@@ -46,7 +46,7 @@ from collections import Counter
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from kvtierd.launcher import DaemonProcess  # noqa: E402
+from kvtierbench.launcher import DaemonProcess  # noqa: E402
 from tests.keyed import KeyedEngine, keys_of, namespace  # noqa: E402
 from tests import attacks  # noqa: E402
 from tests.procs import ChildError  # noqa: E402

@@ -52,8 +52,8 @@ import time
 import traceback
 from collections import Counter
 
+from kvtierbench.launcher import DaemonProcess
 from kvtierd.config import BY_NAME
-from kvtierd.launcher import DaemonProcess
 
 # Workers are forked from a fork server that imported torch once (16 interpreters importing torch
 # one by one would take most of a short run); each is still its own process with its own pid,

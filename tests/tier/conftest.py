@@ -1,7 +1,7 @@
 """Fixtures for the second-tier tests: real engines on loopback, a real disk directory, and
 regions to move blocks from.
 
-Each engine fixture starts a real engine in its own fresh directory (``kvtierd.tier.engines``:
+Each engine fixture starts a real engine in its own fresh directory (``kvtierbench.tierservers``:
 free loopback ports, every process started and stopped by its own pid) and stops it and removes
 the directory at teardown. A test skips, with the reason, only when the engine's programs are not
 installed here (``make test-tier`` installs them: tools/install-tier.sh). The disk tier's
@@ -28,11 +28,12 @@ import tempfile
 import numpy as np
 import pytest
 
+from kvtierbench.tierservers import MooncakeCluster, RedisCluster, ServerUnavailable
 from kvtierd.tier.backend import Owner, page_extents
-from kvtierd.tier.engines import EngineUnavailable, MooncakeCluster, RedisCluster
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tier.seal import SealKey, Sealer, Seals
 
+from .cgroups import CgroupUnavailable, Freezer, Throttle
 from .mounts import Mount, MountUnavailable
 
 NETWORKED = ("mooncake", "redis")        # engines shared by several nodes
@@ -60,7 +61,7 @@ def start_engine(kind: str, **kwargs):
         return DiskDir(**kwargs)
     try:
         engine = (MooncakeCluster if kind == "mooncake" else RedisCluster)(**kwargs)
-    except EngineUnavailable as exc:
+    except ServerUnavailable as exc:
         pytest.skip(str(exc))
     try:
         engine.start()
@@ -203,19 +204,51 @@ def restart_engine(kind: str, e) -> None:
         e.wait_ok()
 
 
+class Made:
+    """A fixture's factory: ``kind(*args)`` made, kept and closed at teardown (``close``); the test
+    skips, saying ``why`` and the reason, where it cannot be made (``unavailable``)."""
+
+    def __init__(self, kind, unavailable: type[Exception], why: str):
+        self.kind, self.unavailable, self.why = kind, unavailable, why
+        self.made: list = []
+
+    def __call__(self, *args):
+        try:
+            self.made.append(self.kind(*args))
+        except self.unavailable as exc:
+            pytest.skip(f"{self.why}: {exc}")
+        return self.made[-1]
+
+    def close(self) -> None:
+        for m in self.made:
+            m.close()
+
+
 @pytest.fixture
 def mount():
     """Factory: mount(kind, size_mib) → a real small filesystem (``mounts.Mount``), unmounted at
     teardown; the test skips, saying why, where mounting is not allowed."""
-    made: list[Mount] = []
+    made = Made(Mount, MountUnavailable, "cannot mount a test filesystem here")
+    yield made
+    made.close()
 
-    def make(kind: str, size_mib: int) -> Mount:
-        try:
-            made.append(Mount(kind, size_mib))
-        except MountUnavailable as exc:
-            pytest.skip(f"cannot mount a test filesystem here: {exc}")
-        return made[-1]
 
-    yield make
-    for m in made:
-        m.close()
+@pytest.fixture
+def throttle():
+    """Factory: throttle(device, bps) → a blkio group (``cgroups.Throttle``) slowing the device
+    for its members, removed at teardown; the test skips, saying why, where it cannot be made."""
+    made = Made(Throttle, CgroupUnavailable, "cannot throttle a disk here")
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def freezer():
+    """A freezer group (``cgroups.Freezer``), thawed and removed at teardown; the test skips,
+    saying why, where it cannot be made."""
+    try:
+        group = Freezer()
+    except CgroupUnavailable as exc:
+        pytest.skip(f"cannot freeze a process here: {exc}")
+    yield group
+    group.close()

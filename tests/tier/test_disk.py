@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 
 import numpy as np
 import pytest
 
 from kvtierd.tier.backend import Owner, TierRejected, open_backend, page_extents
-from kvtierd.tier.disk import CAUSES, DiskBackend
+from kvtierd.tier.disk import CAUSES, RUN_BYTES, DiskBackend, io_runs
 from kvtierd.tier.diskformat import FORMAT_FILE, RECORD, checksums, name_digest
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tier.seal import SealKey
@@ -233,6 +235,67 @@ def test_a_block_claimed_for_another_namespace_or_key_fails_its_seal(disk, regio
             assert b.get(ks.names([key]), ext, sealed) == [False]
             assert sealed.rejected()["mismatch"] == 1
     finally:
+        b.close()
+
+
+def test_a_block_that_cannot_be_read_fails_alone_in_its_run(disk, region):
+    """Blocks in consecutive slots move as one I/O (RUN_BYTES); the data file cut short by hand
+    in the middle of a run: that run's I/O fails, then each of its blocks is read alone, so the
+    blocks before the cut land byte-exact and only those past it fail (io_error) and are dropped."""
+    assert RUN_BYTES // SLOT > 1
+    b = opened(disk.address, region)
+    try:
+        keys = keys_of("cut", 40)
+        assert store(b, region, NS, keys, blocks(40)) == [True] * 40
+        slots = [slot_of(b, NS, k) for k in keys]
+        cut = sorted(slots)[RUN_BYTES // SLOT // 2]          # inside the first run
+        os.truncate(os.path.join(disk.address, f"slots-{SLOT}.data"), cut * SLOT + 4096)
+        assert fetch_exact(b, region, NS, keys) == [slot < cut for slot in slots]
+        assert b.info()["errors"]["io_error"] == sum(slot >= cut for slot in slots)
+        assert b.exists(NS.names(keys)) == [slot < cut for slot in slots]      # dropped: never served
+    finally:
+        b.close()
+
+
+def test_runs_are_consecutive_slots_of_at_most_run_bytes():
+    """(block, slot) pairs sorted by slot: a run ends at a gap in the slots or at RUN_BYTES (one
+    block at least, however large); the blocks keep their own indices."""
+    most = RUN_BYTES // SLOT
+    work = [(i, slot) for i, slot in enumerate([*range(0, most + 3), most + 5, most + 6, 900])]
+    runs = io_runs(work, SLOT)
+    assert [[slot for _, slot in run] for run in runs] == [list(range(0, most)), [most, most + 1, most + 2],
+                                                           [most + 5, most + 6], [900]]
+    assert [item for run in runs for item in run] == work
+    assert io_runs([(0, 3), (1, 4)], 2 * RUN_BYTES) == [[(0, 3)], [(1, 4)]]
+    assert io_runs([], SLOT) == []
+
+
+def test_a_block_that_cannot_be_written_fails_alone_in_its_run(disk, region):
+    """A put's blocks in consecutive slots are written as one I/O; the process may not write its
+    files past a slot in the middle of the first run (RLIMIT_FSIZE: the kernel writes up to the
+    limit, then answers EFBIG). The run's I/O fails, each of its blocks is written again alone: the
+    blocks before the limit are stored and come back byte-exact, those past it fail (counted,
+    never recorded: never served). Slot 10, cut by the limit, is written in part (a short write:
+    io_error), the later ones not at all (EFBIG: other)."""
+    assert RUN_BYTES // SLOT > 12
+    b = opened(disk.address, region)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # EFBIG instead of the signal
+    try:
+        assert store(b, region, NS, [b"first"], blocks(1, 200)) == [True]    # the data file grown
+        assert slot_of(b, NS, b"first") == 0
+        keys = keys_of("limit", 30)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (11 * SLOT - 4096, limit[1]))   # slot 10 is cut
+        done = store(b, region, NS, keys, blocks(30))
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        assert done == [True] * 9 + [False] * 21                   # slots 1-9 whole, then nothing
+        errors = b.info()["errors"]                                 # slot 10 written in part: short
+        assert (errors["io_error"], errors["other"]) == (1, 20)     # the rest refused: EFBIG
+        assert b.exists(NS.names(keys)) == done
+        assert fetch_exact(b, region, NS, keys[:9] + [b"first"]) == [True] * 10
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
         b.close()
 
 

@@ -1,5 +1,5 @@
-"""The disk tier with real daemons and real rank processes: reboots, SIGKILLs mid-write, full and
-read-only disks.
+"""The disk tier with real daemons and real rank processes: reboots, SIGKILLs mid-write, full,
+read-only and slow disks, a companion that cannot die.
 
 Each node is a real kvtierd started with ``--tier-backend disk`` on a directory that outlives it;
 "a reboot" is a daemon stopped and its whole directory (region, metadata, sockets) removed, then
@@ -12,6 +12,9 @@ its key, so a torn, foreign or mixed block cannot pass ``load_exact``.
 | the companion, or the daemon, SIGKILLed while demotes are being written: after a reboot every block is exact or gone (0 torn), and every block the daemon counted demoted is found | test_a_sigkill_mid_write_leaves_every_block_exact_or_dropped |
 | a full disk (tmpfs with size=): demotes refused and counted, the node keeps storing and loading from RAM | test_a_full_disk_leaves_the_node_serving_from_ram |
 | a read-only disk: promotes from it still work, demotes are refused and counted | test_a_read_only_disk_serves_promotes_and_refuses_demotes |
+| a slow disk (a cgroup v1 blkio throttle at 512 KiB/s): slow I/Os counted, logged once; the node serves from RAM meanwhile; the slow blocks come back exact | test_a_slow_disk_is_counted_logged_once_and_the_node_keeps_serving |
+| a companion that cannot die (a cgroup v1 freezer) killed mid-demote: the daemon answers and serves meanwhile, the pages stay pinned until it is reaped | test_a_companion_that_cannot_die_keeps_its_pages_and_the_daemon_serving |
+| the daemon stopped (SIGTERM) while its companion cannot die: it exits cleanly after a bounded wait | test_a_daemon_stops_while_its_companion_cannot_die |
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import urllib.request
 import pytest
 
 from kvtierbench.harness import HOLD_ALL
+from kvtierbench.launcher import DaemonProcess
 from kvtierd.contract.namespace import NamespaceId
-from kvtierd.launcher import DaemonProcess
 from tests.integration.conftest import _rank_pool, new_daemon, ranks  # noqa: F401  (fixtures)
 from tests.integration.ranks import RankProcess, all_call
 from tests.integration.test_faults import wait_for
@@ -263,3 +266,98 @@ def test_a_read_only_disk_serves_promotes_and_refuses_demotes(mount, disk_nodes,
     assert any(e["op"] == "put" and e["code"] == "rejected" for e in sb["errors"]), sb["errors"]
     serves_from_ram(rb, 1000)
     assert region_check(b)["ok"]
+
+
+def test_a_slow_disk_is_counted_logged_once_and_the_node_keeps_serving(mount, throttle, disk_nodes, ranks):
+    """ext4 on a loop device that the companion may only read and write at 512 KiB/s (a blkio
+    throttle: the I/O is real and completes, slowly), so each of its I/Os takes longer than
+    tier_timeout (0.2 s) and a demote batch seconds. While a slow demote is in flight the node
+    stores, loads and looks up from RAM, byte-exact; every slow I/O is counted (``slow``) and the
+    companion logs the first one only; the blocks demoted slowly are promoted back (slowly)
+    byte-exact; nothing stays fenced."""
+    fs = mount("ext4", 64)
+    a = disk_nodes(os.path.join(fs.path, "tier"), "--tier-timeout", "0.2", "--tier-data-timeout", "60")
+    slow = throttle(fs.loop, 512 << 10)
+    slow.add(tier_stats(a)["pid"])                      # the companion: every thread of it
+    ra = ranks(1)
+    connect(ra, a, "engine-a", SMALL, "disk-slow")
+    x = keys_for("slow", 16)
+    store(ra, 1, x, list(range(16)))
+    job = 2
+    while not tier_stats(a)["demoting_blocks"]:         # fill until a demote starts (X its first victims)
+        store(ra, job, keys_for(f"fill-{job}", 16), list(range(16)))
+        job += 1
+        assert job < 100, tier_stats(a)
+    serves_from_ram(ra, 1000)                           # during the slow demote
+    assert ra[0].call("lookup_detail", keys=keys_for(f"fill-{job - 1}", 16))["hits"] == 16
+    assert tier_stats(a)["demoting_blocks"], "the demote ended before the node had served: not slow enough"
+    wait_for(lambda: not tier_stats(a)["demoting_blocks"], 120, "the slow demote to finish")
+    wait_for(lambda: tier_stats(a)["engine"].get("errors", {}).get("slow", 0) >= 2, 30, "slow I/Os counted")
+    sa = tier_stats(a)
+    assert sa["demoted_blocks"] >= 16 and sa["state"] == "ready" and sa["breaker"] == {"meta": "closed",
+                                                                                       "data": "closed"}, sa
+    all_call(ra, "close")
+    rb = ranks(1)
+    connect(rb, a, "engine-b", SMALL, "disk-slow")
+    a.call("evict", admin=True, namespace=NamespaceId(**layout(SMALL, "disk-slow")).name(), count=1000)
+    promote(rb[0], x, timeout=120)                      # read back through the slow disk
+    load_exact(rb, 1, x, list(range(16)))
+    with open(os.path.join(a.dir, f"{a.name}.tier.log")) as f:
+        said = [line for line in f if "(slow; further ones are counted, not logged)" in line]
+    assert len(said) == 1, said
+    assert a.stats()["pages_fenced"] == 0 and region_check(a)["ok"]
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (``Z``: a zombie, gone but not reaped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_companion_that_cannot_die_keeps_its_pages_and_the_daemon_serving(disk, disk_nodes, ranks, freezer):
+    """The companion frozen (a cgroup v1 freezer: it sits in the kernel like a process on a hung
+    disk, and a SIGKILL takes effect only once it is thawed) while demotes are in flight: they pass
+    tier_data_timeout, then tier_kill_after, and the daemon SIGKILLs it. It cannot die, and the
+    daemon does not wait for it: it answers pings, stores, loads byte-exact and looks up from RAM,
+    says the companion is ``killed``, and keeps the demotes' pages pinned. Thawed, it dies; the
+    daemon reaps it, the pins drop, and a new companion starts. (A blocking reap hung the daemon's
+    loop until the thaw.)"""
+    a = disk_nodes(disk.address, "--tier-data-timeout", "0.3", "--tier-kill-after", "0.3")
+    ra = ranks(1)
+    connect(ra, a, "engine-a", SMALL, "disk-frozen")
+    pid = tier_stats(a)["pid"]
+    freezer.add(pid)
+    freezer.freeze()
+    job = 1
+    while not tier_stats(a)["demoting_blocks"]:          # fill until demotes go to the frozen companion
+        store(ra, job, keys_for(f"fill-{job}", 16), list(range(16)))
+        job += 1
+        assert job < 100, tier_stats(a)
+    wait_for(lambda: tier_stats(a)["state"] == "killed", 30, "the frozen companion killed")
+    for _ in range(5):
+        a.call("ping", timeout=2.0)
+    serves_from_ram(ra, 1000)
+    assert ra[0].call("lookup_detail", keys=keys_for(f"fill-{job - 1}", 16))["hits"] == 16
+    sa = tier_stats(a)
+    assert sa["state"] == "killed" and sa["pid"] == pid and sa["killed"] == 1 and sa["demoting_blocks"], sa
+    assert process_state(pid) != "Z", "the companion died: the freezer did not hold it"
+    freezer.thaw()
+    wait_for(lambda: tier_stats(a)["state"] == "ready" and tier_stats(a)["pid"] != pid, 30, "a new companion")
+    assert not os.path.exists(f"/proc/{pid}"), "the killed companion was not reaped"
+    wait_for(lambda: tier_stats(a)["demoting_blocks"] == 0, 30, "the new companion's demotes to end")
+    assert tier_stats(a)["demoted_blocks"] and a.stats()["pages_fenced"] == 0 and region_check(a)["ok"]
+    serves_from_ram(ra, 2000)
+
+
+def test_a_daemon_stops_while_its_companion_cannot_die(disk, disk_nodes, freezer):
+    """SIGTERM with the companion frozen (it cannot die until thawed): the daemon asks it to stop,
+    kills it, waits a bounded time and exits cleanly; the companion is left to die when it can.
+    (A blocking reap kept the daemon from exiting until the thaw.)"""
+    a = disk_nodes(disk.address)
+    pid = tier_stats(a)["pid"]
+    freezer.add(pid)
+    freezer.freeze()
+    assert a.stop(timeout=30) == 0, a.log()[-3000:]
+    assert process_state(pid) != "Z", "the companion died: the freezer did not hold it"
+    freezer.thaw()
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or process_state(pid) == "Z", 30, "the companion to die")

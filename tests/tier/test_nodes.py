@@ -362,13 +362,13 @@ def test_the_data_file_replaced_restarts_the_companion_on_the_new_file(nodes, ra
 
 # ------------------------------------------------------------------------------------------ seals
 class Forged:
-    """Seals as an attacker with write access to the engine would make them (``Seals.make_all``)."""
+    """Seals as an attacker with write access to the engine would make them (``Seals.parts``)."""
 
     def __init__(self, seals: list[bytes]):
         self.seals = seals
 
-    def make_all(self, indices) -> list[bytes]:
-        return [self.seals[i] for i in indices]
+    def parts(self, ranges):
+        return ((blocks, [self.seals[i] for i in blocks]) for blocks in ranges)
 
 
 def test_values_planted_in_the_tier_are_never_loaded(nodes, ranks, tier, make_region):

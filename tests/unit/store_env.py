@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from kvtierd.contract.namespace import NamespaceId
-from kvtierd.contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
-from kvtierd.contract.region_format import (CHAIN_END, EntryState, Geometry, RegionView, entry_record_sums,
-                                            namespace_identities)
+from kvtierd.contract.codes import ErrorCode, RequestError, StoreOutcome
+from kvtierd.contract.protocol import PAGES_DTYPE
+from kvtierd.contract.region_format import CHAIN_END, EntryState, Geometry
+from kvtierd.contract.region_sums import entry_record_sums, namespace_identities
+from kvtierd.contract.region_view import RegionView
 from kvtierd.policy import DEFAULT as DEFAULT_POLICY
 from kvtierd.store import Store
 

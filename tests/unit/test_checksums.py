@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtierd.contract.protocol import ErrorCode, RequestError
-from kvtierd.contract.region_format import entry_checksum, shard_checksum
+from kvtierd.contract.codes import ErrorCode, RequestError
+from kvtierd.contract.region_sums import entry_checksum, shard_checksum
 from kvtierd.recovery import scan
 from kvtierd.store import Store
 

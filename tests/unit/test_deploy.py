@@ -1,7 +1,7 @@
 """deploy/ stays in step with the code: every metric, label value, setting and path it names exists.
 
 The exported metric names and label values come from running the real collector
-(kvtierd.metrics.DaemonCollector) on a synthetic stats reply (every field of protocol.StatsReply),
+(kvtierd.metrics.DaemonCollector) on a synthetic stats reply (every field of replies.StatsReply),
 with the label-bearing dicts filled from the code that fills them in the daemon (error codes,
 request ops, abort causes, lease ends, session roles, pin modes, eviction policy segments). The Prometheus
 expressions in alerts.yml and in the Grafana dashboard are then read with regexes, so those
@@ -22,7 +22,9 @@ import pytest
 from kvtierd import config
 from kvtierd.attachments import Attachments, SessionEnd
 from kvtierd.contract import protocol as P
+from kvtierd.contract.codes import AbortCause, ErrorCode
 from kvtierd.contract.events import Cause
+from kvtierd.contract.replies import StatsReply
 from kvtierd.fence import ROW_CAPS, Reason, Release
 from kvtierd.histogram import Histogram
 from kvtierd.holds import CAPS as HOLD_CAPS
@@ -49,9 +51,9 @@ TARGET_LABELS = {"instance", "job"}
 
 # --- what the code can emit --------------------------------------------------------------------
 def abort_causes() -> set[str]:
-    """Every `cause` label value of kvtierd_aborted_jobs_total: the values of protocol.AbortCause,
+    """Every `cause` label value of kvtierd_aborted_jobs_total: the values of codes.AbortCause,
     the only causes the job machine aborts with, among them rank_<end> for every way a session ends."""
-    causes = {cause.value for cause in P.AbortCause}
+    causes = {cause.value for cause in AbortCause}
     assert {f"rank_{end.value}" for end in SessionEnd} <= causes, "a way a session ends has no abort cause"
     return causes
 
@@ -97,12 +99,12 @@ def tier_snapshot() -> dict:
             "breaker": {lane: "open" for lane in set(LANES.values())}}
 
 
-def snapshot(pinned: str, tier: bool = True) -> P.StatsReply:
+def snapshot(pinned: str, tier: bool = True) -> StatsReply:
     """A whole stats reply, label-bearing dicts filled with every value the code can emit;
     ``tier``: with the optional families too (the second tier's, the daemon's KV events stream's)."""
     hist = Histogram()
     hist.observe(1e-4)
-    return P.StatsReply(
+    return StatsReply(
         region="/dev/shm/kvtierd/kvtierd.region", pinned=pinned, generation=0xABC, hugepages="thp",
         huge_page_size=2 << 20, huge_bytes=1 << 30,
         page_size=65536, capacity_bytes=1 << 30, used_bytes=1 << 29,
@@ -120,7 +122,7 @@ def snapshot(pinned: str, tier: bool = True) -> P.StatsReply:
         bytes_written=12, bytes_saved_dedup=13, engines=2, sessions=3, open_jobs=1, jobs_held=2, open_job_keys=9, tombstones=5,
         aborted_jobs={cause: 1 for cause in abort_causes()},
         session_roles={role: 1 for role in session_roles()},
-        errors={code.name: 1 for code in P.ErrorCode},
+        errors={code.name: 1 for code in ErrorCode},
         latency={op: hist.snapshot() for op in P.REQUESTS},
         vote_wait=hist.snapshot(),
         namespace_list=[], requests={}, clients_watched=0, uptime_seconds=1.0, socket="s", admin_socket="a",

@@ -8,7 +8,8 @@ import pytest
 import kvtier
 from kvtierd.contract import errors as E
 from kvtierd.contract import protocol as P
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.replies import decode_reply, error_reply
+from kvtierd.contract.codes import ErrorCode
 
 EXPECTED = {
     ErrorCode.BAD_REQUEST: E.BadRequest, ErrorCode.VERSION: E.VersionMismatch, ErrorCode.NOT_ATTACHED: E.NotAttached,
@@ -30,7 +31,7 @@ def test_every_code_has_its_own_class():
 
 @pytest.mark.parametrize("code", list(ErrorCode), ids=lambda c: c.name)
 def test_from_reply(code):
-    reply = P.decode_reply(P.encode(P.error_reply(9, code, "what went wrong")))
+    reply = decode_reply(P.encode(error_reply(9, code, "what went wrong")))
     exc = E.from_reply(reply)
     assert type(exc) is EXPECTED[code]
     assert isinstance(exc, E.DaemonError) and isinstance(exc, E.KvtierError)

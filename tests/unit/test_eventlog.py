@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvtier.events import EventView
 from kvtierd.contract.events import Cause, Kind, split_keys
-from kvtierd.contract.protocol import EventsReply
+from kvtierd.contract.replies import EventsReply
 from kvtierd.eventlog import RECORD_KEYS
 from tests.eventlog import Table
 

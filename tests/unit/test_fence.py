@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvtierd.attachments import SessionEnd
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.codes import ErrorCode
 from kvtierd.contract.region_format import FENCE_NONE, WriterState
 from kvtierd.fence import RECHECK_SECONDS
 from kvtierd.processes import Process, start_ticks

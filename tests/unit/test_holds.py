@@ -10,7 +10,7 @@ checks the held counts against the leases and the load jobs.
 
 from __future__ import annotations
 
-from kvtierd.contract.protocol import StoreOutcome
+from kvtierd.contract.codes import StoreOutcome
 
 from .store_env import PAGE, Env, keys
 

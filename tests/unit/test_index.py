@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.codes import ErrorCode
 from kvtierd.contract.region_format import NS_SLOTS
 
 from .store_env import DAMAGES, PAGE, Env, N, P, W, corrupt_env, damage_region, err, keys, lay, pages, reopen, small

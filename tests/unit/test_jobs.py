@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvtierd.attachments import SessionEnd
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.codes import ErrorCode
 
 from .store_env import PAGE, TIMEOUT, Env, N, P, W, err, keys, lay, pages, small
 

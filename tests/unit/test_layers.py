@@ -16,7 +16,7 @@ PACKAGE = ROOT / "kvtierd"
 # and the tools built on it: the store never imports these. The store knows the second tier by
 # its interface alone (kvtierd.tiering.interface).
 FACES = {"kvtierd.server", "kvtierd.handlers", "kvtierd.sessions", "kvtierd.peers", "kvtierd.daemon", "kvtierd.cli",
-         "kvtierd.metrics", "kvtierd.systemd", "kvtierd.offline", "kvtierd.launcher", "kvtierd.__main__"}
+         "kvtierd.metrics", "kvtierd.systemd", "kvtierd.offline", "kvtierd.__main__"}
 FACE_PACKAGES = ("kvtierd.tier", "kvtierd.tiering")
 STORE_SIDE = {"kvtierd.tiering.interface"}
 

@@ -314,12 +314,13 @@ def test_lookups_split_long_requests_into_leases_of_part_keys(env, monkeypatch):
 def test_the_event_feed_polls_once_at_a_time_paced_and_stops_while_the_engine_does_not_drain():
     from kvtier.integrations.offload.events import EventFeed
     from kvtierd.contract.events import Kind
+    from kvtierd.contract.replies import EventsReply
 
     now = [100.0]
     feed = EventFeed(key_bytes=36, num_groups=1, max_pending_keys=3, interval_s=0.01, clock=lambda: now[0])
     keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(4)]
-    replies = iter([P.EventsReply(7, 1, True, [[1, int(Kind.STORED), None, 36, b"".join(keys[:2])]], [], None, 0),
-                    P.EventsReply(7, 2, False, [[2, int(Kind.REMOVED), "evicted", 36, keys[0]]], [], None, 0)])
+    replies = iter([EventsReply(7, 1, True, [[1, int(Kind.STORED), None, 36, b"".join(keys[:2])]], [], None, 0),
+                    EventsReply(7, 2, False, [[2, int(Kind.REMOVED), "evicted", 36, keys[0]]], [], None, 0)])
     asked = []
 
     def read(**request):

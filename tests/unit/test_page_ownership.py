@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from kvtierd.attachments import SessionEnd
-from kvtierd.contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
+from kvtierd.contract.codes import ErrorCode, RequestError, StoreOutcome
+from kvtierd.contract.protocol import PAGES_DTYPE
 from kvtierd.contract.region_format import NS_SLOTS
 from kvtierd.tier.backend import TierTimeout
 

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from kvtierd.contract import protocol as P
 from kvtierd.contract.events import MAX_EVENT_KEYS
+from kvtierd.contract.replies import LoadReply, decode_reply, error_reply, ok_reply
 from kvtierd.contract.namespace import MAX_BLOCK_BYTES
-from kvtierd.contract.protocol import ErrorCode, RequestError
+from kvtierd.contract.codes import ErrorCode, RequestError
 
 NAMESPACE = {"model": "deepseek-ai/DeepSeek-V3", "dtype": "bfloat16", "block_tokens": 16, "block_bytes": 1152 * 61,
              "sharding": "replicated"}
@@ -106,16 +107,16 @@ def test_keys_come_back_as_bytes_and_pages_dtype():
 
 
 def test_replies():
-    ok = P.ok_reply(5, P.LoadReply(1, b"\x01\x00\x00\x00"))
+    ok = ok_reply(5, LoadReply(1, b"\x01\x00\x00\x00"))
     assert ok == {"rid": 5, "ok": True, "hits": 1, "pages": b"\x01\x00\x00\x00"}
-    assert P.decode_reply(P.encode(ok)) == ok
-    err = P.error_reply(6, ErrorCode.CONFLICT, "other keys", job=3)
+    assert decode_reply(P.encode(ok)) == ok
+    err = error_reply(6, ErrorCode.CONFLICT, "other keys", job=3)
     assert err == {"rid": 6, "ok": False, "code": 5, "error": "CONFLICT", "message": "other keys", "job": 3}
-    assert P.decode_reply(P.encode(err)) == err
+    assert decode_reply(P.encode(err)) == err
     with pytest.raises(ValueError):
-        P.decode_reply(P.encode([1, 2]))
+        decode_reply(P.encode([1, 2]))
     with pytest.raises(ValueError):
-        P.decode_reply(P.encode({"rid": 1}))
+        decode_reply(P.encode({"rid": 1}))
 
 
 def test_error_codes_are_stable():
@@ -305,7 +306,7 @@ def test_an_error_never_quotes_an_unbounded_value():
     huge = b"\x00" * (P.MAX_FRAME_BYTES - 64)
     err = fails({"op": huge, "rid": 9}, ErrorCode.BAD_REQUEST, "got bytes")
     assert len(err.message) < 100
-    reply = P.error_reply(9, ErrorCode.INTERNAL, "x" * 10_000)
+    reply = error_reply(9, ErrorCode.INTERNAL, "x" * 10_000)
     assert len(reply["message"]) == P.MAX_ERROR_CHARS and reply["message"].endswith("...")
 
 

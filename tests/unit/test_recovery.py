@@ -8,7 +8,7 @@ import pytest
 import numpy as np
 
 from kvtierd.contract.protocol import PAGES_DTYPE
-from kvtierd.contract.region_format import shard_checksum
+from kvtierd.contract.region_sums import shard_checksum
 from kvtierd.recovery import scan
 
 from .store_env import PAGE, DAMAGES, Env, corrupt_env, damage_region, pages, reopen, two_namespaces

@@ -23,7 +23,8 @@ from kvtierd import hugepages
 from kvtierd.contract import mapping as mapping_mod
 from kvtierd.contract.mapping import Mapping
 from kvtierd.contract.paths import DaemonPaths
-from kvtierd.contract.region_format import DATA_MAGIC, HEADER_BYTES, MAGIC, DataHeader, FormatError, Geometry, RegionView
+from kvtierd.contract.region_format import DATA_MAGIC, HEADER_BYTES, MAGIC, FormatError, Geometry
+from kvtierd.contract.region_view import DataHeader, RegionView
 from kvtierd.region import Region, RegionError, RegionLocked
 
 MiB = 1 << 20

@@ -12,9 +12,9 @@ from kvtierd.contract import region_format as L
 from kvtierd.contract.namespace import NamespaceId, Sharding
 from kvtierd.contract.protocol import MAX_KEY_BYTES
 from kvtierd.contract.region_format import (CHAIN_END, DATA_ALIGN, ENTRY_DTYPE, HEADER_BYTES, NS_DTYPE, NS_SLOTS,
-                                            DataHeader, EntryState, FormatError, Geometry, RegionView,
-                                            entry_record_sums, namespace_from_record, namespace_identities,
-                                            namespace_record, namespace_record_sums, read_geometry)
+                                            EntryState, FormatError, Geometry, read_geometry)
+from kvtierd.contract.region_sums import entry_record_sums, namespace_identities, namespace_record_sums
+from kvtierd.contract.region_view import DataHeader, RegionView, namespace_from_record, namespace_record
 
 MiB = 1 << 20
 

@@ -8,7 +8,7 @@ import stat
 import numpy as np
 import pytest
 
-from kvtierd.tier.seal import SEAL_BYTES, SealKey, Sealer, load_key
+from kvtierd.tier.seal import SEAL_BYTES, SealKey, Sealer, load_key, pipeline
 
 KEY = SealKey(bytes(range(32)))
 
@@ -68,3 +68,59 @@ def test_memory_of_any_byte_format_is_sealed_alike(memory):
     view = memoryview(raw)
     assert view.format == "<B"
     assert seal_of(view, [[(0, 3000)]]).make(0) == seal_of(memory, [[(0, 3000)]]).make(0)
+
+
+def test_a_pipeline_cuts_a_batch_into_parts_of_consecutive_blocks():
+    """Up to PIPELINE_PARTS parts of at least PART_BYTES, never more blocks than the engine's
+    largest call; a small batch is one part."""
+    assert pipeline([[(0, 1 << 20)]] * 256, 1024) == [range(i, i + 64) for i in range(0, 256, 64)]
+    assert pipeline([[(0, 1 << 20)]] * 256, 48) == [range(i, min(i + 48, 256)) for i in range(0, 256, 48)]
+    assert pipeline([[(0, 64 << 10)]] * 256, 1024) == [range(i, i + 64) for i in range(0, 256, 64)]
+    assert pipeline([[(0, 4096)]] * 8, 1024) == [range(0, 8)]
+    assert pipeline([], 1024) == []
+
+
+def test_seals_made_and_checked_on_the_threads_keep_each_block_its_own():
+    """Blocks hashed in tasks on the seal threads (several tasks: more than TASK_BYTES), and by
+    pipeline parts: every seal is its block's, in order; damaged blocks fail alone."""
+    data = np.random.default_rng(9).integers(0, 256, 6 << 20, dtype=np.uint8)
+    memory = memoryview(data)
+    blocks = [[(i * (192 << 10), 192 << 10)] for i in range(32)]          # 6 MiB: several tasks
+    keys = [b"k%d" % i for i in range(32)]
+    seals = seal_of(memory, blocks, keys=keys)
+    serial = [seals.make(i) for i in range(32)]
+    assert seals.make_all(range(32)) == serial
+    ranges = pipeline(blocks, 1024)
+    assert len(ranges) > 1
+    parted = list(seals.parts(ranges))
+    assert [r for r, _ in parted] == ranges and [s for _, sealed in parted for s in sealed] == serial
+    for i in (3, 17, 30):
+        data[i * (192 << 10) + 5] ^= 1
+    checked = seal_of(memory, blocks, keys=keys)
+    assert list(checked.checking(enumerate(serial))) == [i not in (3, 17, 30) for i in range(32)]
+    assert checked.rejected() == {"mismatch": 3, "other_key": 0}
+
+
+def test_a_corrupted_part_fails_alone_and_seals_stay_bound_to_their_blocks_across_parts():
+    """A batch sealed by pipeline parts (``parts``, as a put does) and checked part by part
+    (``checking``, as a get does while the next part transfers): a part whose bytes changed after
+    sealing (a torn transfer) fails, every block of it, while the other parts hold; seals moved
+    one part over (each block given the seal of the block at its place in the next part: values
+    stored under other keys) fail; so do the right seals checked for another namespace."""
+    data = np.random.default_rng(11).integers(0, 256, 16 << 20, dtype=np.uint8)
+    memory = memoryview(data)
+    blocks = [[(i * (64 << 10), 64 << 10)] for i in range(256)]
+    keys = [b"k%d" % i for i in range(256)]
+    ranges = pipeline(blocks, 1024)
+    assert len(ranges) == 4
+    sealed = [s for _, part in seal_of(memory, blocks, keys=keys).parts(ranges) for s in part]
+    torn = ranges[2]
+    data[torn.start * (64 << 10):torn.stop * (64 << 10):4096] ^= 0xFF      # a byte of each of its pages
+    checked = seal_of(memory, blocks, keys=keys)
+    held = [ok for part in ranges for ok in list(checked.checking((i, sealed[i]) for i in part))]
+    assert held == [i not in torn for i in range(256)]
+    assert checked.rejected() == {"mismatch": len(torn), "other_key": 0}
+    shifted = seal_of(memory, blocks, keys=keys)
+    assert not any(shifted.checking((i, sealed[i + len(ranges[0])]) for i in ranges[0]))
+    other = seal_of(memory, blocks, keys=keys, identity=b"other-ns")
+    assert not any(other.checking((i, sealed[i]) for i in ranges[0]))

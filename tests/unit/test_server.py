@@ -17,8 +17,11 @@ import pytest
 
 from kvtierd.attachments import SessionEnd
 from kvtierd.contract import protocol as P
+from kvtierd.contract.codes import StoreOutcome
+from kvtierd.contract.replies import (ADMIN_REPLIES, REPLIES, ClientsReply, HelloReply, JobsReply, LookupReply, Reply,
+                                      StatsReply)
 from kvtierd.contract.namespace import NamespaceId
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.codes import ErrorCode
 from kvtierd.peers import Conn
 from kvtierd.processes import own_pid_namespace
 from kvtierd.region import Region
@@ -88,7 +91,7 @@ def d(tmp_path):
     dispatch.close()
 
 
-def assert_shape(reply: dict, shape: type[P.Reply]) -> None:
+def assert_shape(reply: dict, shape: type[Reply]) -> None:
     """The reply holds exactly the declared fields (and rid, ok), each of its declared type."""
     assert set(reply) == set(shape.FIELDS) | {"rid", "ok"}, shape.__name__
     hints = typing.get_type_hints(shape)
@@ -104,7 +107,7 @@ def test_every_reply_matches_its_declared_shape(d):
     replies["store"] = d.ok("store", job=1, keys=KEYS)
     replies["commit"] = d.ok("commit", job=1, ok=True)
     leased = d.ok("lookup", keys=KEYS, lease=5, ttl_ms=1500)
-    assert_shape(leased, P.LookupReply)
+    assert_shape(leased, LookupReply)
     assert (leased["hits"], leased["lease"], leased["leased"], leased["ttl_ms"]) == (4, 5, 4, 1500)
     d.ok("lookup", keys=KEYS, lease=6)
     replies["unlease"] = d.ok("unlease", leases=[6, 7])
@@ -122,15 +125,15 @@ def test_every_reply_matches_its_declared_shape(d):
     admin = {op: d.ok(op, b"admin", admin=True, **fields) for op, fields in
              [("stats", {}), ("ping", {}), ("clients", {}), ("evict", {"count": 1}), ("clear", {})]}
     replies["bye"] = d.ok("bye")
-    assert replies.keys() == P.REPLIES.keys() and admin.keys() == P.ADMIN_REPLIES.keys()
+    assert replies.keys() == REPLIES.keys() and admin.keys() == ADMIN_REPLIES.keys()
     for op, reply in replies.items():
-        assert_shape(reply, P.REPLIES[op])
+        assert_shape(reply, REPLIES[op])
     for op, reply in admin.items():
-        assert_shape(reply, P.ADMIN_REPLIES[op])
+        assert_shape(reply, ADMIN_REPLIES[op])
     assert (replies["lookup"]["hits"], replies["lookup"]["lease"], replies["lookup"]["leased"]) == (0, None, 0)
     assert replies["load"]["hits"] == 4
     assert admin["stats"]["lease_ends"] == {"consumed": 1, "released": 1} and admin["stats"]["leases_open"] == 0
-    assert np.frombuffer(replies["store"]["outcomes"], np.uint8).tolist() == [P.StoreOutcome.WRITE] * 4
+    assert np.frombuffer(replies["store"]["outcomes"], np.uint8).tolist() == [StoreOutcome.WRITE] * 4
     assert replies["load"]["pages"] == replies["store"]["pages"] and len(replies["store"]["pages"]) == 4 * 4
     assert [j["state"] for j in replies["jobs"]["jobs"]] == ["done", "done", "aborted", "unknown"]
     assert admin["evict"]["evicted"] == 1 and admin["clear"]["evicted"] == 3
@@ -138,7 +141,7 @@ def test_every_reply_matches_its_declared_shape(d):
 
 
 def test_hello_reply(d):
-    h = P.HelloReply.from_wire(d.hello())
+    h = HelloReply.from_wire(d.hello())
     geo = d.region.geometry
     assert (h.version, h.daemon_pid, h.region, h.generation) == (P.PROTOCOL_VERSION, os.getpid(),
                                                                  d.region.paths.region, d.region.generation)
@@ -146,8 +149,8 @@ def test_hello_reply(d):
                                                                         geo.num_pages, geo.data_offset)
     assert (h.namespace, h.pages_per_shard, h.writers) == (NS.name(), 1, [0])
     assert h.watched and h.heartbeat_interval is None and h.job_timeout == 30.0 and h.checksums is False
-    other = P.HelloReply.from_wire(d.ok("hello", b"far", version=P.PROTOCOL_VERSION, engine="f", rank=None,
-                                        world_size=1, namespace=NS.to_wire()))      # pid not visible: heartbeats
+    other = HelloReply.from_wire(d.ok("hello", b"far", version=P.PROTOCOL_VERSION, engine="f", rank=None,
+                                      world_size=1, namespace=NS.to_wire()))      # pid not visible: heartbeats
     assert not other.watched and other.heartbeat_interval == pytest.approx(2.0)
     assert other.session != h.session and other.token != h.token
 
@@ -160,7 +163,7 @@ def test_requests_before_hello_and_admin_ops_on_the_client_socket(d):
     assert d.call("clients")["code"] == ErrorCode.FORBIDDEN
     assert d.call("stats", admin=True)["ok"]
     assert d.call("lookup", admin=True, keys=KEYS)["code"] == ErrorCode.BAD_REQUEST
-    errors = P.StatsReply.from_wire(d.ok("stats")).errors
+    errors = StatsReply.from_wire(d.ok("stats")).errors
     assert errors == {"NOT_ATTACHED": 3, "FORBIDDEN": 1, "BAD_REQUEST": 1}
 
 
@@ -198,29 +201,29 @@ def test_a_stopping_daemon_grants_no_lease_it_could_not_honour(d):
 
 
 def test_rehello_and_replacing_a_lost_session(d):
-    first = P.HelloReply.from_wire(d.hello())
-    again = P.HelloReply.from_wire(d.hello())                 # the same socket: the old session ends
+    first = HelloReply.from_wire(d.hello())
+    again = HelloReply.from_wire(d.hello())                 # the same socket: the old session ends
     assert again.session != first.session and len(d.store.attachments.sessions) == 1
     assert d.call("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1,
                   namespace=NS.to_wire())["code"] == ErrorCode.LAYOUT_MISMATCH       # rank 0 is taken
     wrong = d.call("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1,
                    namespace=NS.to_wire(), replaces=again.session, replaces_token=again.token ^ 1)
     assert wrong["code"] == ErrorCode.LAYOUT_MISMATCH                                # a wrong token proves nothing
-    third = P.HelloReply.from_wire(d.ok("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0,
-                                        world_size=1, namespace=NS.to_wire(), replaces=again.session,
-                                        replaces_token=again.token))
+    third = HelloReply.from_wire(d.ok("hello", b"new-socket", version=P.PROTOCOL_VERSION, engine="e", rank=0,
+                                      world_size=1, namespace=NS.to_wire(), replaces=again.session,
+                                      replaces_token=again.token))
     assert [s.id for s in d.store.attachments.sessions.values()] == [third.session]
     assert d.ok("ping", b"rank-0")["attached"] is False and d.ok("ping", b"new-socket")["attached"] is True
 
 
 def test_heartbeat_from_another_socket(d):
-    h = P.HelloReply.from_wire(d.ok("hello", version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1,
-                                    namespace=NS.to_wire(), pid=os.getpid(), pidns=1))
+    h = HelloReply.from_wire(d.ok("hello", version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1,
+                                  namespace=NS.to_wire(), pid=os.getpid(), pidns=1))
     assert not h.watched
     assert d.ok("ping", b"heartbeat-socket", session=h.session, token=h.token)["attached"] is True
     reply = d.call("ping", b"heartbeat-socket", session=h.session, token=h.token ^ 1)
     assert reply["code"] == ErrorCode.NOT_ATTACHED
-    s = P.StatsReply.from_wire(d.ok("stats"))
+    s = StatsReply.from_wire(d.ok("stats"))
     assert (s.sessions_heartbeat, s.clients_watched, s.sessions) == (1, 0, 1)
 
 
@@ -229,14 +232,14 @@ def test_stats_and_clients(d):
     d.ok("hello", b"coord", version=P.PROTOCOL_VERSION, engine="e", rank=None, world_size=1, namespace=NS.to_wire())
     d.ok("store", job=1, keys=KEYS[:2])
     s = d.server.stats()
-    assert isinstance(s, P.StatsReply)
+    assert isinstance(s, StatsReply)
     assert (s.entries_writing, s.open_jobs, s.engines, s.sessions) == (2, 1, 1, 2)
     assert s.session_roles == {"rank": 1, "coordinator": 1} and s.clients_watched == 1
     assert s.requests == {"hello": 2, "store": 1} and set(s.latency) == {"hello", "store"}
     assert (s.region, s.socket, s.admin_socket) == (d.region.paths.region, d.region.paths.socket,
                                                     d.region.paths.admin_socket)
     assert s.region_problem is None and s.stopping is False and s.namespace_list[0]["name"] == NS.name()
-    clients = P.ClientsReply.from_wire(d.ok("clients", b"admin", admin=True)).clients
+    clients = ClientsReply.from_wire(d.ok("clients", b"admin", admin=True)).clients
     assert sorted((c["role"], c["watched"], c["namespace"]) for c in clients) == [
         ("coordinator", False, NS.name()), ("rank 0", True, NS.name())]
 
@@ -246,7 +249,7 @@ def test_bye_ends_the_session_and_aborts_its_jobs(d):
     d.ok("hello", b"rank-1", version=P.PROTOCOL_VERSION, engine="e", rank=1, world_size=2, namespace=NS.to_wire())
     d.ok("store", job=1, keys=KEYS)
     d.ok("bye", b"rank-1")
-    jobs = P.JobsReply.from_wire(d.ok("jobs", jobs=[1])).jobs
+    jobs = JobsReply.from_wire(d.ok("jobs", jobs=[1])).jobs
     assert jobs == [{"job": 1, "kind": "store", "state": "aborted", "cause": "rank_left"}]
     assert d.call("commit", b"rank-1", job=1, ok=True)["code"] == ErrorCode.NOT_ATTACHED
 
@@ -278,10 +281,10 @@ def test_the_peer_credentials_decide_who_is_watched_not_the_claims(d):
     hello = dict(version=P.PROTOCOL_VERSION, engine="e", rank=0, world_size=1, namespace=NS.to_wire())
     lie = d.call("hello", peer=ME, pid=os.getpid() + 1, pidns=own_pid_namespace(), **hello)
     assert lie["code"] == ErrorCode.BAD_REQUEST and "peer is pid" in lie["message"]
-    child_ns = P.HelloReply.from_wire(d.ok("hello", peer=ME, pid=7, pidns=12345, **hello))
+    child_ns = HelloReply.from_wire(d.ok("hello", peer=ME, pid=7, pidns=12345, **hello))
     assert child_ns.watched                                  # the daemon sees it: a pidfd, no heartbeats
-    unseen = P.HelloReply.from_wire(d.ok("hello", b"far", peer=UNSEEN, **dict(hello, engine="f"),
-                                         pid=os.getpid(), pidns=own_pid_namespace()))
+    unseen = HelloReply.from_wire(d.ok("hello", b"far", peer=UNSEEN, **dict(hello, engine="f"),
+                                       pid=os.getpid(), pidns=own_pid_namespace()))
     assert not unseen.watched and unseen.heartbeat_interval == pytest.approx(2.0)
 
 
@@ -289,14 +292,14 @@ def test_a_process_takes_over_its_own_orphaned_rank(d):
     """A Client dropped without close(), or a hello whose reply came too late, leaves a session
     only the process's death ended: the same live process attaching as that rank again now takes it
     over (issue 10 item 5); another process still gets LAYOUT_MISMATCH."""
-    orphan = P.HelloReply.from_wire(d.hello(b"dropped-socket"))
+    orphan = HelloReply.from_wire(d.hello(b"dropped-socket"))
     d.ok("store", b"dropped-socket", job=1, keys=KEYS[:2])              # pages handed, never committed
     other = d.call("hello", b"other-process", peer=(os.getuid(), os.getppid()), version=P.PROTOCOL_VERSION,
                    engine="e", rank=0, world_size=1, namespace=NS.to_wire())
     assert other["code"] == ErrorCode.LAYOUT_MISMATCH
-    again = P.HelloReply.from_wire(d.hello(b"new-socket"))
+    again = HelloReply.from_wire(d.hello(b"new-socket"))
     assert again.session != orphan.session and [s.id for s in d.store.attachments.sessions.values()] == [again.session]
-    stats = P.StatsReply.from_wire(d.ok("stats"))
+    stats = StatsReply.from_wire(d.ok("stats"))
     assert stats.aborted_jobs == {"rank_taken_over": 1}
     # The orphan's process lives (it is this one) and might still be copying: its pages stay fenced.
     assert stats.pages_fenced == 2 and stats.fenced_pages["writer_alive"] == 2
@@ -304,12 +307,12 @@ def test_a_process_takes_over_its_own_orphaned_rank(d):
 
 
 def test_a_hello_naming_a_gone_session_releases_its_writers_pages(d):
-    first = P.HelloReply.from_wire(d.hello(b"a", peer=UNSEEN))    # unwatchable
+    first = HelloReply.from_wire(d.hello(b"a", peer=UNSEEN))    # unwatchable
     d.ok("store", b"a", job=1, keys=KEYS[:3])
     d.server.sessions.end(d.store.attachments.sessions[first.session], SessionEnd.HEARTBEAT_LOST)
-    assert P.StatsReply.from_wire(d.ok("stats")).fenced_pages["grace"] == 3
+    assert StatsReply.from_wire(d.ok("stats")).fenced_pages["grace"] == 3
     d.hello(b"b", peer=UNSEEN, replaces=first.session, replaces_token=first.token)
-    stats = P.StatsReply.from_wire(d.ok("stats"))
+    stats = StatsReply.from_wire(d.ok("stats"))
     assert stats.pages_fenced == 0 and stats.fence_released_pages["reattached"] == 3
 
 

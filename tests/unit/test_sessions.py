@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from kvtierd.attachments import SessionEnd
-from kvtierd.contract.protocol import ErrorCode
+from kvtierd.contract.codes import ErrorCode
 from kvtierd.peers import Conn
 from kvtierd.processes import Process, start_ticks
 from kvtierd.sessions import SessionRegistry

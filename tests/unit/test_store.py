@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtierd.attachments import SessionEnd
-from kvtierd.contract.protocol import ErrorCode, RequestError
+from kvtierd.contract.codes import ErrorCode, RequestError
 from kvtierd.contract.region_format import EntryState
 from kvtierd.processes import Process
 from kvtierd.store import Store

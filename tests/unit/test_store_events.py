@@ -7,7 +7,8 @@ from __future__ import annotations
 import msgpack
 
 from kvtier.events import EventView
-from kvtierd.contract.protocol import ErrorCode, EventsReply
+from kvtierd.contract.codes import ErrorCode
+from kvtierd.contract.replies import EventsReply
 from kvtierd.contract.region_format import EntryState
 
 from .store_env import Env, err, keys, lay, reopen

@@ -14,7 +14,8 @@ import os
 import numpy as np
 import pytest
 
-from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome, encode
+from kvtierd.contract.codes import StoreOutcome
+from kvtierd.contract.protocol import PAGES_DTYPE, encode
 from kvtierd.tier.backend import TierTimeout, TierUnavailable
 from kvtierd.tier.keys import identity
 from kvtierd.tiering.promote import ABSENT_SECONDS, CHECK_DELAY, PATIENCE
@@ -204,15 +205,20 @@ def test_a_miss_is_checked_then_promoted_and_reported_pending_until_ready(tenv):
     assert tenv.lookup(s, ks) == (6, 3)                      # checked again once forgotten
 
 
+def promoting(tenv, s, ks: list[bytes]) -> tuple[int, np.ndarray]:
+    """A miss of ``ks`` the tier holds, checked and sent to it as a get: the get's id and pages."""
+    tenv.lookup(s, ks)
+    rid, _ = tenv.link.last("exists")
+    tenv.link.answer(rid, present=b"\x01" * len(ks))
+    tenv.pump()
+    rid, get = tenv.link.last("get")
+    return rid, np.frombuffer(get["pages"], PAGES_DTYPE)
+
+
 def test_a_promote_past_its_deadline_is_a_miss_and_its_pages_stay_fenced_until_the_end(tenv):
     (s,) = tenv.engine("e")
     ks = keys("t", 3)
-    tenv.lookup(s, ks)
-    rid, _ = tenv.link.last("exists")
-    tenv.link.answer(rid, present=b"\x01\x01\x01")
-    tenv.pump()
-    rid, get = tenv.link.last("get")
-    pages = np.frombuffer(get["pages"], PAGES_DTYPE)
+    rid, pages = promoting(tenv, s, ks)
     tenv.link.answer(rid, ok=False, final=False, error=TierTimeout("late"))
     tenv.pump()
     assert tenv.lookup(s, ks) == (0, 0)                      # aborted: gone, and not asked again soon
@@ -245,6 +251,28 @@ def test_the_companion_gone_mid_promote_releases_the_pages_and_a_new_one_gets_a_
     tenv.pump()
     assert tenv.tier.companion.writer is not None and tenv.store.fence.writers[tenv.tier.companion.writer.row] is tenv.tier.companion.writer
     assert first_row not in tenv.store.fence.writers or tenv.tier.companion.writer.row == first_row
+
+
+def test_a_killed_companion_keeps_its_row_and_pages_until_it_is_reaped(tenv):
+    """Killed for not answering but not gone yet (stuck in the kernel on a hung disk): the link
+    says ``killed`` and ends nothing; its row and the pages of its promote stay fenced, whatever
+    the loop does meanwhile, and come back only once it is reaped."""
+    (s,) = tenv.engine("e")
+    rid, pages = promoting(tenv, s, keys("t", 3))
+    tenv.link.answer(rid, ok=False, final=False, error=TierTimeout("late"))
+    row = tenv.tier.companion.writer.row
+    tenv.link.state = "killed"                               # SIGKILLed, not reaped: same pid
+    for _ in range(3):
+        tenv.pump()
+    assert tenv.tier.companion.writer.row == row and row in tenv.store.fence.writers
+    assert tenv.stats()["pages_fenced"] == 3 and (tenv.store.fence.table[pages] == row).all()
+    (w,) = tenv.engine("w")
+    tenv.put([w], 1, keys("f", 40))                          # the region fills: no store gets them
+    got = {p for e in w.engine.ns.index.values() for p in np.frombuffer(e.pages, PAGES_DTYPE).tolist()}
+    assert not got & set(pages.tolist())
+    tenv.link.die()                                          # reaped
+    tenv.pump()
+    assert tenv.tier.companion.writer is None and tenv.stats()["pages_fenced"] == 0
 
 
 def test_a_failed_or_slow_check_costs_lookups_nothing(tenv):
@@ -347,13 +375,13 @@ def test_the_data_file_replaced_ends_what_the_companion_had_and_restarts_it(tenv
     assert tenv.stats()["pages_fenced"] == 4 and tenv.tier.stats()["promoting_blocks"] == 2
     row = tenv.tier.companion.writer.row
     tenv.store.detach(s, SessionEnd.REGION_REPLACED)
-    tenv.link.kill = tenv.link.die
-    tenv.tier.data_replaced()
+    tenv.tier.data_replaced()                                # the companion killed, not reaped yet
     assert tenv.tier.companion.writer is None and not tenv.tier.promotes.jobs
-    assert not (tenv.store.fence.table == row).any()
     assert tenv.store.drop_all() == 4                        # Fence.reset: nothing attached
-    assert tenv.link.restart_at == tenv.clock()        # restarted at the loop's next turn
+    assert not (tenv.store.fence.table == row).any() and row not in tenv.store.fence.writers
     assert tenv.tier.stats()["promote_failed_blocks"] == 6 and tenv.stats()["pages_fenced"] == 0
+    tenv.link.die()                                          # reaped: the link starts the next one
+    tenv.pump()
     tenv.link.state, tenv.link.pid = "ready", os.getpid()    # the new companion, on the new file
     tenv.pump()
     assert tenv.tier.companion.writer is not None and tenv.store.fence.writers[tenv.tier.companion.writer.row] is tenv.tier.companion.writer

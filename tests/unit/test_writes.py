@@ -14,7 +14,8 @@ import itertools
 import numpy as np
 import pytest
 
-from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome
+from kvtierd.contract.codes import StoreOutcome
+from kvtierd.contract.protocol import PAGES_DTYPE
 from kvtierd.contract.region_format import FENCE_NONE, EntryState
 from kvtierd.fence import Release
 from kvtierd.processes import Process

@@ -18,7 +18,8 @@ import os
 
 import numpy as np
 
-from kvtierd.contract.protocol import PAGES_DTYPE, StoreOutcome
+from kvtierd.contract.codes import StoreOutcome
+from kvtierd.contract.protocol import PAGES_DTYPE
 from kvtierd.contract.region_format import EntryState
 from kvtierd.tier.backend import TierUnavailable
 from kvtierd.tier.link import LinkBusy, LinkDown, Outcome, Request
@@ -49,7 +50,8 @@ class ScriptedLink:
         self._out: list[Outcome] = []
 
     def start(self) -> None: pass
-    def stop(self, timeout: float = 0) -> None: pass
+    def stop(self, timeout: float = 0) -> bool:
+        return True                             # stopped and reaped
 
     def submit(self, op: str, context=None, **fields) -> int:
         if self.state != "ready":
@@ -82,8 +84,16 @@ class ScriptedLink:
             self.answer(rid, ok=False, error=TierUnavailable("the tier companion exited (-9)"))
         self.state, self.pid = "down", None
 
-    def kill(self) -> None:
-        self.die()
+    @property
+    def unreaped(self) -> int | None:
+        """The companion's pid until it is reaped (``die``)."""
+        return self.pid
+
+    def abandon(self) -> None:
+        """``TierLink.abandon``: every request ends now; the process is killed but not reaped yet."""
+        for rid in list(self.inflight):
+            self.answer(rid, ok=False, error=TierUnavailable("the region's data file was replaced"))
+        self.state = "killed"
 
 
 @functools.lru_cache(maxsize=1 << 14)

@@ -369,7 +369,7 @@ def test_every_engine_of_the_namespace_announces_what_any_of_them_stored(stream)
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
 
     from kvtier.integrations.offload.events import EventFeed
-    from kvtierd.contract.protocol import EventsReply
+    from kvtierd.contract.replies import EventsReply
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
 
     table = stream.table

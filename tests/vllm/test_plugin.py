@@ -654,10 +654,10 @@ def test_blocks_kvtierd_promotes_from_its_second_tier_are_hit_pending_then_hits(
     """kvtierd with a second tier (a real Redis Cluster) demotes the blocks as its region fills and
     evicts them; a new request's lookups are HIT_PENDING while kvtierd promotes them (vLLM defers
     the request and asks again next step), then HIT, and the load is exact."""
-    from kvtierd.tier.engines import EngineUnavailable, RedisCluster
+    from kvtierbench.tierservers import RedisCluster, ServerUnavailable
     try:
         engine = RedisCluster()
-    except EngineUnavailable as exc:
+    except ServerUnavailable as exc:
         pytest.skip(str(exc))
     try:
         engine.start()

@@ -26,7 +26,7 @@ import time
 from typing import Callable
 
 from kvtier.events import EventView
-from kvtierd.contract.protocol import EventsReply
+from kvtierd.contract.replies import EventsReply
 
 from .keys import offload_keys
 

@@ -27,8 +27,8 @@ from typing import Callable, Collection
 
 import numpy as np
 
+from kvtierd.contract.codes import StoreOutcome
 from kvtierd.contract.errors import KvtierError
-from kvtierd.contract.protocol import StoreOutcome
 
 from ...coordinator import Coordinator
 from ..common import PART_KEYS

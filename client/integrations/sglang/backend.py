@@ -65,6 +65,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtierd.contract import protocol as P
+from kvtierd.contract.codes import StoreOutcome
 from kvtierd.contract.errors import KvtierError
 
 from ...reach import AWAY_ERRORS, Away
@@ -219,7 +220,7 @@ class KvtierStorage(HiCacheStorage):
             if not done.ok:
                 logger.warning("kvtier: store job %d not cached: %s", job, done.error)
             for i, outcome in enumerate(decision.outcomes):
-                results[start + i] = outcome is P.StoreOutcome.PRESENT or (outcome is P.StoreOutcome.WRITE and done.ok)
+                results[start + i] = outcome is StoreOutcome.PRESENT or (outcome is StoreOutcome.WRITE and done.ok)
             if not all(results[start:start + len(chunk)]):
                 break                  # SGLang stops a backup at its first failed batch anyway
         return results

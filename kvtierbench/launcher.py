@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Sequence
 
-from .contract.paths import DEFAULT_NAME, DaemonPaths
+from kvtierd.contract.paths import DEFAULT_NAME, DaemonPaths
 
 
 class DaemonProcess:
@@ -72,7 +72,7 @@ class DaemonProcess:
         os.kill(self.pid, sig)
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        from .contract.errors import KvtierError
+        from kvtierd.contract.errors import KvtierError
         timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -97,7 +97,7 @@ class DaemonProcess:
 
     def call(self, op: str, admin: bool = False, timeout: float | None = None, **fields):
         """One request on a fresh channel (the admin socket for admin operations)."""
-        from .contract.channel import Channel
+        from kvtierd.contract.channel import Channel
         channel = Channel(self.admin_socket if admin else self.socket, timeout=timeout or self.call_timeout)
         try:
             return channel.call(op, **fields)

@@ -1,4 +1,4 @@
-"""Real second-tier engines on loopback, for the tests, the benchmark and a developer's shell.
+"""Real second-tier servers on loopback, for the tests, the benchmark and a developer's shell.
 
 ``MooncakeCluster``  a ``mooncake_master`` (P2P handshake: no metadata server, no etcd) and one
                      ``mooncake_client`` storage process contributing the segment memory
@@ -10,9 +10,9 @@
 Everything binds 127.0.0.1 on free ports and lives in one directory (logs, cluster configs)
 that ``stop()`` removes; every process is started in its own session and stopped by its own
 pid (TERM, then KILL), and dies with the process that started it (``PR_SET_PDEATHSIG``) should
-that one crash before stopping it. Each engine can kill and restart a part of itself, as the fault tests do.
+that one crash before stopping it. Each server can kill and restart a part of itself, as the fault tests do.
 
-    python -m kvtierd.tier.engines {mooncake,redis} [--dir DIR]
+    python -m kvtierbench.tierservers {mooncake,redis} [--dir DIR]
 
 runs one in the foreground until Ctrl-C or SIGTERM, printing the address the tier settings take.
 """
@@ -30,13 +30,13 @@ import tempfile
 import time
 import urllib.request
 
-from .link import die_with_parent
+from kvtierd.tier.link import die_with_parent
 
 HOST = "127.0.0.1"
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine's programs are not installed here (the reason says what installs them)."""
+class ServerUnavailable(RuntimeError):
+    """The server's programs are not installed here (the reason says what installs them)."""
 
 
 def free_port(bus_offset: int = 0) -> int:
@@ -88,7 +88,7 @@ def _program(name: str) -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which(name)
 
 
-class _Engine:
+class _Server:
     def __init__(self, directory: str | None):
         self.dir = directory or tempfile.mkdtemp(prefix="kvt-tier-")
         os.makedirs(self.dir, exist_ok=True)
@@ -113,13 +113,13 @@ class _Engine:
         self.stop()
 
 
-class MooncakeCluster(_Engine):
+class MooncakeCluster(_Server):
     def __init__(self, directory: str | None = None, segment_bytes: int = 256 << 20, lease_ttl_ms: int | None = None):
         super().__init__(directory)
         self.master_bin = _program("mooncake_master")
         self.client_bin = _program("mooncake_client")
         if self.master_bin is None or self.client_bin is None:
-            raise EngineUnavailable("mooncake_master/mooncake_client are not installed in this environment; run "
+            raise ServerUnavailable("mooncake_master/mooncake_client are not installed in this environment; run "
                                     "tools/install-tier.sh VENV (make tier-install)")
         self.segment_bytes = segment_bytes
         self.lease_ttl_ms = lease_ttl_ms
@@ -191,7 +191,7 @@ class MooncakeCluster(_Engine):
             self.master.wait(10)
 
     def kill(self) -> None:
-        """SIGKILL every process of the engine (the master and the storage client): a tier gone."""
+        """SIGKILL every process of the server (the master and the storage client): a tier gone."""
         for proc in (self.storage, self.master):
             if proc is not None and proc.poll() is None:
                 proc.kill()
@@ -203,7 +203,7 @@ class MooncakeCluster(_Engine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class RedisCluster(_Engine):
+class RedisCluster(_Server):
     BUS_OFFSET = 10000         # the cluster bus listens on port + 10000
 
     def __init__(self, directory: str | None = None, nodes: int = 3, maxmemory: str = "256mb"):
@@ -211,7 +211,7 @@ class RedisCluster(_Engine):
         flavour = "valkey" if shutil.which("valkey-server") else "redis"
         self.server_bin, self.cli_bin = shutil.which(f"{flavour}-server"), shutil.which(f"{flavour}-cli")
         if self.server_bin is None or self.cli_bin is None:
-            raise EngineUnavailable("neither valkey-server/valkey-cli nor redis-server/redis-cli is installed; run "
+            raise ServerUnavailable("neither valkey-server/valkey-cli nor redis-server/redis-cli is installed; run "
                                     "tools/install-tier.sh VENV (apt-get install redis-server redis-tools)")
         if nodes < 3:
             raise ValueError("a Redis/Valkey cluster needs at least 3 primaries")
@@ -288,25 +288,25 @@ class RedisCluster(_Engine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-ENGINES = {"mooncake": MooncakeCluster, "redis": RedisCluster}
+SERVERS = {"mooncake": MooncakeCluster, "redis": RedisCluster}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtierd.tier.engines", description=__doc__.split("\n\n")[0])
-    parser.add_argument("engine", choices=sorted(ENGINES))
+    parser = argparse.ArgumentParser(prog="python -m kvtierbench.tierservers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("server", choices=sorted(SERVERS))
     parser.add_argument("--dir", help="working directory (default: a fresh one under the temp directory); removed "
                                       "at the end")
     args = parser.parse_args(argv)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     try:
-        with ENGINES[args.engine](args.dir) as engine:
-            print(f"{args.engine} ready at {engine.address} (files in {engine.dir}); Ctrl-C stops it", flush=True)
+        with SERVERS[args.server](args.dir) as server:
+            print(f"{args.server} ready at {server.address} (files in {server.dir}); Ctrl-C stops it", flush=True)
             while not stopping:
                 time.sleep(0.2)
     except KeyboardInterrupt:
         pass
-    except EngineUnavailable as exc:
+    except ServerUnavailable as exc:
         print(exc, file=sys.stderr)
         return 1
     return 0
