@@ -262,7 +262,8 @@ def page(result: dict, images: list[str], before: dict | None) -> str:
               "policy": "Eviction policy: hit rate against Belady, cost against LRU",
               "nodes": "Engines that span nodes",
               "tier": "Second tier: demote and promote against the engine's raw put/get (the disk: raw O_DIRECT), "
-                      "the lookup-miss check, the disk tier's restart"}
+                      "the lookup-miss check, the disk tier's restart",
+              "events": "KV events: the daemon's stream on against off, commit to subscriber, the log in isolation"}
     plots_for = {"control": ["bench-latency-vs-batch.png", "bench-throughput-vs-clients.png"],
                  "data": ["bench-gbps-vs-block.png"], "policy": ["bench-policy-hit-rate.png"]}
     for name in kvtierbench.SECTIONS:
@@ -394,7 +395,20 @@ that this one, at 3-4, missed.
 - **Second tier with seals.** Every block is hashed on demote and on promote: the cost is in the
   second tier's section ("What seals cost"). Mooncake's 64 KiB miss predates seals and grew
   with them; hashing one part of a batch while another part transfers did not bring it back
-  (measured only at load 7-10)."""
+  (measured only at load 7-10).
+- **KV events: store throughput with the stream on, commit to subscriber, 200,000 blocks/s.**
+  Measured only at a load average of 8-10 (other sessions kept both CPUs busy): three runs gave
+  0.71, 0.83 and 0.76x at B = 256 and 0.90, 0.83 and 1.01x at B = 1,024, commit to subscriber p99
+  17, 10.5 and 11.3 ms (p50 0.17-1.4 ms), so the ratios are mostly noise of the load; a quiet run
+  is still to be made. In-process, the daemon's own share is small: a cProfile of 600 store jobs
+  of 256 keys with the log and the stream on puts the event log's append (`_runs`) at 2 % of the
+  store path; the rest of the difference is the subscriber process and ZMQ's I/O thread taking
+  CPU from the daemon and the client on a 2-CPU machine (the daemon without a stream has neither).
+  Flushes are coalesced (`kv_events_flush_ms`, 2 ms), which a p99 of a few ms at this load also
+  reflects. 200,000 blocks/s: the daemon itself stores only 40-70 thousand one-page blocks/s here
+  at that load, with or without the stream (a full region: each store also evicts); in isolation
+  the log and the stream keep 200,000 blocks/s with memory flat, and the daemon's memory grew 11
+  MiB (goal 16) over the last two thirds of its run once its 8 MiB log was full."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
@@ -503,6 +517,19 @@ Redis is at or above the load-1 "after" figures in every cell but one even at th
 or above 0.8x in all but one (promote at 64 KiB in the first run); Mooncake is not, and its
 misses stand. With TCP on loopback both engines' transfers are CPU work on the same two CPUs as
 the hashing, so the overlap has little idle time to hide in here; with RDMA it would have more.""",
+    "events": """Through real daemons (`kvtierbench/eventsd.py`): store jobs of B = 256 and 1,024 fresh
+keys (store + commit from one rank session; the region full, so every store also evicts B) on a
+daemon publishing its KV events stream (`kv_events_endpoint`) to a subscriber process, against a
+daemon without it, the two alternating in slices (each side first in turn; medians); the time from
+a commit's return to the subscriber holding the batch that names the job's last key (jobs of 256
+every 5 ms); 200,000 blocks/s offered in jobs of 1,024 to the publishing daemon (its event log
+8 MiB, full within the first third), its anonymous memory (RssAnon: the region is a shared
+mapping) a third of the way in and at the end. The
+subscriber skips the events it does not need undecoded: it shares the machine's CPUs with the
+daemons. In isolation (`kvtierbench/events.py`: the event log and the publisher in the bench
+process, one subscriber process): CPU per key of appending a store job's keys to the log and of
+publishing them, against packing the same events as one msgpack map per key; append to
+subscriber with a flush after each append; 200,000 blocks/s with this process's memory.""",
     "policy": """`kvtierctl bench policy --trace FILE`: each Mooncake-format trace replayed, per policy and
 capacity, through a fresh daemon (`--policy NAME`, `PYTHONHASHSEED` fixed) whose region holds
 exactly that many one-page blocks: per request a lookup, a load of the hit prefix, a store of the

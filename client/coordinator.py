@@ -12,7 +12,8 @@ from typing import Iterable, Sequence
 
 from kvtierd.contract.codes import StoreOutcome
 from kvtierd.contract.namespace import NamespaceId
-from kvtierd.contract.replies import LoadReply, StoreReply
+from kvtierd.contract.events import MAX_EVENT_KEYS
+from kvtierd.contract.replies import EventsReply, LoadReply, StoreReply
 
 from .results import StoreDecision
 from .session import Client
@@ -49,3 +50,10 @@ class Coordinator(Client, role="coordinator"):
         """Pin the cached prefix of ``keys`` for a load job; returns its length. ``lease``: as
         for ``Rank.load``."""
         return LoadReply.from_wire(self._call("load", job=job, keys=list(keys), **self._consume(lease))).hits
+
+    def events(self, epoch: int | None = None, cursor: int | None = None, snapshot_from: int | None = None,
+               max_keys: int = MAX_EVENT_KEYS) -> EventsReply:
+        """One read of the namespace's event log after ``cursor`` (``kvtier.events.EventView``
+        keeps the fields and applies the reply: ``Coordinator.events(**view.request())``)."""
+        return EventsReply.from_wire(self._call("events", epoch=epoch, cursor=cursor, snapshot_from=snapshot_from,
+                                                max_keys=max_keys))

@@ -40,8 +40,9 @@ log = logging.getLogger("kvtier.api")
 SECRET_ENV = "KVTIER_ENGINE_SECRET"      # the engine secret when Client(engine_secret=) is not given
 NODE_RANKS_ENV = "KVTIER_NODE_RANKS"      # the node's ranks when Client(node_ranks=) is not given, e.g. "8-15"
 
-# Ops that may be sent again after re-attaching: they do not refer to a job of the old daemon.
-_RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort", "unlease"})
+# Ops that may be sent again after re-attaching: they do not refer to a job of the old daemon (an
+# events cursor of the old daemon names its epoch: the new one resets the reader).
+_RETRYABLE = frozenset({"lookup", "stats", "jobs", "store", "load", "abort", "unlease", "events"})
 
 # A daemon that did not answer and whose socket is unchanged is dead (a stale socket file: a hello
 # would wait for whoever binds it next) or hung: the next attempt on it waits this long at first.

@@ -56,6 +56,10 @@ each; ``harness`` holds what they share, ``report`` the tables:
               demotes N blocks, node B promotes them, blocks/s against the engine's own raw
               put/get of the same blocks; and a lookup-miss (the tier check) against a local
               lookup of the same keys (``kvtierbench.tier``).
+``events``    the event log and the daemon's KV events stream in isolation (no daemon yet): CPU per
+              key of appending and publishing a job's keys against one msgpack map per key, the
+              append-to-subscriber latency, and 200,000 blocks/s sustained with memory flat
+              (``kvtierbench.events``).
 
 The region lives in a fresh directory under /dev/shm (its production home: a disk-backed /tmp
 would measure page-cache writeback) and the whole directory is removed at the end. Daemons run
@@ -83,7 +87,7 @@ from .harness import FULL, QUICK, Context, machine, say, workdir_base
 # In the order they run (eviction fills the region that recovery then restarts); each module is
 # imported when it runs (so ``python -m kvtierbench.traces`` runs a module not imported before).
 SECTIONS = ("control", "data", "capacity", "eviction", "recovery", "restart", "redis", "attach", "policy", "nodes",
-            "tier")
+            "tier", "events")
 
 
 def run(sections: tuple[str, ...] = tuple(SECTIONS), quick: bool = False, base: str | None = None,

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -266,6 +267,31 @@ SETTINGS: tuple[Setting, ...] = (
             "wait for: those blocks are dropped).", lo=0, hi=0.5),
     Setting("tier_exclude", "str", "", "Models (comma-separated, as a namespace's model field) whose blocks never "
             "go to nor come from the second tier."),
+    # KV cache events (docs/events.md).
+    Setting("events_log_bytes", "size", "64MiB", "Memory for the event log: per namespace that an engine (or the "
+            "daemon's own KV events stream) follows, the keys that became READY and that left, for readers to "
+            "catch up from; past it the oldest records go, and a reader that had not read them is resynced "
+            "from a snapshot.", lo=1 << 20, hi=1 << 40),
+    Setting("kv_events_endpoint", "str", "", "ZMQ endpoint where the daemon publishes the node's KV cache events in "
+            "vLLM's KVEventBatch format (e.g. tcp://*:5557, ipc:///run/kvtierd/events.pub), one topic per "
+            "namespace, for routers that index per node; empty: off."),
+    Setting("kv_events_replay_endpoint", "str", "", "ZMQ endpoint of the stream's replay socket (vLLM's replay "
+            "protocol: a subscriber asks for the batches it missed); empty: none."),
+    Setting("kv_events_topic", "str", "kv@{node}@{model}", "Topic of a namespace's batches: {node} is "
+            "kv_events_node, {model} the namespace's model name (up to its first @), {namespace} its whole name."),
+    Setting("kv_events_node", "str", socket.gethostname, "The node's name in the stream's topics (default: the "
+            "host name)."),
+    Setting("kv_events_hash", "choice", "int", "How the stream names a block: int (the hash's last 8 bytes as an "
+            "integer, vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) or bytes (the hash as it is).",
+            choices=("int", "bytes")),
+    Setting("kv_events_buffer_batches", "int", "10000", "Batches the stream keeps for replay requests.", lo=1,
+            hi=1 << 20),
+    Setting("kv_events_hwm", "int", "100000", "ZMQ high-water mark of the stream's PUB socket: batches queued per "
+            "subscriber before ZMQ drops them (the subscriber sees the gap and asks the replay socket).", lo=1,
+            hi=1 << 24),
+    Setting("kv_events_flush_ms", "float", "2", "Milliseconds between the stream's batches while blocks change: "
+            "what became READY and what left meanwhile goes out as one batch per namespace (fewer, larger batches "
+            "cost the loop less per block).", lo=0, hi=1000),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

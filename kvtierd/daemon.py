@@ -15,9 +15,12 @@ import resource
 import sys
 import time
 
+import zmq
+
 from .config import Config, format_size
 from .contract.paths import DaemonPaths, check_socket_path
 from .contract.region_format import WRITER_SLOTS
+from .kvevents_pub import KvEventsPublisher, NoStream, topic_of
 from .metrics import Endpoint
 from .region import Region, RegionError
 from .server import Server
@@ -161,6 +164,7 @@ class Daemon:
         self.store = self._open_store(c, max_writer_rows)
         self.store.tier.start()
         self.server = Server(self.store, self.region, self.region.gid, notifier=self.notifier,
+                             stream=self._open_stream(c, self.store),
                              drain_timeout=c.drain_timeout, heartbeat_timeout=c.heartbeat_timeout,
                              region_check_interval=c.region_check_interval, max_connections=max_connections,
                              max_connections_per_peer=c.max_connections_per_peer, max_sessions=max_sessions,
@@ -171,6 +175,35 @@ class Daemon:
             self.server.metrics_address = self.metrics.address
             log.info("metrics: http://%s/metrics", self.metrics.address)
 
+    @staticmethod
+    def _open_stream(c: Config, store: Store) -> KvEventsPublisher | NoStream:
+        """The daemon's own KV events stream (docs/events.md), when ``kv_events_endpoint`` is set:
+        every namespace's log is kept from the start, and published from its contents on."""
+        if not c.kv_events_endpoint:
+            return NoStream()
+        node, template = c.kv_events_node, c.kv_events_topic
+        try:
+            topic_of(template, node, "n", "m")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"setting kv_events_topic {template!r}: {exc!r}; it may name {{node}}, {{model}} and "
+                             "{namespace}") from None
+        store.recorder.follow_all = True
+        namespaces = store.index.namespaces
+        try:
+            stream = KvEventsPublisher(
+                zmq.Context.instance(), store.event_log,
+                lambda: {ns.slot: topic_of(template, node, ns.id.name(), ns.id.model) for ns in namespaces.values()},
+                c.kv_events_endpoint, c.kv_events_replay_endpoint or None, hash_form=c.kv_events_hash,
+                buffer_batches=c.kv_events_buffer_batches, hwm=c.kv_events_hwm,
+                flush_interval=c.kv_events_flush_ms / 1000)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"cannot publish KV events on {c.kv_events_endpoint} (replay "
+                             f"{c.kv_events_replay_endpoint or 'none'}): {exc}; change kv_events_endpoint, "
+                             "kv_events_replay_endpoint, or leave kv_events_endpoint empty") from None
+        log.info("KV events: publishing on %s (replay %s), topics %s", stream.endpoint, stream.replay_endpoint,
+                 template)
+        return stream
+
     def _open_store(self, c: Config, max_writer_rows: int) -> Store:
         """The store over the region (its index recovered from the tables) and its second tier."""
         store = Store(self.region.view, job_timeout=c.job_timeout, checksums=c.checksums, policy=c.policy,
@@ -180,7 +213,7 @@ class Daemon:
                       max_leased_keys_per_engine=c.max_leased_keys_per_engine, max_leased_keys=c.max_leased_keys,
                       max_writer_rows=max_writer_rows, max_writer_rows_per_peer=c.max_writer_rows_per_peer,
                       held_shares=(c.max_held_share_per_engine, c.max_held_share_per_namespace, c.max_held_share),
-                      tier=build_tier(c, self.region.paths, self.region.geometry))
+                      events_log_bytes=c.events_log_bytes, tier=build_tier(c, self.region.paths, self.region.geometry))
         # The recovered index (up to millions of entries) lives as long as the daemon: keep it
         # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
         gc.freeze()

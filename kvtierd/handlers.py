@@ -1,5 +1,5 @@
 """What the daemon does for each request of the protocol: the client socket's ops (hello, bye,
-ping, lookup, store, commit, load, unlease, release, abort, jobs, stats) and the admin socket's
+ping, lookup, store, commit, load, unlease, release, abort, jobs, events, stats) and the admin socket's
 (clients, evict, clear, stats, ping), each from (identity, session, request fields) to its
 declared reply (``replies.REPLIES``, ``ADMIN_REPLIES``). No sockets and no loop: the server
 (``kvtierd.server``) decodes a frame, calls the op's handler and encodes what it returns.
@@ -25,9 +25,11 @@ from typing import Callable
 from .attachments import Session, SessionEnd
 from .contract import protocol as P
 from .contract.codes import ErrorCode, RequestError
+from .contract.events import MAX_EVENT_KEYS
 from .contract.namespace import NamespaceId, format_ranks
-from .contract.replies import (AdminPingReply, ClientsReply, EmptyReply, EvictReply, HelloReply, JobsReply, LoadReply,
-                               LookupReply, PingReply, Reply, StatsReply, StoreReply, UnleaseReply, ok_reply)
+from .contract.replies import (AdminPingReply, ClientsReply, EmptyReply, EventsReply, EvictReply, HelloReply,
+                               JobsReply, LoadReply, LookupReply, PingReply, Reply, StatsReply, StoreReply,
+                               UnleaseReply, ok_reply)
 from .peers import Conn
 from .processes import Process, start_ticks
 from .region import Region
@@ -71,7 +73,7 @@ class Handlers:
         self.client: dict[str, Callable[[bytes, Session | None, dict], Reply]] = {
             "ping": self._ping, "bye": self._bye, "lookup": self._lookup,
             "store": self._store, "commit": self._commit, "load": self._load, "unlease": self._unlease,
-            "release": self._release, "abort": self._abort, "jobs": self._jobs,
+            "release": self._release, "abort": self._abort, "jobs": self._jobs, "events": self._events,
             "stats": lambda identity, session, msg: stats(),
         }
         self.admin: dict[str, Callable[[dict], Reply | Later]] = {
@@ -201,6 +203,11 @@ class Handlers:
 
     def _jobs(self, identity: bytes, session: Session, msg: dict) -> JobsReply:
         return JobsReply(self.store.job_states(session, msg["jobs"]))
+
+    def _events(self, identity: bytes, session: Session, msg: dict) -> EventsReply:
+        read = self.store.events(session, msg.get("epoch"), msg.get("cursor"), msg.get("snapshot_from"),
+                                 msg.get("max_keys", MAX_EVENT_KEYS))
+        return EventsReply(**read.to_wire())
 
     # ------------------------------------------------------------------ admin ops
     def _clients(self, msg: dict) -> ClientsReply:

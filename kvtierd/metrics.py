@@ -29,6 +29,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 from .contract.codes import AbortCause, ErrorCode, JobKind
+from .contract.events import Cause
 from .contract.protocol import REQUESTS
 from .contract.replies import StatsReply
 from .fence import ROW_CAPS, Reason, Release
@@ -65,6 +66,7 @@ LABEL_VALUES: dict[str, Callable[[StatsReply], Iterable[str]]] = {
     "hold_capped_keys": lambda s: HOLD_CAPS,
     "tier_seal_rejected_blocks": lambda s: SEAL_REASONS,
     "tier_disk_errors": lambda s: DISK_ERROR_CAUSES,
+    "events_removed_keys": lambda s: [c.value for c in Cause],
 }
 TIER_ERROR_CODES = (*TIER_ERRORS, LinkBusy.code)
 
@@ -98,6 +100,7 @@ class DaemonCollector:
         yield from _occupancy(f)
         yield from _traffic(f)
         yield from _policy_and_server(f)
+        yield from events_families(f)
 
 
 class Families:
@@ -229,6 +232,43 @@ def _policy_and_server(f: Families) -> Iterator[Metric]:
     yield from TIER_FAMILIES.get(s.tier["backend"], tier_families)(f)
 
 
+
+
+def events_families(f: Families) -> Iterator[Metric]:
+    """The event log's families (``Store.events_stats``), and the daemon's KV events stream's when
+    it publishes (docs/events.md)."""
+    e = f.s.events
+    yield f.gauge("events_log_bytes", "Bytes the event log holds (bounded by events_log_bytes).", e["log_bytes"])
+    yield f.gauge("events_namespaces", "Namespaces whose event log is kept (followed by a reader or the daemon's "
+                  "stream).", e["namespaces"])
+    yield f.counter("events_stored_keys", "Keys the event log recorded as READY.", e["stored_keys"])
+    yield f.labelled(CounterMetricFamily, "events_removed_keys", "Keys the event log recorded as gone, by cause: "
+                     "evicted (room, or ahead of need for the second tier), cleared (kvtierctl evict/clear), "
+                     "reclaimed (their namespace's slot taken over), region_replaced.", "cause", e["removed_keys"])
+    yield f.counter("events_dropped_keys", "Keys of records the event log dropped to stay within events_log_bytes "
+                    "(a reader that had not read them is resynced from a snapshot).", e["dropped_keys"])
+    yield f.counter("events_resets", "Reads that reset a reader that fell behind the log (or read across a "
+                    "restart) onto a snapshot.", e["resets"])
+    yield f.counter("events_snapshot_keys", "Keys sent in snapshot pages to readers being resynced.",
+                    e["snapshot_keys"])
+    yield f.gauge("events_readers", "Coordinator sessions that read their namespace's events.", e["readers"])
+    yield f.gauge("events_reader_lag_keys", "Keys recorded after the cursor of the reader furthest behind.",
+                  e["reader_lag_keys"])
+    stream = e.get("stream")
+    if stream:                                      # kv_events_endpoint set: the daemon publishes
+        yield f.counter("kvevents_batches", "KVEventBatch messages the daemon's stream published.", stream["batches"])
+        yield f.counter("kvevents_events", "Events (BlockStored, BlockRemoved, AllBlocksCleared) in them.",
+                        stream["events"])
+        yield f.counter("kvevents_sent_bytes", "Bytes of their payloads.", stream["bytes"])
+        yield f.counter("kvevents_resyncs", "Namespaces published again from AllBlocksCleared (the stream fell "
+                        "behind the event log, or a replay asked for more than its buffer holds).", stream["resyncs"])
+        yield f.counter("kvevents_replays", "Replay requests served.", stream["replays"])
+        yield f.counter("kvevents_replay_batches", "Batches sent again to replay requests.",
+                        stream["replay_batches"])
+        yield f.counter("kvevents_replays_cut", "Replays cut short (the subscriber gone or at its high-water "
+                        "mark).", stream["replays_cut"])
+        yield f.gauge("kvevents_buffered_batches", "Batches kept for replays (at most kv_events_buffer_batches).",
+                      stream["buffered_batches"])
 
 
 def tier_families(f: Families) -> Iterator[Metric]:

@@ -65,6 +65,7 @@ from .contract.paths import check_socket_path
 from .contract.codes import ErrorCode, RequestError
 from .handlers import Handlers, Later
 from .histogram import Histogram
+from .kvevents_pub import KvEventsPublisher, NoStream
 from .peers import Conn, Connections
 from .region import Region
 from .sessions import SessionRegistry
@@ -96,7 +97,8 @@ class Server:
     def __init__(self, store: Store, region: Region, gid: int | None = None, notifier: Notifier | None = None,
                  drain_timeout: float = 10.0, heartbeat_timeout: float = 15.0, region_check_interval: float = 5.0,
                  max_connections: int = 4096, max_connections_per_peer: int = 256, max_sessions: int = 2048,
-                 max_sessions_per_peer: int = 128):
+                 max_sessions_per_peer: int = 128, stream: KvEventsPublisher | NoStream | None = None):
+        """``stream``: the daemon's own KV events stream (``kvtierd.kvevents_pub``; none by default)."""
         self.store = store
         self.region = region
         self.gid = gid                    # the client group, which gets the client socket
@@ -114,6 +116,9 @@ class Server:
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.tier = store.tier
         for sock in self.tier.sockets():
+            self.poller.register(sock, zmq.POLLIN)
+        self.stream = stream if stream is not None else NoStream()
+        for sock in self.stream.sockets():
             self.poller.register(sock, zmq.POLLIN)
         watch = lambda fd: self.poller.register(fd, zmq.POLLIN)  # noqa: E731
         self.sessions = SessionRegistry(store.detach, heartbeat_timeout, watch=watch, unwatch=self.poller.unregister,
@@ -205,6 +210,7 @@ class Server:
         while True:
             now = time.monotonic()
             next_tier = now + tier.pump(now)
+            next_stream = now + self.stream.pump(now)
             if self.stopping:
                 if drain_deadline is None:
                     drain_deadline = now + self.drain_timeout
@@ -239,7 +245,7 @@ class Server:
                 next_region_check = now + self.region_check_interval
             deadline = store.expire()
             wake_at = min(filter(None, [deadline, next_watchdog if watchdog else None, next_pressure,
-                                        drain_deadline, next_sweep, next_region_check, next_tier]))
+                                        drain_deadline, next_sweep, next_region_check, next_tier, next_stream]))
             timeout = max(0, min(1000, int((wake_at - store.clock()) * 1000) + 1))
             events = dict(self.poller.poll(timeout))
             if self._wake_r in events:
@@ -395,6 +401,7 @@ class Server:
             checksums=self.store.checksums,
             connections=len(self.connections),
             connections_refused=dict(self.connections.refused),
+            events={**self.store.events_stats(), "stream": self.stream.stats()},
         )
 
     def _replace_data(self) -> None:
@@ -435,6 +442,9 @@ class Server:
         self.sock = self.admin = None
         for sock in self.tier.sockets():
             self.poller.unregister(sock)
+        for sock in self.stream.sockets():
+            self.poller.unregister(sock)
+        self.stream.close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         while self._calls:   # nobody will run these any more

@@ -3,7 +3,8 @@
 job machine (``kvtierd.jobs``), the leases (``kvtierd.leases``) and the fenced writes
 (``kvtierd.writes``, over the writer fence ``kvtierd.fence``). The second tier is built with
 the store (``tier``: a factory from ``kvtierd.tiering``; ``NoTier`` when there is none): lookups
-also report the keys being promoted from it, and namespace clears reach it.
+also report the keys being promoted from it, and namespace clears reach it. The event log
+(``kvtierd.eventlog``) follows the index's events; coordinator sessions read their namespace's.
 
 No sockets and no threads: the server's single loop calls these methods one request at a time,
 so nothing here locks. Every method either returns a result or raises ``RequestError`` with a
@@ -17,9 +18,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .attachments import Attachments, Session, SessionEnd
+from .contract.codes import ErrorCode, RequestError
 from .contract.namespace import NamespaceId, format_ranks
 from .contract.region_format import WRITER_SLOTS
 from .contract.region_view import RegionView
+from .eventlog import EventLog, EventsRead, Recorder, TableSnapshot
 from .events import Events, Gone
 from .fence import Fence, Release
 from .holds import Holds
@@ -70,11 +73,12 @@ class Store:
                  lease_ttl: float = 5.0, max_lease_ttl: float = 60.0, max_leased_keys_per_engine: int = 1 << 18,
                  max_leased_keys: int = 1 << 20, max_writer_rows: int = WRITER_SLOTS,
                  max_writer_rows_per_peer: int = 256, held_shares: tuple[float, float, float] = (0.25, 0.4, 0.75),
-                 tier: TierFactory = no_tier, **job_limits: int):
+                 tier: TierFactory = no_tier, events_log_bytes: int = 64 << 20, **job_limits: int):
         """``held_shares``: the shares of the region one engine, one namespace and all engines may
         hold out of eviction (``holds.Holds``). ``max_writer_rows(_per_peer)``: the writer table's
         bounds (``fence.Fence``). ``tier``: builds the second tier (``kvtierd.tiering``; none by
-        default). ``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
+        default). ``events_log_bytes``: the event log's memory budget (``eventlog.EventLog``).
+        ``job_limits``: max_job_keys, max_job_keys_per_engine, max_tombstones (``jobs.Jobs``)."""
         self.checksums = checksums        # keep writers' checksums, verify them on recovery
         self.fence = Fence(view, fence_grace, clock, max_writer_rows, max_writer_rows_per_peer)
         geometry = view.geometry
@@ -88,6 +92,11 @@ class Store:
         self.jobs = Jobs(self.index, self.writes, self.leases, self.holds, self.attachments.engines, job_timeout,
                          clock, checksums, **job_limits)
         self.tier = tier(self.index, self.writes, events, clock)
+        self.event_log = EventLog(TableSnapshot(view.entries), events_log_bytes)
+        self.recorder = Recorder(self.event_log)
+        events.subscribe(self.recorder)
+        # session → (log key, epoch, cursor) of its last read: how far behind each reader is
+        self._readers: dict[Session, tuple[int, int, int]] = {}
 
     @property
     def recovered(self) -> dict[str, int]:
@@ -225,6 +234,31 @@ class Store:
         when there is none: "off")."""
         self.tier.clear([ns for ns in self.index.namespaces.values() if namespace is None or ns.id.name() == namespace],
                         reply)
+
+    # ------------------------------------------------------------------ the event log
+    def events(self, session: Session, epoch: int | None, cursor: int | None, snapshot_from: int | None,
+               max_keys: int) -> EventsRead:
+        """A coordinator session reads its namespace's event log (``EventLog.read``)."""
+        if session.rank is not None:
+            raise RequestError(ErrorCode.FORBIDDEN, "the events op is for an engine's coordinator session (its "
+                                                    "scheduler); a rank session cannot read events")
+        ns = session.engine.ns
+        if snapshot_from is not None and snapshot_from > len(self.index.by_slot):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"events.snapshot_from={snapshot_from} is past the entry table "
+                                                      f"({len(self.index.by_slot)} slots)")
+        key = self.recorder.follow(ns)
+        read = self.event_log.read(key, epoch, cursor, snapshot_from, max_keys)
+        self._readers[session] = (key, read.epoch, read.seq)
+        return read
+
+    def events_stats(self) -> dict:
+        """The event log's counters, and how far its readers are behind (the worst, in keys)."""
+        live = self.attachments.sessions
+        for gone in [s for s in self._readers if live.get(s.id) is not s]:
+            del self._readers[gone]
+        lags = [self.event_log.lag(*reader) for reader in self._readers.values()]
+        return {**self.event_log.stats(), "readers": len(self._readers),
+                "reader_lag_keys": max((lag for lag in lags if lag is not None), default=0)}
 
     # ------------------------------------------------------------------ what is going on
     def open_jobs(self) -> int:

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import msgpack
 
 from .codes import ErrorCode, RequestError
+from .events import MAX_EVENT_KEYS
 from .namespace import MAX_MODEL_BYTES, MAX_RANKS, WIRE_FIELDS, format_ranks
 
 # 2: hello's "layout" map became "namespace", its "kind" field "sharding".
@@ -52,10 +53,12 @@ from .namespace import MAX_MODEL_BYTES, MAX_RANKS, WIRE_FIELDS, format_ranks
 # 5: lookup replies say how many keys after the hits are being promoted from the second tier
 #    (pending); evict/clear replies say whether they reached it; stats carry the tier (issue 16).
 # 6: hello's node_ranks: the ranks of the world that share this daemon (an engine that spans
-#    nodes); the hello reply echoes them (issue 25).
+#    nodes); the hello reply echoes them (issue 25). The events op: a coordinator session reads
+#    its namespace's event log after a cursor (what became READY and what left,
+#    kvtierd.eventlog); stats carry the log's counters (issue 23).
 PROTOCOL_VERSION = 6
 # The oldest protocol a daemon still serves. A version-5 client sends no node_ranks (every rank
-# of its world is on this node), which is all that changed: it is served as before, for one
+# of its world is on this node) and never asks for events: it is served as before, for one
 # release, so that daemons can be upgraded before their engines (it is logged as outdated).
 MIN_PROTOCOL_VERSION = 5
 
@@ -160,6 +163,14 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "abort": {"job": JOB},
     "jobs": {"jobs": Field("ints", lo=0, hi=MAX_JOB_ID)},
     "stats": {},
+    # A coordinator session reads its namespace's event log (kvtierd.eventlog): the records after
+    # ``cursor`` of log ``epoch`` (both None, or a cursor the log cannot continue: the reply resets
+    # the reader onto a snapshot), the snapshot page from entry slot ``snapshot_from`` while one is
+    # in progress, at most about ``max_keys`` keys of records and as many of snapshot.
+    "events": {"epoch": _int(0, 1 << 63, nullable=True, required=False),
+               "cursor": _int(0, 1 << 63, nullable=True, required=False),
+               "snapshot_from": _int(0, 1 << 32, nullable=True, required=False),
+               "max_keys": _int(1, MAX_EVENT_KEYS, required=False)},
 }
 
 # Ops that need an attached session (everything but hello and stats).

@@ -215,6 +215,21 @@ class StatsReply(Reply):
     connections_refused: dict         # why connections were closed at once (total | per_peer) → count
     tier: dict                        # the second tier: {"backend": "off"} or its state and counters
                                       # (kvtierd.tiering: CompanionTier.stats; docs/operations.md)
+    events: dict                      # the event log and its readers (kvtierd.eventlog: EventLog.stats,
+                                      # docs/events.md), and the daemon's KV events stream when it publishes
+
+
+@_shape
+class EventsReply(Reply):
+    """The events op: records of the session's namespace after the cursor (kvtierd.contract.events)."""
+
+    epoch: int                        # the log's epoch: send it back with the cursor
+    seq: int                          # the cursor to send next
+    reset: bool                       # start the view again from empty (the cursor could not be continued)
+    records: list                     # [seq, kind, cause, key_len, keys] each, in order
+    snapshot: list                    # [key_len, keys] runs: READY keys of a range of entry slots
+    snapshot_next: int | None         # the slot the next snapshot page starts at (None: no snapshot in progress)
+    behind: int                       # records after ``seq`` still to read
 
 
 @_shape
@@ -241,7 +256,7 @@ class EvictReply(Reply):
 REPLIES: dict[str, type[Reply]] = {
     "hello": HelloReply, "ping": PingReply, "bye": EmptyReply, "lookup": LookupReply, "store": StoreReply,
     "commit": EmptyReply, "load": LoadReply, "unlease": UnleaseReply, "release": EmptyReply, "abort": EmptyReply,
-    "jobs": JobsReply, "stats": StatsReply,
+    "jobs": JobsReply, "stats": StatsReply, "events": EventsReply,
 }
 ADMIN_REPLIES: dict[str, type[Reply]] = {
     "stats": StatsReply, "ping": AdminPingReply, "clients": ClientsReply, "evict": EvictReply, "clear": EvictReply,

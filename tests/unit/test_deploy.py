@@ -23,6 +23,7 @@ from kvtierd import config
 from kvtierd.attachments import Attachments, SessionEnd
 from kvtierd.contract import protocol as P
 from kvtierd.contract.codes import AbortCause, ErrorCode
+from kvtierd.contract.events import Cause
 from kvtierd.contract.replies import StatsReply
 from kvtierd.fence import ROW_CAPS, Reason, Release
 from kvtierd.histogram import Histogram
@@ -99,7 +100,8 @@ def tier_snapshot() -> dict:
 
 
 def snapshot(pinned: str, tier: bool = True) -> StatsReply:
-    """A whole stats reply, label-bearing dicts filled with every value the code can emit."""
+    """A whole stats reply, label-bearing dicts filled with every value the code can emit;
+    ``tier``: with the optional families too (the second tier's, the daemon's KV events stream's)."""
     hist = Histogram()
     hist.observe(1e-4)
     return StatsReply(
@@ -130,6 +132,14 @@ def snapshot(pinned: str, tier: bool = True) -> StatsReply:
         policy_segments={segment: 1 for segment in policy_segments()},
         policy_evictions={segment: 1 for segment in policy_segments()}, policy_extra={},
         tier=tier_snapshot() if tier else {"backend": "off"},
+        events={"log_bytes": 1, "log_budget_bytes": 2, "namespaces": 1, "stored_keys": 3,
+                "removed_keys": {cause.value: 1 for cause in Cause}, "dropped_keys": 1, "resets": 1,
+                "snapshot_keys": 1, "readers": 1, "reader_lag_keys": 1,
+                # the daemon's KV events stream: optional, as the second tier is (kv_events_endpoint)
+                "stream": {"batches": 1, "events": 2, "bytes": 3, "resyncs": 1, "replays": 1, "replay_batches": 1,
+                           "replays_cut": 0, "bad_replay_requests": 0, "endpoint": "tcp://*:5557",
+                           "replay_endpoint": None, "seq": 5, "buffered_batches": 1, "buffered_bytes": 10,
+                           "replays_pending": 0} if tier else {}},
     )
 
 

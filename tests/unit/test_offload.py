@@ -308,3 +308,38 @@ def test_lookups_split_long_requests_into_leases_of_part_keys(env, monkeypatch):
     lookups.lookup(ks[0], request, "r")
     (fn, _), = env.link.submitted
     assert fn.args[1] == [[1, 2, 3]]                           # one lease per chunk of PART_KEYS keys
+
+
+# ---------------------------------------------------------------------------- KV events: the feed
+def test_the_event_feed_polls_once_at_a_time_paced_and_stops_while_the_engine_does_not_drain():
+    from kvtier.integrations.offload.events import EventFeed
+    from kvtierd.contract.events import Kind
+    from kvtierd.contract.replies import EventsReply
+
+    now = [100.0]
+    feed = EventFeed(key_bytes=36, num_groups=1, max_pending_keys=3, interval_s=0.01, clock=lambda: now[0])
+    keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(4)]
+    replies = iter([EventsReply(7, 1, True, [[1, int(Kind.STORED), None, 36, b"".join(keys[:2])]], [], None, 0),
+                    EventsReply(7, 2, False, [[2, int(Kind.REMOVED), "evicted", 36, keys[0]]], [], None, 0)])
+    asked = []
+
+    def read(**request):
+        asked.append(request)
+        return next(replies)
+
+    assert feed.claim() and not feed.claim()            # one poll in flight at a time
+    feed.poll(read)
+    assert not feed.claim()                             # paced: not within interval_s of the last
+    now[0] += 0.01
+    assert feed.claim()
+    feed.released(Future())                             # the link refused it (kvtierd away): claimable again
+    now[0] += 0.01
+    assert feed.claim()
+    feed.poll(read)
+    assert asked == [{"epoch": None, "cursor": None, "snapshot_from": None}, {"epoch": 7, "cursor": 1,
+                                                                               "snapshot_from": None}]
+    now[0] += 0.01
+    assert feed.pending and not feed.claim()            # 3 keys queued, none taken: the polls stop
+    assert [(removed, sorted(ks)) for removed, ks in feed.take()] == [(False, keys[:2]), (True, keys[:1])]
+    assert not feed.pending
+    assert feed.claim() and feed.announced == 3

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtierd.contract import protocol as P
+from kvtierd.contract.events import MAX_EVENT_KEYS
 from kvtierd.contract.replies import LoadReply, decode_reply, error_reply, ok_reply
 from kvtierd.contract.namespace import MAX_BLOCK_BYTES
 from kvtierd.contract.codes import ErrorCode, RequestError
@@ -33,6 +34,7 @@ VALID: dict[str, dict] = {
     "abort": {"op": "abort", "rid": 9, "job": 9},
     "jobs": {"op": "jobs", "rid": 10, "jobs": [1, 2, 3]},
     "stats": {"op": "stats", "rid": 11},
+    "events": {"op": "events", "rid": 13, "epoch": 5, "cursor": 9, "snapshot_from": None, "max_keys": 4096},
 }
 
 
@@ -169,6 +171,8 @@ def test_wrong_type_for_namespace_ints(field, value):
     ("hello", "world_size", 0), ("hello", "world_size", P.MAX_WORLD_SIZE + 1), ("hello", "world_size", -1),
     ("hello", "rank", -1), ("hello", "rank", P.MAX_WORLD_SIZE),
     ("hello", "pid", -1), ("hello", "pid", (1 << 31) + 1), ("hello", "pidns", -1),
+    ("events", "max_keys", 0), ("events", "max_keys", MAX_EVENT_KEYS + 1), ("events", "cursor", -1),
+    ("events", "epoch", (1 << 63) + 1), ("events", "snapshot_from", -1),
 ])
 def test_out_of_range_ints(op, field, value):
     fails(req(op, **{field: value}), ErrorCode.BAD_REQUEST, field)
@@ -485,7 +489,8 @@ def test_fuzz_arbitrary_msgpack_structures(obj):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from(["op", "rid", "job", "keys", "ok", "jobs", "rank", "world_size", "namespace",
-                                        "engine", "version", "pid", "count"]),
+                                        "engine", "version", "pid", "count", "epoch", "cursor", "snapshot_from",
+                                        "max_keys"]),
                        scalars | st.lists(scalars, max_size=4),
                        max_size=6),
        st.sampled_from(sorted(set(P.REQUESTS) | set(P.ADMIN_REQUESTS))))

@@ -118,6 +118,10 @@ def test_every_reply_matches_its_declared_shape(d):
     replies["abort"] = d.ok("abort", job=3)
     replies["jobs"] = d.ok("jobs", jobs=[1, 2, 3, 4])
     replies["stats"] = d.ok("stats")
+    d.hello(b"coordinator", rank=None)
+    replies["events"] = d.ok("events", b"coordinator")
+    assert replies["events"]["reset"] and replies["events"]["snapshot_next"] is None
+    assert replies["events"]["snapshot"] == [[len(KEYS[0]), b"".join(KEYS)]]      # committed by job 1
     admin = {op: d.ok(op, b"admin", admin=True, **fields) for op, fields in
              [("stats", {}), ("ping", {}), ("clients", {}), ("evict", {"count": 1}), ("clear", {})]}
     replies["bye"] = d.ok("bye")

@@ -59,6 +59,7 @@ class EngineRecipe:
     # Several nodes (vLLM's mp executor with --nnodes): node n's kvtierd socket; rank r runs on
     # node r // (tp / nodes), the scheduler on node 0. Empty: one node, at ``socket``.
     node_sockets: tuple = ()
+    kv_events: dict | None = None                     # vLLM's --kv-events-config (KVEventsConfig's fields)
 
     @property
     def nnodes(self) -> int:
@@ -82,7 +83,7 @@ def build(recipe: EngineRecipe, rank: int = 0):
     """(vllm_config, kv_cache_config, per-layer specs) for ``rank`` of the recipe's engine (rank 0:
     also the scheduler's), on its node."""
     import torch
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
@@ -95,6 +96,7 @@ def build(recipe: EngineRecipe, rank: int = 0):
         parallel_config=ParallelConfig(tensor_parallel_size=recipe.tp, distributed_executor_backend="mp",
                                        nnodes=recipe.nnodes, node_rank=recipe.node_of(rank)),
         kv_transfer_config=KVTransferConfig(**recipe.transfer_config(rank)),
+        **({"kv_events_config": KVEventsConfig(**recipe.kv_events)} if recipe.kv_events else {}),
     )
     vllm_config.scheduler_config.async_scheduling = False
     vllm_config.parallel_config.rank = rank
@@ -266,6 +268,9 @@ class Engine:
         self.connector_scheduler = self.scheduler.connector.connector_scheduler
         self.manager = self.connector_scheduler.manager
         self.first_computed: dict[str, int] = {}     # request -> tokens it had before its first forward
+        # vLLM's KV connector counters (kv_offload_*) summed over the steps' scheduler stats: what
+        # the engine's /metrics shows.
+        self.connector_counters: dict[str, float] = {}
 
     def add_request(self, request_id: str, prompt: list[int], max_tokens: int = 2):
         from vllm import SamplingParams
@@ -307,7 +312,12 @@ class Engine:
         outputs = [ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                      sampled_token_ids=sampled, kv_connector_output=kv)
                    for kv in kv_outputs]
-        self.scheduler.update_from_output(output, self.aggregator.aggregate(outputs))
+        core_outputs = self.scheduler.update_from_output(output, self.aggregator.aggregate(outputs))
+        for core_output in core_outputs.values():
+            stats = core_output.scheduler_stats.kv_connector_stats if core_output.scheduler_stats else None
+            for name, series in (stats or {}).get("data", {}).items():
+                if stats["types"].get(name) == "counter":
+                    self.connector_counters[name] = self.connector_counters.get(name, 0) + sum(series.values())
 
     def serve(self, request_id: str, prompt: list[int], max_tokens: int = 2, timeout: float = 60.0):
         """Add a request and step until it finished and every transfer completed. Returns vLLM's

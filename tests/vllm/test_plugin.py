@@ -37,8 +37,8 @@ from kvtier import NamespaceId  # noqa: E402
 from kvtier.integrations import vllm as plugin  # noqa: E402
 from kvtier.integrations.vllm.identity import ModelIdentity  # noqa: E402
 from kvtier.integrations.vllm.manager import KvtierOffloadingManager  # noqa: E402
-from kvtier.integrations.offload.keys import kvtier_key  # noqa: E402
-from kvtier.integrations.vllm.settings import KvtierSettings, namespace_id  # noqa: E402
+from kvtier.integrations.offload.keys import kvtier_key, kvtier_keys, offload_keys  # noqa: E402
+from kvtier.integrations.vllm.settings import KvtierSettings, namespace_id, offload_key_bytes  # noqa: E402
 from kvtier.integrations.vllm.transfer import JobPart, KvtierLoadStoreSpec  # noqa: E402
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, LoadFailed  # noqa: E402
 
@@ -107,6 +107,28 @@ def test_keys_fit_kvtierd_and_keep_groups_apart():
     long0, long1 = (make_offload_key(b"x" * 80, g) for g in (0, 1))
     short0, short1 = kvtier_key(long0), kvtier_key(long1)
     assert len(short0) == 36 and short0 != short1 and short0[-4:] == long0[-4:]
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_kvtier_keys_map_back_to_the_offload_keys_of_every_group(algo):
+    """Every vLLM 0.33 hash function makes keys kvtier keeps whole: the keys of an event record
+    come back as the very OffloadKeys (block hash and group index), in order; keys of another
+    length or of a group the engine does not have are not its."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.kv_offload.base import get_offload_block_hash, get_offload_group_idx
+
+    hash_fn = get_hash_fn_by_name(algo)
+    hashes = [hash_fn((i, "block")) for i in range(50)]
+    ours = [make_offload_key(h, g) for h in hashes for g in range(3)]
+    nbytes = offload_key_bytes(algo)
+    assert {len(k) for k in ours} == {nbytes}
+    blob = b"".join(kvtier_keys(ours))
+    assert offload_keys(nbytes, blob, nbytes, 3) == ours
+    back = offload_keys(nbytes, blob, nbytes, 2)
+    assert back == [k for k in ours if k[-4:] != b"\0\0\0\2"]
+    assert [(get_offload_block_hash(k), get_offload_group_idx(k)) for k in back[:2]] == [(hashes[0], 0), (hashes[0], 1)]
+    other = 20 if nbytes == 36 else 36
+    assert offload_keys(other, bytes(other * 4), nbytes, 3) == []
 
 
 MODEL = ModelIdentity("DeepSeek-V3", "0123456789abcdef", weights_read=True, complete=True)

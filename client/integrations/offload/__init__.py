@@ -11,5 +11,6 @@ engine shape this package knows. Modules (each imports no engine; this one impor
   lookups, renewals, the bounded wait;
 - ``jobs``: the kvtier store and load jobs of a transfer (``JobPart``), opened in the background;
 - ``keys``: vLLM's keys as kvtier keys, and their KV-cache group;
+- ``events``: the namespace's KV events, read on the link thread (``EventFeed``);
 - ``stats``: the counters the scheduler side keeps.
 """

@@ -2,12 +2,18 @@
 
 vLLM's ``OffloadKey`` (block hash ‖ 4-byte group index, 36 bytes with sha256) is the kvtier key as
 is; a key longer than kvtierd's limit is shortened to sha256(hash) ‖ group index (``kvtier_key``).
+vLLM 0.33's hash functions make keys of 36 (sha256, sha256_cbor) or 20 bytes (xxhash,
+xxhash_cbor), so a kvtier key of a vLLM namespace is an OffloadKey, and ``offload_keys`` turns the
+keys of kvtierd's event log back into the OffloadKeys an engine could have produced (its hash
+length, its KV-cache groups) without guessing.
 """
 
 from __future__ import annotations
 
 import hashlib
 from typing import Iterable
+
+import numpy as np
 
 from kvtierd.contract import protocol as P
 
@@ -43,3 +49,18 @@ def kvtier_keys(keys: Iterable[bytes]) -> list[bytes]:
     if keys and max(map(len, keys)) > P.MAX_KEY_BYTES:
         return [kvtier_key(k) for k in keys]
     return keys
+
+
+def offload_keys(key_len: int, blob: bytes, key_bytes: int, num_groups: int) -> list[bytes]:
+    """The OffloadKeys, in order, among a blob of ``key_len``-byte kvtier keys (an event record of
+    the engine's namespace) that this engine could produce: keys of its length (``key_bytes``)
+    whose group index is one of its ``num_groups``. A kvtier key of that length is the OffloadKey
+    itself; keys of another length come from engines hashing with another algorithm and name no
+    block this engine can ask for."""
+    if key_len != key_bytes:
+        return []
+    rows = np.frombuffer(blob, np.uint8).reshape(-1, key_len)
+    keep = rows[:, -GROUP_BYTES:].copy().view(">u4").ravel() < num_groups
+    if not keep.all():
+        rows = rows[keep]
+    return np.frombuffer(rows.tobytes(), np.dtype((np.void, key_len))).tolist()

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from . import identity, topology
 from .manager import KvtierOffloadingManager
+from .settings import announce_hash_algo
 from .spec import KvtierOffloadingSpec
 
 logger = logging.getLogger("vllm.kvtier")
@@ -46,7 +47,8 @@ class KvtierOffloadingConnector(OffloadingConnector):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         with identity.announce(functools.partial(identity.from_vllm_config, vllm_config)), \
-                topology.announce(topology.from_vllm_config(vllm_config, kv_cache_config)):
+                topology.announce(topology.from_vllm_config(vllm_config, kv_cache_config)), \
+                announce_hash_algo(vllm_config.cache_config.prefix_caching_hash_algo):
             super().__init__(vllm_config, role, kv_cache_config)
         ours = (isinstance(self.connector_scheduler.manager, KvtierOffloadingManager) if role == KVConnectorRole.SCHEDULER
                 else isinstance(self.connector_worker.spec, KvtierOffloadingSpec))

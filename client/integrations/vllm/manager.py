@@ -21,6 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
+    Medium,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -32,6 +34,7 @@ from vllm.v1.kv_offload.base import (
 from kvtierd.contract.namespace import NamespaceId
 
 from ...session import Client
+from ..offload.events import EventFeed
 from ..offload.jobs import Jobs
 from ..offload.link import Link
 from ..offload.lookups import Answers, Lookups, Request
@@ -103,7 +106,15 @@ class KvtierOffloadingManager(OffloadingManager):
     - ``on_request_finished``: releases the request's leases. ``reset_cache``: forgets this
       engine's in-flight bookkeeping and lookup answers (releasing their leases); it does not
       clear kvtierd, whose cache is shared and outlives the engine (kvtierctl clears it).
-    - No KV events: kvtierd's evictions are not reported back.
+    - ``take_events``: with KV events on (vLLM's ``--kv-events-config``; ``events`` is the feed),
+      the changes of the namespace's blocks that this engine can load, whichever engine stored
+      them and whatever removed them, as OffloadingEvents (medium CPU). The link thread reads
+      kvtierd's event log (a poll claimed at the end of a step, at most every
+      ``offload.events.POLL_INTERVAL_S``), never the scheduler; ``has_pending_work`` keeps the
+      engine stepping while changes wait to be taken, so that they go out at once.
+    - ``get_stats``: None. vLLM already counts kvtier's transfers (its
+      ``vllm:kv_offload_{load,store}_*``): each worker's transfer results reach the scheduler's
+      stats through vLLM's own worker metadata; counting them here too would double them.
 
     ``lock`` stays vLLM's no-op: only the scheduler thread enters the manager; the link thread
     shares nothing with it but queues and futures.
@@ -111,7 +122,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def __init__(self, settings: KvtierSettings, engine_id: str, world_size: int, namespace: NamespaceId,
                  num_groups: int = 1, connect: Callable[..., Client] = Client,
-                 clock: Callable[[], float] = time.monotonic, node_ranks: tuple[int, ...] | None = None):
+                 clock: Callable[[], float] = time.monotonic, node_ranks: tuple[int, ...] | None = None,
+                 events: EventFeed | None = None):
         self.settings = settings
         self.engine_id = engine_id
         self.world_size = world_size
@@ -128,6 +140,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._lookups = Lookups(self._link, self.stats, num_groups, settings.lookup_wait_ms / 1000,
                                 settings.lease_ttl_s or None, self._key_positions, VLLM_ANSWERS, clock)
         self._jobs = Jobs(self._link, self.stats, clock)
+        self.events = events
 
     @property
     def link(self) -> Link:
@@ -165,6 +178,9 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookups.schedule_end()
+        feed = self.events
+        if feed is not None and self._link.up and feed.claim():
+            self._link.submit(lambda client: feed.poll(client.events)).add_done_callback(feed.released)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._lookups.touch(keys)
@@ -204,11 +220,16 @@ class KvtierOffloadingManager(OffloadingManager):
         self._jobs.writing.clear()
         self._lookups.reset()
 
-    def take_events(self) -> Iterable:
-        return ()
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events is None:
+            return ()
+        return [OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed) for removed, keys in self.events.take()]
+
+    def has_pending_work(self) -> bool:
+        return self.events is not None and self.events.pending
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        return None
+        return None                                  # vLLM counts the workers' transfers (class docstring)
 
     def shutdown(self) -> None:
         self._link.close()

@@ -4,7 +4,9 @@
   ``kv_connector_extra_config`` (docs/vllm.md describes each); a misspelt ``kvtier_*`` key is an
   error, not ignored.
 - **Keys.** vLLM's ``OffloadKey`` is the kvtier key as is, shortened past kvtierd's limit
-  (``kvtier.integrations.offload.keys``).
+  (``kvtier.integrations.offload.keys``); ``offload_key_bytes`` is an engine's key length, which
+  its KV events need unshortened, from its ``prefix_caching_hash_algo`` (``engine_hash_algo``: announced
+  by ``KvtierOffloadingConnector``, which has the VllmConfig that vLLM does not hand a spec).
 - **Namespaces.** ``namespace_id`` builds the engine's ``NamespaceId`` (model, KV dtype, tokens
   per block, bytes per block per rank, sharding). The model part is ``<model name>@<fingerprint>``
   (``identity``: what determines the KV bytes, weights included) with vLLM's KV-cache memory
@@ -23,8 +25,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
@@ -33,6 +38,7 @@ from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, Namespa
 
 from ...select import COPIERS
 from ..common import read_settings, shorten
+from ..offload.keys import GROUP_BYTES
 from .identity import ModelIdentity
 
 
@@ -72,6 +78,44 @@ class KvtierSettings:
                 raise ValueError(f"kvtier_ranks_per_node must be a whole number, got {values['ranks_per_node']:g}")
             values["ranks_per_node"] = int(values["ranks_per_node"])
         return cls(**values)
+
+
+logger = logging.getLogger("vllm.kvtier")
+
+_HASH_ALGO: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvtier_hash_algo", default=None)
+
+
+@contextlib.contextmanager
+def announce_hash_algo(name: str) -> Iterator[None]:
+    """Make ``name`` the block hash algorithm of the spec built inside this block."""
+    token = _HASH_ALGO.set(name)
+    try:
+        yield
+    finally:
+        _HASH_ALGO.reset(token)
+
+
+def engine_hash_algo() -> str:
+    """The engine's ``prefix_caching_hash_algo``: announced (``announce_hash_algo``), else vLLM's
+    default, sha256, which the plain spec path (no VllmConfig) can only assume."""
+    announced = _HASH_ALGO.get()
+    if announced is None:
+        logger.info("kvtier: KV events assume prefix_caching_hash_algo sha256 (vLLM's default): the plain "
+                    "OffloadingConnector path cannot see the engine's; KvtierOffloadingConnector can")
+        return "sha256"
+    return announced
+
+
+def offload_key_bytes(hash_algo: str) -> int:
+    """The length of an engine's OffloadKeys: its block hash (``prefix_caching_hash_algo``) and
+    the group index. Raises ValueError when kvtier would shorten them (``kvtier_key``): such keys
+    cannot be mapped back to block hashes, so their KV events cannot be published."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    nbytes = len(get_hash_fn_by_name(hash_algo)(b"")) + GROUP_BYTES
+    if nbytes > P.MAX_KEY_BYTES:
+        raise ValueError(f"prefix_caching_hash_algo {hash_algo!r} makes {nbytes}-byte keys, which kvtier shortens: "
+                         "their KV events cannot name vLLM's block hashes; use sha256")
+    return nbytes
 
 
 def namespace_id(config: OffloadingConfig, settings: KvtierSettings, model: ModelIdentity | None,

@@ -18,7 +18,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from . import identity, topology
 from .manager import KvtierOffloadingManager
-from .settings import KvtierSettings, kvtier_engine_id, namespace_id
+from ..offload.events import EventFeed
+from .settings import KvtierSettings, engine_hash_algo, kvtier_engine_id, namespace_id, offload_key_bytes
 from .worker import KvtierOffloadingWorker
 
 logger = logging.getLogger("vllm.kvtier")
@@ -52,13 +53,18 @@ class KvtierOffloadingSpec(OffloadingSpec):
         self.engine_id = kvtier_engine_id(config, self.settings)
         # Deliberately False even for the replicated namespace: see the package docstring.
         self.replicated_layout = False
+        # KV events (vLLM's --kv-events-config): the namespace's event log, announced by this engine.
+        self.events_key_bytes = offload_key_bytes(engine_hash_algo()) if self.kv_events_config.enable_kv_cache_events \
+            else None
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
+            groups = len(self.config.groups)
+            events = None if self.events_key_bytes is None else EventFeed(self.events_key_bytes, groups)
             self._manager = KvtierOffloadingManager(self.settings, self.engine_id, self.config.parallel.world_size,
-                                                    self.namespace, num_groups=len(self.config.groups),
+                                                    self.namespace, num_groups=groups, events=events,
                                                     node_ranks=self.topology.node_ranks(0))
         return self._manager
 

@@ -1,0 +1,194 @@
+"""``events``' daemon part: issue 23's goals measured through real daemons (kvtierbench.events
+holds the log and the stream in isolation).
+
+- **throughput**: store jobs of B = 256 and 1,024 fresh keys (store + commit from one rank session,
+  as ``control`` measures the control plane; the region full, so every store also evicts B) on a
+  daemon publishing its KV events stream to a subscriber process, against the same on a daemon
+  without it, the two alternating in slices so that both see the same machine: keys/s, on / off
+  (goal >= 0.95x).
+- **latency**: jobs of B = 256 paced every 5 ms; from the moment the commit returns (the commit
+  made the keys READY) to the subscriber process holding the batch whose last BlockStored names
+  the job's last key: p50 and p99 (goal p99 <= 10 ms; one clock, CLOCK_MONOTONIC).
+- **sustained**: 200,000 blocks/s offered (jobs of 1,024, paced) to the publishing daemon with
+  the subscriber reading, for some seconds: the rate kept, and the daemon's anonymous memory
+  (RssAnon: the region is a shared mapping) a third of the way in and at the end (the event log,
+  8 MiB here, and the replay buffer are bounded: it must not grow).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+
+import msgpack
+import numpy as np
+import zmq
+
+from .harness import CONTROL_PAGE, Context, KeyStream, RankChannel, bench_daemon, pct, ratio, region_size, say
+
+BATCHES = (256, 1024)
+RATE = 200_000
+PAGES = 1 << 16                    # the region: 65,536 one-page blocks, filled before the slices
+
+
+def _last_event(payload: bytes):
+    """The last event of a KVEventBatch ``[ts, [events], dp rank]``, the others skipped undecoded
+    (the subscriber shares the machine's two CPUs with the daemons: decoding every event would
+    take them from the daemon being measured)."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(payload)
+    unpacker.read_array_header()
+    unpacker.skip()
+    n = unpacker.read_array_header()
+    for _ in range(n - 1):
+        unpacker.skip()
+    return unpacker.unpack() if n else None
+
+
+def subscriber(endpoint: str, conn, describe) -> None:
+    """A subscriber process (the bench's router): takes batches; says "ready" once connected,
+    "joined" at its first batch, and, when told to stop (then until the stream is quiet), sends
+    ``describe(seq, receive time, payload)`` of every batch."""
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "")
+    sub.connect(endpoint)
+    conn.send("ready")
+    seen, stopping = [], False
+    while sub.poll(200 if stopping else 20) or not stopping:
+        if sub.poll(0):
+            _, seq, payload = sub.recv_multipart()
+            seen.append(describe(int.from_bytes(seq, "big"), time.monotonic(), payload))
+            if len(seen) == 1:
+                conn.send("joined")
+        if not stopping and conn.poll():
+            conn.recv()
+            stopping = True
+    conn.send(seen)
+    sub.close(linger=0)
+    context.term()
+
+
+def last_stored(seq: int, now: float, payload: bytes) -> tuple:
+    """(receive time, the int hash of the batch's last event when that is a BlockStored: a store's
+    batch, whose removals come first)."""
+    last = _last_event(payload)
+    return now, last["block_hashes"][0] if last and last["type"] == "BlockStored" else None
+
+
+def _event_hash(key: bytes) -> int:
+    """How the stream names a key's block (kv_events_hash int): its hash's last 8 bytes."""
+    return int.from_bytes(key[-12:-4], "big")
+
+
+def _rss_anon_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+class _Node:
+    """A daemon (publishing or not) with a rank session, its region filled."""
+
+    def __init__(self, ctx: Context, name: str, publish: bool, seed: int):
+        # An event log of 8 MiB: full within the sustained run's first third, so that the memory
+        # measured after it shows growth, not the log filling its budget (64 MiB by default).
+        flags = ("--kv-events-endpoint", f"ipc://{ctx.path(name)}.pub", "--events-log-bytes", "8MiB") if publish \
+            else ()
+        self.daemon = bench_daemon(ctx.path(name), region_size(PAGES, CONTROL_PAGE), CONTROL_PAGE, *flags)
+        self.daemon.start()
+        self.endpoint = flags[1] if publish else None
+        self.rank = RankChannel(self.daemon, f"events-{name}")
+        self.keys = {b: KeyStream(seed * 10_000 + b, b) for b in BATCHES}
+        for _ in range(PAGES // 1024):
+            self.rank.store(self.keys[1024].next())
+
+    def slice(self, batch: int, seconds: float) -> float:
+        """Keys/s of back-to-back store jobs of ``batch`` for ``seconds``."""
+        stream, jobs = self.keys[batch], 0
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:
+            self.rank.store(stream.next())
+            jobs += 1
+        return jobs * batch / (time.monotonic() - start)
+
+    def close(self) -> None:
+        self.rank.close()
+        self.daemon.stop()
+
+
+def start_subscriber(endpoint: str, describe):
+    """(process, pipe) of a ``subscriber`` process, connected."""
+    conn, child = mp.Pipe()
+    proc = mp.get_context("spawn").Process(target=subscriber, args=(endpoint, child, describe), daemon=True)
+    proc.start()
+    conn.recv()
+    return proc, conn
+
+
+def stop_subscriber(proc, conn) -> list:
+    """What the subscriber saw (``describe`` of each batch)."""
+    conn.send("stop")
+    while not isinstance(seen := conn.recv(), list):       # past its "joined"
+        pass
+    proc.join(10)
+    return seen
+
+
+def _latency(node: _Node, rounds: int) -> dict:
+    committed, stream = {}, KeyStream(77, 256)
+    for _ in range(rounds):
+        keys = stream.next()
+        node.rank.store(keys)
+        committed[_event_hash(keys[-1])] = time.monotonic()
+        time.sleep(0.005)
+    return committed
+
+
+def run(ctx: Context, quick: bool) -> dict:
+    slices, seconds = (3, 0.5) if quick else (7, 1.5)
+    off, on = _Node(ctx, "events-off", False, 1), _Node(ctx, "events-on", True, 2)
+    proc, conn = start_subscriber(on.endpoint, last_stored)
+    try:
+        time.sleep(0.3)                                         # the subscription reaches the daemon
+        rows = []
+        for batch in BATCHES:
+            rates = {"off": [], "on": []}
+            for i in range(slices):                              # alternate, each side first in turn
+                for side, node in (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off)):
+                    rates[side].append(node.slice(batch, seconds))
+            row = {"keys": batch, "off_keys_per_s": statistics.median(rates["off"]),
+                   "on_keys_per_s": statistics.median(rates["on"])}
+            row["on_vs_off"] = ratio(row["on_keys_per_s"], row["off_keys_per_s"])
+            rows.append(row)
+            say(f"events: B={batch:<5} stores {row['on_keys_per_s']:,.0f} keys/s publishing, "
+                f"{row['off_keys_per_s']:,.0f} not (x{row['on_vs_off']:.3f})")
+        committed = _latency(on, 100 if quick else 600)
+        pid = on.daemon.pid
+        sustained_s = 3.0 if quick else 15.0
+        stream, sent, rss_third = KeyStream(99, 1024), 0, None
+        start = time.monotonic()
+        while (now := time.monotonic()) - start < sustained_s:
+            if rss_third is None and now - start >= sustained_s / 3:
+                rss_third = _rss_anon_kib(pid)
+            on.rank.store(stream.next())
+            sent += 1024
+            time.sleep(max(0.0, start + sent / RATE - time.monotonic()))
+        elapsed = time.monotonic() - start
+        rss_end = _rss_anon_kib(pid)
+        events = on.daemon.stats()["events"]
+    finally:
+        seen = stop_subscriber(proc, conn)
+        off.close()
+        on.close()
+    lat = np.array([t - committed[h] for t, h in seen if h in committed])
+    latency = {"keys": 256, "batches": len(lat), "p50_us": pct(lat, 50) * 1e6, "p99_us": pct(lat, 99) * 1e6}
+    say(f"events: commit -> subscriber p50 {latency['p50_us']:.0f} us, p99 {latency['p99_us']:.0f} us "
+        f"({len(lat)} jobs)")
+    sustained = {"offered_per_s": RATE, "stored_per_s": sent / elapsed, "rss_anon_third_kib": rss_third or rss_end,
+                 "rss_anon_end_kib": rss_end, "log_bytes": events["log_bytes"],
+                 "published_events": events["stream"]["events"]}
+    say(f"events: the daemon stored {sustained['stored_per_s']:,.0f} blocks/s publishing; RssAnon "
+        f"{sustained['rss_anon_third_kib']:,} KiB a third of the way in, {sustained['rss_anon_end_kib']:,} KiB at the end")
+    return {"throughput": rows, "latency": latency, "sustained": sustained}

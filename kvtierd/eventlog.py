@@ -1,0 +1,336 @@
+"""The event log: per namespace, in order, which keys became READY and which left, for the readers
+that follow a namespace's contents (coordinator sessions over the protocol, the daemon's own KV
+events publisher). No sockets, no threads: the index's observer appends, readers read with a
+cursor, and the log forgets its oldest records to stay within its memory budget.
+
+- **Records.** Each call of ``stored`` or ``removed`` (one store job's entries, one eviction, one
+  clear) becomes one or more records: the keys of one length, at most ``RECORD_KEYS`` of them, as
+  one bytes blob (36 bytes per vLLM key, no Python object per key kept alive), under the next
+  sequence number of the namespace's log. A removal names its cause (``Cause``).
+- **Cursors.** A namespace's log has an ``epoch`` (random, new with every daemon start and every
+  new use of a namespace slot) and numbers its records 1, 2, 3, ... A reader holds (epoch,
+  cursor = the last sequence number it applied) and ``read`` returns the records after it,
+  batched (``max_keys``): one request, not one per event.
+- **Falling behind is told, never silent.** Memory is bounded by one budget for all namespaces
+  (``budget_bytes``): past it the oldest records go, whoever has read them or not, so a reader
+  that never reads costs nothing. A cursor the log can no longer continue (its records are gone,
+  another epoch, or none) gets ``reset``: the reader starts its view again from empty, and the
+  reply carries, besides the records after the reset point, pages of a *snapshot* — the READY keys
+  of a range of entry slots as they are at the time of the reply — until ``snapshot_next`` is None.
+  Applying records and pages in reply order gives exactly the READY keys (tests/unit/
+  test_events.py proves it for any interleaving): a page taken at time t lists what its slots hold
+  at t, every change after t comes as a record, and pages only add keys.
+- **Consistency with the index.** The observer must append before the daemon serves the next
+  request, and the snapshot reads the entry table, whose state byte says READY exactly while the
+  index does (kvtierd.index): then a snapshot page and the records agree at every read.
+- **Fed by the index's events** (``Recorder``, a listener of ``kvtierd.events``): a namespace's
+  log is kept from its first read on (``follow``; every namespace's while the daemon publishes
+  its own stream), so that a namespace nobody follows costs nothing; its first read resets onto
+  a snapshot anyway. Logs are keyed by the namespace's table slot; a slot taken over by another
+  namespace ends the log (``forget``): a reader of the new one starts on a new epoch.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Protocol, Sequence
+
+import numpy as np
+
+from .contract.events import Cause, Kind
+from .contract.region_format import EntryState
+from .events import EntryEvents, Gone
+
+# A record holds at most this many keys (a batch is cut into several), so that any reply of at
+# least RECORD_KEYS keys moves a reader on by at least one record.
+RECORD_KEYS = 4096
+# What a record costs besides its keys (the Record, its slot in two containers), for the budget.
+RECORD_OVERHEAD = 200
+# Entry slots a snapshot page scans per NumPy pass, and at most per page: a page of a sparse
+# namespace in a large region ends early (its reader asks for the next) rather than hold the
+# daemon's loop for a scan of the whole table (measured: 256Ki slots of the region's 128-byte
+# records in ~4 ms on a loaded 2-core VM; 1Mi slots took 35 ms).
+SCAN_SLOTS = 1 << 16
+MAX_SCAN_SLOTS = 1 << 18
+
+
+@dataclass(slots=True)
+class Record:
+    seq: int
+    kind: Kind
+    cause: str | None
+    key_len: int
+    keys: bytes              # len(keys) // key_len keys of key_len bytes, in the order given
+    upto: int = 0            # keys appended to the namespace's log up to and including this record
+
+    @property
+    def count(self) -> int:
+        return len(self.keys) // self.key_len
+
+    def to_wire(self) -> list:
+        return [self.seq, int(self.kind), self.cause, self.key_len, self.keys]
+
+
+class SnapshotSource(Protocol):
+    def ready_keys(self, ns: Hashable, start: int, limit: int) -> tuple[list[tuple[int, bytes]], int, int | None]:
+        """READY keys of ``ns`` in entry slots from ``start`` on, at most about ``limit`` of them:
+        (runs of (key length, keys blob), how many keys, the slot to go on from or None at the end)."""
+
+
+class TableSnapshot:
+    """Snapshot pages read from the region's entry table (state, ns, key_len and key columns):
+    vectorised, whatever holds the index's own per-entry state. ``ns`` is the namespace slot."""
+
+    def __init__(self, entries: np.ndarray, scan_slots: int = SCAN_SLOTS, max_scan_slots: int = MAX_SCAN_SLOTS):
+        self.entries = entries
+        self.scan_slots, self.max_scan_slots = scan_slots, max_scan_slots
+
+    def ready_keys(self, ns: int, start: int, limit: int) -> tuple[list[tuple[int, bytes]], int, int | None]:
+        table = self.entries
+        # A record's first four bytes are state, key_len and ns (little-endian u2): one strided
+        # word per slot says whether it is a READY entry of ``ns``, half the reads of two fields.
+        words = np.ndarray((len(table),), "<u4", table, 0, (table.itemsize,))
+        want, mask = int(EntryState.READY) | ns << 16, 0xFFFF00FF
+        total, pos, slots = len(table), start, []
+        found, stop = 0, min(total, start + self.max_scan_slots)
+        while pos < stop and found < limit:
+            end = min(stop, pos + self.scan_slots)
+            hit = np.flatnonzero(words[pos:end] & mask == want) + pos
+            if found + len(hit) >= limit:
+                hit = hit[:limit - found]
+                end = int(hit[-1]) + 1
+            slots.append(hit)
+            found += len(hit)
+            pos = end
+        hit = np.concatenate(slots) if slots else np.zeros(0, np.intp)
+        rows, lengths = table["key"][hit], table["key_len"][hit]
+        runs = [(int(n), rows[lengths == n, :n].tobytes()) for n in np.unique(lengths).tolist()]
+        return runs, len(hit), (pos if pos < total else None)
+
+
+@dataclass
+class EventsRead:
+    """One read of a namespace's log: what the events op replies (its wire map: ``to_wire``)."""
+
+    epoch: int
+    seq: int                              # the cursor to send next: the last record given (or the reset point)
+    reset: bool                           # start the view again from empty: the cursor could not be continued
+    records: list[Record]
+    snapshot: list[tuple[int, bytes]]     # runs (key length, keys) of READY keys in a range of slots
+    snapshot_next: int | None             # the slot to ask the next page from; None: no snapshot in progress
+    behind: int                           # records after ``seq`` still to read
+
+    def to_wire(self) -> dict:
+        return {"epoch": self.epoch, "seq": self.seq, "reset": self.reset,
+                "records": [r.to_wire() for r in self.records], "snapshot": [list(run) for run in self.snapshot],
+                "snapshot_next": self.snapshot_next, "behind": self.behind}
+
+
+@dataclass(eq=False)
+class _Log:
+    """One namespace's records: a list with a head offset (the oldest ones dropped), contiguous
+    sequence numbers, so that a cursor's position is arithmetic."""
+
+    epoch: int
+    seq: int = 0                          # of the newest record (0: none yet)
+    base: int = 1                         # sequence number of records[0]
+    head: int = 0                         # records[:head] are dropped
+    keys: int = 0                         # keys appended, ever (Record.upto counts them)
+    records: list = field(default_factory=list)
+    live: bool = True
+
+    @property
+    def floor(self) -> int:
+        """The oldest cursor the log can continue: every record after it is held."""
+        return self.base + self.head - 1
+
+    def after(self, cursor: int) -> int:
+        """Index in ``records`` of the first record after ``cursor`` (floor <= cursor <= seq)."""
+        return cursor + 1 - self.base
+
+    def drop_oldest(self) -> None:
+        self.head += 1
+        if self.head > 1024 and self.head * 2 > len(self.records):
+            del self.records[:self.head]
+            self.base += self.head
+            self.head = 0
+
+
+class EventLog:
+    """Per-namespace event logs within one memory budget (see the module docstring)."""
+
+    def __init__(self, snapshot: SnapshotSource, budget_bytes: int, new_epoch=lambda: secrets.randbits(63)):
+        if budget_bytes <= 0:
+            raise ValueError("the event log needs a positive budget")
+        self.snapshot = snapshot
+        self.budget_bytes = budget_bytes
+        self._new_epoch = new_epoch
+        self._logs: dict[Hashable, _Log] = {}
+        # Told before a namespace's log ends (``forget``), so that a reader in the daemon itself
+        # (the KV events publisher) takes its last records first.
+        self.forgetting: Callable[[Hashable], None] | None = None
+        self._fifo: deque[tuple[_Log, Record]] = deque()   # every held record, oldest first
+        self.bytes = 0
+        # Counters (kvtierd_events_*): keys appended by kind, keys dropped unread or not, reads
+        # that reset a reader, snapshot keys sent.
+        self.appended = {Kind.STORED: 0, Kind.REMOVED: 0}
+        self.removed_by_cause = dict.fromkeys((c.value for c in Cause), 0)
+        self.dropped_keys = 0
+        self.resets = 0
+        self.snapshot_keys = 0
+
+    # ------------------------------------------------------------------ the observer's side
+    def stored(self, ns: Hashable, keys: Sequence[bytes]) -> None:
+        """``keys`` (of namespace ``ns``) became READY, in this order."""
+        self._append(ns, Kind.STORED, None, keys)
+
+    def removed(self, ns: Hashable, keys: Sequence[bytes], cause: Cause) -> None:
+        """READY ``keys`` of ``ns`` left, for ``cause``."""
+        cause = Cause(cause).value
+        self._append(ns, Kind.REMOVED, cause, keys)
+        self.removed_by_cause[cause] += len(keys)
+
+    def forget(self, ns: Hashable) -> None:
+        """The namespace is gone (its slot reclaimed for another): its log ends; a reader of it
+        is reset (to a namespace that has nothing) on its next read."""
+        if ns in self._logs and self.forgetting is not None:
+            self.forgetting(ns)
+        log = self._logs.pop(ns, None)
+        if log is not None:
+            log.live = False
+            held = log.records[log.head:]
+            self.bytes -= sum(len(r.keys) + RECORD_OVERHEAD for r in held)
+
+    def _append(self, ns: Hashable, kind: Kind, cause: str | None, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        log = self._log(ns)
+        for key_len, blob in _runs(keys):
+            step = key_len * RECORD_KEYS
+            for begin in range(0, len(blob), step):
+                part = blob[begin:begin + step]
+                log.seq += 1
+                log.keys += len(part) // key_len
+                record = Record(log.seq, kind, cause, key_len, part, log.keys)
+                log.records.append(record)
+                self._fifo.append((log, record))
+                self.bytes += len(part) + RECORD_OVERHEAD
+        self.appended[kind] += len(keys)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the oldest records (of any namespace) until the log is within its budget."""
+        fifo = self._fifo
+        while self.bytes > self.budget_bytes and fifo:
+            log, record = fifo.popleft()
+            if not log.live:
+                continue                  # its bytes left the budget when it was forgotten
+            log.drop_oldest()
+            self.bytes -= len(record.keys) + RECORD_OVERHEAD
+            self.dropped_keys += record.count
+
+    def _log(self, ns: Hashable) -> _Log:
+        log = self._logs.get(ns)
+        if log is None:
+            log = self._logs[ns] = _Log(self._new_epoch())
+        return log
+
+    # ------------------------------------------------------------------ the readers' side
+    def read(self, ns: Hashable, epoch: int | None, cursor: int | None, snapshot_from: int | None,
+             max_keys: int) -> EventsRead:
+        """The records after ``cursor`` (at least one when there is one, then up to ``max_keys``
+        keys in all), and, while a snapshot is in progress (``snapshot_from``), its next page.
+
+        A cursor of another epoch, or one the log no longer continues, or None, resets the
+        reader: the reply starts a snapshot from slot 0 at the log's newest record."""
+        log = self._log(ns)
+        reset = cursor is None or epoch != log.epoch or not log.floor <= cursor <= log.seq
+        if reset:
+            self.resets += cursor is not None
+            cursor, snapshot_from = log.seq, 0
+        records, taken = [], 0
+        for record in log.records[log.after(cursor):]:
+            if records and taken + record.count > max_keys:
+                break
+            records.append(record)
+            taken += record.count
+        seq = records[-1].seq if records else cursor
+        snapshot, snapshot_next = [], None
+        if snapshot_from is not None:
+            # A page gets half the reply at least, so that a snapshot ends under any event rate.
+            snapshot, count, snapshot_next = self.snapshot.ready_keys(ns, snapshot_from,
+                                                                     max(max_keys - taken, max_keys // 2, 1))
+            self.snapshot_keys += count
+        return EventsRead(log.epoch, seq, reset, records, snapshot, snapshot_next, log.seq - seq)
+
+    def lag(self, ns: Hashable, epoch: int, cursor: int) -> int | None:
+        """Keys appended to ``ns``'s log after ``cursor`` (None: the cursor is not continuable)."""
+        log = self._logs.get(ns)
+        if log is None or epoch != log.epoch or not log.floor <= cursor <= log.seq:
+            return None
+        at = log.after(cursor)
+        if at >= len(log.records):
+            return 0
+        first = log.records[at]
+        return log.keys - (first.upto - first.count)
+
+    def stats(self) -> dict:
+        """The log's part of ``StatsReply.events`` (docs/operations.md, kvtierd_events_*)."""
+        return {"log_bytes": self.bytes, "log_budget_bytes": self.budget_bytes, "namespaces": len(self._logs),
+                "stored_keys": self.appended[Kind.STORED], "removed_keys": dict(self.removed_by_cause),
+                "dropped_keys": self.dropped_keys, "resets": self.resets, "snapshot_keys": self.snapshot_keys}
+
+
+# The index's reasons for entries leaving, as a removal record names them (ABORTED: never READY,
+# never announced: no record).
+CAUSES = {Gone.EVICTED: Cause.EVICTED, Gone.AHEAD: Cause.EVICTED, Gone.CLEARED: Cause.CLEARED,
+          Gone.RECLAIMED: Cause.RECLAIMED, Gone.REGION_REPLACED: Cause.REGION_REPLACED}
+
+
+class Recorder(EntryEvents):
+    """The index's events into the event log, for the namespaces someone follows (see the module
+    docstring). ``follow_all``: every namespace (the daemon's own KV events stream is on)."""
+
+    def __init__(self, log: EventLog, follow_all: bool = False):
+        self.log = log
+        self.follow_all = follow_all
+        self._followed: dict[int, object] = {}      # table slot → the namespace whose log it holds
+
+    def follow(self, ns) -> int:
+        """Keep ``ns``'s log from now on (a reader asks for it); returns its key in the log."""
+        owner = self._followed.get(ns.slot)
+        if owner is not ns:
+            if owner is not None:
+                self.log.forget(ns.slot)             # the slot changed hands without a removal to tell
+            self._followed[ns.slot] = ns
+        return ns.slot
+
+    def ready(self, ns, slots: np.ndarray, keys: list[bytes]) -> None:
+        if self.follow_all or self._followed.get(ns.slot) is ns:
+            self.log.stored(self.follow(ns), keys)
+
+    def leaving(self, cause: Gone, slots: np.ndarray, keys: list[bytes], namespaces: np.ndarray) -> None:
+        if cause is Gone.ABORTED:
+            return
+        followed = [n for n in np.unique(namespaces).tolist() if n in self._followed]
+        for n in followed:
+            mine = keys if len(followed) == 1 and (namespaces == n).all() else \
+                [keys[i] for i in np.flatnonzero(namespaces == n).tolist()]
+            self.log.removed(n, mine, CAUSES[cause])
+            if cause is Gone.RECLAIMED:
+                self.log.forget(n)
+                del self._followed[n]
+
+
+def _runs(keys: Sequence[bytes]) -> list[tuple[int, bytes]]:
+    """The keys as (length, blob) runs of one length each, in order within a length. One run in
+    the common case (every key of a vLLM engine has the same length), built in C."""
+    lengths = set(map(len, keys))
+    if len(lengths) == 1:
+        return [(lengths.pop(), b"".join(keys))]
+    by_len: dict[int, list[bytes]] = {}
+    for key in keys:
+        by_len.setdefault(len(key), []).append(key)
+    return [(n, b"".join(group)) for n, group in by_len.items()]
