@@ -36,13 +36,12 @@ OffloadingConfig and fingerprints the weights its model name points to
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ..fingerprint import canonical, fingerprint, local_weights_digest
+from .handoff import Handoff
 
 logger = logging.getLogger("vllm.kvtier")
 
@@ -119,21 +118,7 @@ def _log(identity: ModelIdentity, source: str) -> None:
 
 # ------------------------------------------------------------------------------ handing it to the spec
 Resolver = Callable[[], ModelIdentity]
-_ANNOUNCED: contextvars.ContextVar[Resolver | None] = contextvars.ContextVar("kvtier_model", default=None)
-
-
-@contextlib.contextmanager
-def announce(resolve: Resolver) -> Iterator[None]:
-    """Make ``resolve`` (called only if the namespace needs it) the model identity of the spec
-    built inside this block: vLLM's OffloadingConnector builds its spec synchronously in its
-    ``__init__`` and hands it no VllmConfig."""
-    token = _ANNOUNCED.set(resolve)
-    try:
-        yield
-    finally:
-        _ANNOUNCED.reset(token)
-
-
-def announced() -> Resolver | None:
-    """What ``announce`` set around the spec's construction; None on the plain spec path."""
-    return _ANNOUNCED.get()
+# ``resolve`` is called only if the namespace needs the model's identity.
+_MODEL: Handoff[Resolver] = Handoff("kvtier_model")
+announce = _MODEL.announce
+announced = _MODEL.announced

@@ -25,11 +25,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
@@ -39,6 +37,7 @@ from kvtierd.contract.namespace import MAX_DTYPE_BYTES, MAX_MODEL_BYTES, Namespa
 from ...select import COPIERS
 from ..common import read_settings, shorten
 from ..offload.keys import GROUP_BYTES
+from .handoff import Handoff
 from .identity import ModelIdentity
 
 
@@ -82,23 +81,14 @@ class KvtierSettings:
 
 logger = logging.getLogger("vllm.kvtier")
 
-_HASH_ALGO: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvtier_hash_algo", default=None)
-
-
-@contextlib.contextmanager
-def announce_hash_algo(name: str) -> Iterator[None]:
-    """Make ``name`` the block hash algorithm of the spec built inside this block."""
-    token = _HASH_ALGO.set(name)
-    try:
-        yield
-    finally:
-        _HASH_ALGO.reset(token)
+_HASH_ALGO: Handoff[str] = Handoff("kvtier_hash_algo")
+announce_hash_algo = _HASH_ALGO.announce
 
 
 def engine_hash_algo() -> str:
     """The engine's ``prefix_caching_hash_algo``: announced (``announce_hash_algo``), else vLLM's
     default, sha256, which the plain spec path (no VllmConfig) can only assume."""
-    announced = _HASH_ALGO.get()
+    announced = _HASH_ALGO.announced()
     if announced is None:
         logger.info("kvtier: KV events assume prefix_caching_hash_algo sha256 (vLLM's default): the plain "
                     "OffloadingConnector path cannot see the engine's; KvtierOffloadingConnector can")

@@ -29,11 +29,10 @@ as is, and ``kvtier_ranks_per_node`` or one node.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 from dataclasses import dataclass
-from typing import Iterator
+
+from .handoff import Handoff
 
 logger = logging.getLogger("vllm.kvtier")
 
@@ -120,19 +119,6 @@ def vllm_node_count() -> int | None:
 
 
 # ------------------------------------------------------------------------------ handing it to the spec
-_ANNOUNCED: contextvars.ContextVar[Topology | None] = contextvars.ContextVar("kvtier_topology", default=None)
-
-
-@contextlib.contextmanager
-def announce(topology: Topology) -> Iterator[None]:
-    """Make ``topology`` that of the spec built inside this block (as ``identity.announce``)."""
-    token = _ANNOUNCED.set(topology)
-    try:
-        yield
-    finally:
-        _ANNOUNCED.reset(token)
-
-
-def announced() -> Topology | None:
-    """What ``announce`` set around the spec's construction; None on the plain spec path."""
-    return _ANNOUNCED.get()
+_TOPOLOGY: Handoff[Topology] = Handoff("kvtier_topology")
+announce = _TOPOLOGY.announce
+announced = _TOPOLOGY.announced
