@@ -76,6 +76,20 @@ def _write(root: Path, path: str, text: str, mode: int = 0o644) -> None:
     target.chmod(mode)
 
 
+def sources(tmp_path: Path) -> Path:
+    """This checkout as the container's users (kvtierd, engine) can read it: a checkout in a
+    directory others may not enter (``mktemp -d`` makes it 0700) is copied, its kvtierd/,
+    client/ and kvtierbench/ (kvtierctl bench), into a directory they may."""
+    if ROOT.stat().st_mode & 0o005 == 0o005:
+        return ROOT
+    src = tmp_path / "src"
+    src.mkdir()
+    src.chmod(0o755)
+    for name in ("kvtierd", "client", "kvtierbench"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return src
+
+
 def boot(tmp_path: Path, unit: str, extra_config: str) -> dict[str, str]:
     """Boot a container with ``unit`` installed and enabled; returns the probe's files by name."""
     upper, work, root, probe = (tmp_path / d for d in ("upper", "work", "root", "probe"))
@@ -107,7 +121,7 @@ def boot(tmp_path: Path, unit: str, extra_config: str) -> dict[str, str]:
         (root / "etc/machine-id").unlink(missing_ok=True)
         proc = subprocess.run(["systemd-nspawn", "-D", str(root), "--register=no", "--keep-unit", "--boot",
                                "--console=pipe", "--link-journal=no", f"--bind={probe}:/probe",
-                               f"--bind-ro={ROOT}:{LIB}/src",
+                               f"--bind-ro={sources(tmp_path)}:{LIB}/src",
                                f"--bind-ro={sysconfig.get_paths()['purelib']}:{LIB}/site"],
                               capture_output=True, text=True, timeout=BOOT_TIMEOUT, stdin=subprocess.DEVNULL)
         files = {p.name: p.read_text() for p in probe.iterdir()}
