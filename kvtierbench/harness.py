@@ -166,6 +166,7 @@ class Context:
         self.job_keys = job_keys                  # policy: store a request in jobs of at most this many keys
         self.big: DaemonProcess | None = None    # the N-entry region (eviction, then recovery)
         self.big_fresh_start: float | None = None
+        self.big_memory: dict | None = None      # the daemon's memory before and after storing its N entries
 
     def path(self, name: str) -> str:
         return os.path.join(self.workdir, name)
@@ -274,7 +275,8 @@ class RankChannel:
 
 
 def big_region(ctx: Context) -> DaemonProcess:
-    """The region of N one-page entries, filled (shared by eviction and recovery)."""
+    """The region of N one-page entries, filled (shared by eviction and recovery); the daemon's
+    memory is read before and after the fill (``ctx.big_memory``)."""
     if ctx.big is None:
         n = ctx.plan.entries
         daemon = bench_daemon(ctx.path("big"), region_size(n, CONTROL_PAGE), CONTROL_PAGE)
@@ -283,10 +285,26 @@ def big_region(ctx: Context) -> DaemonProcess:
         ctx.big = daemon
         rank = RankChannel(daemon, "bench-fill")
         try:
+            before = memory(daemon.proc.pid)
             fill(rank, n, 1, 8192)
+            ctx.big_memory = {"entries": daemon.stats()["entries_ready"], "before": before,
+                              "after": memory(daemon.proc.pid)}
         finally:
             rank.close()
     return ctx.big
+
+
+def memory(pid: int) -> dict[str, int]:
+    """A process's resident memory in bytes (/proc/PID/status): VmRSS, and its parts RssAnon (its
+    heap: what grows with Python objects), RssFile and RssShmem (the region's mapped files,
+    prefaulted at start)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[name] = int(value.split()[0]) * 1024
+    return out
 
 
 def fill(rank: RankChannel, n: int, seed: int, batch: int) -> None:
