@@ -285,26 +285,12 @@ def big_region(ctx: Context) -> DaemonProcess:
         ctx.big = daemon
         rank = RankChannel(daemon, "bench-fill")
         try:
-            before = memory(daemon.proc.pid)
+            before = daemon.rss()
             fill(rank, n, 1, 8192)
-            ctx.big_memory = {"entries": daemon.stats()["entries_ready"], "before": before,
-                              "after": memory(daemon.proc.pid)}
+            ctx.big_memory = {"entries": daemon.stats()["entries_ready"], "before": before, "after": daemon.rss()}
         finally:
             rank.close()
     return ctx.big
-
-
-def memory(pid: int) -> dict[str, int]:
-    """A process's resident memory in bytes (/proc/PID/status): VmRSS, and its parts RssAnon (its
-    heap: what grows with Python objects), RssFile and RssShmem (the region's mapped files,
-    prefaulted at start)."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                out[name] = int(value.split()[0]) * 1024
-    return out
 
 
 def fill(rank: RankChannel, n: int, seed: int, batch: int) -> None:
