@@ -36,12 +36,12 @@ from typing import Callable
 
 import numpy as np
 
+from ._native import hold
 from .contract.namespace import NamespaceId
 from .contract.protocol import PAGES_DTYPE, ErrorCode, RequestError, StoreOutcome
 from .contract.region_format import (ENTRY_DTYPE, NS_CHECKSUMS, NS_SLOTS, TICK_LIMIT, EntryState, RegionView,
                                      entry_checksum, namespace_identities, namespace_record)
 from .fence import Fence
-from ._native import hold
 from .keytable import ALL_BITS, key_table
 from .pages import FreeIds
 from .policy import Policy
@@ -503,12 +503,15 @@ class EntryIndex:
         assert (owner[pages] == -1).all() and len(np.unique(pages)) == len(pages), "an entry shares a page"
         owner[pages] = np.repeat(live, counts)
         assert (owner != -1).all(), f"{int((owner == -1).sum())} pages leaked"
+        ready = live[states[live] == READY]
         for ns in self.namespaces.values():
-            mine = live[self._ns_col[live] == ns.slot]
+            mine, done = live[self._ns_col[live] == ns.slot], ready[self._ns_col[ready] == ns.slot]
             assert (self._page_counts[mine] == ns.entry_pages).all(), f"namespace {ns.slot}: an entry's page count"
             assert (self.find(ns, self.keys_of(mine)) == mine).all(), f"namespace {ns.slot}: an entry not found"
+            chains = np.frombuffer(self.keys.pages(self.view.chain, done), PAGES_DTYPE).reshape(len(done), -1)
+            assert (record_sums(self.view, done, chains, None, ns.identity) == self._sums[done]).all(), \
+                f"namespace {ns.slot}: a READY record's sum is stale"
         assert set(np.unique(self._ns_col[live]).tolist()) <= set(self.ns_by_slot), "an entry of no namespace"
-        ready = live[states[live] == READY]
         held = (self._pins[ready] > 0) | (self._leases[ready] > 0)
         in_policy = np.fromiter((slot in self.policy for slot in live.tolist()), bool, len(live))
         assert (in_policy == np.isin(live, ready[~held])).all(), "the policy holds other than the READY unheld"
@@ -519,16 +522,6 @@ class EntryIndex:
         assert self.entry_count == {WRITING: len(writing), READY: len(ready)}
         assert self.pinned_entries == int(np.count_nonzero(self._pins))
         assert self.leased_entries == int(np.count_nonzero(self._leases))
-        self._verify_sums(ready)
-
-    def _verify_sums(self, ready: np.ndarray) -> None:
-        for ns in self.namespaces.values():
-            mine = ready[self._ns_col[ready] == ns.slot]
-            if not len(mine):
-                continue
-            chains = np.frombuffer(self.keys.pages(self.view.chain, mine), PAGES_DTYPE).reshape(len(mine), -1)
-            assert (record_sums(self.view, mine, chains, None, ns.identity) == self._sums[mine]).all(), \
-                f"namespace {ns.slot}: a READY record's sum is stale"
 
     def persist_tick(self) -> None:
         """Write the access clock to the header (a clean stop)."""

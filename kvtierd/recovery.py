@@ -16,11 +16,11 @@ import numpy as np
 
 from .contract.namespace import NamespaceId
 from .contract.protocol import MAX_KEY_BYTES, PAGES_DTYPE
-from .records import key_hashes, keys_of, record_sums, rows_as_bytes
-from .contract.region_format import (CHAIN_END, ENTRY_DTYPE, FENCE_NONE, NS_CHECKSUMS, TICK_LIMIT, WRITER_SLOTS,
+from .contract.region_format import (CHAIN_END, FENCE_NONE, NS_CHECKSUMS, TICK_LIMIT, WRITER_SLOTS,
                                      EntryState, RegionView, WriterState, entry_checksum,
                                      namespace_from_record, namespace_identities, namespace_record_sums,
                                      shard_checksum)
+from .records import key_hashes, keys_of, record_sums, rows_as_bytes
 
 
 @dataclass
