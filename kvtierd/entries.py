@@ -508,7 +508,7 @@ class EntryIndex:
             mine, done = live[self._ns_col[live] == ns.slot], ready[self._ns_col[ready] == ns.slot]
             assert (self._page_counts[mine] == ns.entry_pages).all(), f"namespace {ns.slot}: an entry's page count"
             assert (self.find(ns, self.keys_of(mine)) == mine).all(), f"namespace {ns.slot}: an entry not found"
-            chains = np.frombuffer(self.keys.pages(self.view.chain, done), PAGES_DTYPE).reshape(len(done), -1)
+            chains = np.frombuffer(self.keys.pages(self.view.chain, done), PAGES_DTYPE).reshape(len(done), ns.entry_pages)
             assert (record_sums(self.view, done, chains, None, ns.identity) == self._sums[done]).all(), \
                 f"namespace {ns.slot}: a READY record's sum is stale"
         assert set(np.unique(self._ns_col[live]).tolist()) <= set(self.ns_by_slot), "an entry of no namespace"

@@ -31,7 +31,8 @@ class Bytes(bytes):
 
 
 ITEMS = st.one_of(st.binary(min_size=0, max_size=MAX_KEY_BYTES + 2), st.sampled_from([b"a", b"b", b"a" * 64]),
-                  st.text(max_size=3), st.integers(), st.none(), st.builds(Bytes, st.binary(min_size=1, max_size=4)))
+                  st.text(max_size=3), st.integers(-2**63, 2**64 - 1), st.none(),
+                  st.builds(Bytes, st.binary(min_size=1, max_size=4)))
 
 
 @settings(max_examples=400, deadline=None)
