@@ -127,7 +127,7 @@ bench-loop: install
 	$(BIN)/python bench/loop_choice.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .hypothesis kvtierd/_native.*.so
 
 # Regenerate the settings reference and the example config from kvtierd/config.py.
 docs: install
