@@ -8,7 +8,9 @@ SGLANG_VENV ?= .venv-sglang
 
 .PHONY: install run test test-unit test-integration deploy-install test-deploy gpu-check vllm-install test-vllm bench-vllm sglang-install test-sglang tier-install test-tier bench-tier tier-up soak soak-hostile crash bench bench-docs nvcc-check bench-loop docs clean
 
-$(BIN)/.installed: pyproject.toml
+# The compiled core (native/, built by setup.py into kvtierd/) is rebuilt when its sources change:
+# an editable install does not rebuild a C extension by itself.
+$(BIN)/.installed: pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch (the machine's local wheel); CUDA machines bring their own torch.
@@ -149,7 +151,7 @@ bench-loop: install
 	$(BIN)/python bench/loop_choice.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .hypothesis kvtierd/_native.*.so
 
 # Regenerate the settings reference and the example config from kvtierd/config.py.
 docs: install

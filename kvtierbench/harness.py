@@ -179,6 +179,7 @@ class Context:
         self.job_keys = job_keys                  # policy: store a request in jobs of at most this many keys
         self.big: DaemonProcess | None = None    # the N-entry region (eviction, then recovery)
         self.big_fresh_start: float | None = None
+        self.big_memory: dict | None = None      # the daemon's memory before and after storing its N entries
 
     def path(self, name: str) -> str:
         return os.path.join(self.workdir, name)
@@ -301,7 +302,8 @@ def stop_processes(workers: list, stop_message, timeout: float) -> None:
 
 
 def big_region(ctx: Context) -> DaemonProcess:
-    """The region of N one-page entries, filled (shared by eviction and recovery)."""
+    """The region of N one-page entries, filled (shared by eviction and recovery); the daemon's
+    memory is read before and after the fill (``ctx.big_memory``)."""
     if ctx.big is None:
         n = ctx.plan.entries
         daemon = bench_daemon(ctx.path("big"), region_size(n, CONTROL_PAGE), CONTROL_PAGE)
@@ -310,7 +312,9 @@ def big_region(ctx: Context) -> DaemonProcess:
         ctx.big = daemon
         rank = RankChannel(daemon, "bench-fill")
         try:
+            before = daemon.rss()
             fill(rank, n, 1, 8192)
+            ctx.big_memory = {"entries": daemon.stats()["entries_ready"], "before": before, "after": daemon.rss()}
         finally:
             rank.close()
     return ctx.big

@@ -160,9 +160,9 @@ def trace_cost(trace, factory: Callable[[], object], capacity: int, repeats: int
 def main(argv: Sequence[str] | None = None) -> int:
     from functools import partial
 
-    from kvtierd.policy import POLICIES, create
+    from kvtierd.policy import POLICIES, reference
     from .traces import TraceError, capacity, load
-    known = {name: partial(create, name) for name in POLICIES}
+    known = {name: partial(reference, name) for name in POLICIES}
     ap = argparse.ArgumentParser(prog="python -m kvtierbench.policycost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=256)

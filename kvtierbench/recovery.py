@@ -17,6 +17,8 @@ from kvtierd.store import Store
 
 from .harness import QUICK, Context, big_region, say, target
 
+RESTART_GOAL = 1.0        # seconds, process start to serving, with a million entries (issue 22)
+
 
 def _time_store_recovery(metadata: str) -> dict:
     """Open the stopped daemon's region metadata and time the store's recovery alone (scan + index build)."""
@@ -69,8 +71,8 @@ def run(ctx: Context) -> dict:
            "restarts_s": restarts, "daemon_started_in_s": float(np.median(started_in)),
            "fresh_start_s": ctx.big_fresh_start, "interpreter_s": interpreter, **alone}
     ratios = {"restart_vs_fresh_start": restart / ctx.big_fresh_start, "restart_vs_interpreter": restart / interpreter,
-              "restart_vs_2s_target": restart / 2.0}
-    targets = [target(f"restart to ready with {n:,} entries (s)", restart, 2.0, "lower")]
+              "restart_vs_target": restart / RESTART_GOAL}
+    targets = [target(f"restart to ready with {n:,} entries (s)", restart, RESTART_GOAL, "lower")]
     return {"rows": [row], "ratios": ratios, "targets": targets, "notes": [
         "restart_s: from process start to the socket answering (median of the restarts_s); daemon_started_in_s: "
         "the daemon's own count (region open + prefault + Store recovery + socket); store_recovery_s: "

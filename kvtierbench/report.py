@@ -23,6 +23,8 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row 
                  ("stores/s full", "full_stores_per_s", "{:,.0f}"), ("stores/s room", "room_stores_per_s", "{:,.0f}"),
                  ("evictions/store", "evictions_per_store", "{:.2f}"), ("job p50 us", "job_p50_us", "{:,.0f}"),
                  ("job p99 us", "job_p99_us", "{:,.0f}"), ("job max us", "job_max_us", "{:,.0f}"),
+                 ("room p99 us", "room_job_p99_us", "{:,.0f}"), ("p99 x room", "p99_vs_room", "{:.2f}"),
+                 ("gc full", "gc_full_collections", "{}"), ("gc pause max us", "gc_pause_max_us", "{:,.0f}"),
                  ("x room", "ratio", "{:.2f}")],
     "recovery": [("entries", "recovered", "{:,}"), ("restart s", "restart_s", "{:.2f}"),
                  ("daemon s", "daemon_started_in_s", "{:.2f}"), ("Store() s", "store_recovery_s", "{:.2f}"),
@@ -88,6 +90,8 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {   # section → (header, row 
                           ("companion ready s", "companion_ready_s", "{:.2f}"),
                           ("first disk block READY s", "first_block_ready_s", "{:.2f}"),
                           ("index load s", "companion_load_s", "{:.2f}")],
+    "eviction memory": [("entries", "entries", "{:,}"), ("RSS growth MiB", "rss_growth", "MiB"),
+                        ("RSS B/entry", "rss_per_entry", "{:.0f}"), ("heap B/entry", "anon_per_entry", "{:.0f}")],
     "policy cost": [("op", "op", "{}"), ("B", "keys", "{}"), ("policy", "policy", "{}"),
                     ("CPU ns/key", "cpu_ns_per_key", "{:,.0f}"), ("x LRU", "x_lru", "{:.2f}")],
 }

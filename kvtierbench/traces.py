@@ -321,7 +321,7 @@ def replay(trace: Trace, policy, capacity: int, check: bool = False, job_keys: i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtierd.policy import POLICIES, create
+    from kvtierd.policy import POLICIES, reference
     known = list(POLICIES)
     ap = argparse.ArgumentParser(prog="python -m kvtierbench.traces",
                                  description="Prefix hit rate of each policy vs Belady, replayed in-process; "
@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for fraction in fractions:
             cap = capacity(trace, fraction)
             best = belady(trace, cap).hit_rate
-            rates = {name: replay(trace, create(name), cap, job_keys=args.job_keys).hit_rate for name in names}
+            rates = {name: replay(trace, reference(name), cap, job_keys=args.job_keys).hit_rate for name in names}
             cells = []
             for name in names:
                 rate = rates[name]

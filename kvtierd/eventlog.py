@@ -293,8 +293,11 @@ class Recorder(EntryEvents):
     """The index's events into the event log, for the namespaces someone follows (see the module
     docstring). ``follow_all``: every namespace (the daemon's own KV events stream is on)."""
 
-    def __init__(self, log: EventLog, follow_all: bool = False):
+    def __init__(self, log: EventLog, keys_of: Callable[[np.ndarray], list[bytes]], follow_all: bool = False):
+        """``keys_of``: the keys of entry slots (``Index.keys_of``), asked only for a namespace
+        someone follows."""
         self.log = log
+        self.keys_of = keys_of
         self.follow_all = follow_all
         self._followed: dict[int, object] = {}      # table slot → the namespace whose log it holds
 
@@ -307,18 +310,17 @@ class Recorder(EntryEvents):
             self._followed[ns.slot] = ns
         return ns.slot
 
-    def ready(self, ns, slots: np.ndarray, keys: list[bytes]) -> None:
+    def ready(self, ns, slots: np.ndarray) -> None:
         if self.follow_all or self._followed.get(ns.slot) is ns:
-            self.log.stored(self.follow(ns), keys)
+            self.log.stored(self.follow(ns), self.keys_of(slots))
 
-    def leaving(self, cause: Gone, slots: np.ndarray, keys: list[bytes], namespaces: np.ndarray) -> None:
-        if cause is Gone.ABORTED:
+    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
+        if cause is Gone.ABORTED or not self._followed:
             return
         followed = [n for n in np.unique(namespaces).tolist() if n in self._followed]
         for n in followed:
-            mine = keys if len(followed) == 1 and (namespaces == n).all() else \
-                [keys[i] for i in np.flatnonzero(namespaces == n).tolist()]
-            self.log.removed(n, mine, CAUSES[cause])
+            mine = slots if len(followed) == 1 and (namespaces == n).all() else slots[namespaces == n]
+            self.log.removed(n, self.keys_of(mine), CAUSES[cause])
             if cause is Gone.RECLAIMED:
                 self.log.forget(n)
                 del self._followed[n]

@@ -6,9 +6,10 @@ they are freed, so that a listener can still read what the index knows of them �
 being called from inside the index: the second tier's demote (what the tier holds, what an
 eviction for room cost it), and later a per-namespace log of KV events for routers.
 
-Calls are batch-shaped: a job's or an eviction's entries in one call, as arrays of slots and
-lists of keys — never a call per key (jobs carry thousands of keys, and the index's per-key
-work is what bounds the daemon's keys/s).
+Calls are batch-shaped: a job's or an eviction's entries in one call, as an array of slots —
+never a call per key (jobs carry thousands of keys, and the index's per-key work is what bounds
+the daemon's keys/s). A listener that needs the keys asks the index for them (``Index.keys_of``:
+the records are whole until the hook returns); most never need them.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ class Gone(str, enum.Enum):
 class EntryEvents:
     """A listener of the index's entries; every hook does nothing unless overridden."""
 
-    def ready(self, ns: "Namespace", slots: np.ndarray, keys: list[bytes]) -> None:
-        """The entries of ``slots`` (all of ``ns``, keys in the same order) became READY."""
+    def ready(self, ns: "Namespace", slots: np.ndarray) -> None:
+        """The entries of ``slots`` (all of ``ns``, in the write's key order) became READY."""
 
-    def leaving(self, cause: Gone, slots: np.ndarray, keys: list[bytes], namespaces: np.ndarray) -> None:
-        """The entries of ``slots`` (with their keys, and their namespaces' table slots) leave the
-        index for ``cause``; they are freed when this returns."""
+    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
+        """The entries of ``slots`` (with their namespaces' table slots) leave the index for
+        ``cause``; they are freed when this returns."""
 
 
 class Events(EntryEvents):
@@ -53,10 +54,10 @@ class Events(EntryEvents):
     def subscribe(self, listener: EntryEvents) -> None:
         self._listeners.append(listener)
 
-    def ready(self, ns: "Namespace", slots: np.ndarray, keys: list[bytes]) -> None:
+    def ready(self, ns: "Namespace", slots: np.ndarray) -> None:
         for listener in self._listeners:
-            listener.ready(ns, slots, keys)
+            listener.ready(ns, slots)
 
-    def leaving(self, cause: Gone, slots: np.ndarray, keys: list[bytes], namespaces: np.ndarray) -> None:
+    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
         for listener in self._listeners:
-            listener.leaving(cause, slots, keys, namespaces)
+            listener.leaving(cause, slots, namespaces)

@@ -182,7 +182,7 @@ class Handlers:
         self._refuse_if_stopping(session, msg["job"])
         outcomes, pages = self.store.store(session, msg["job"], msg["keys"], msg.get("chain", True),
                                            min(msg.get("cold_tail", 0), len(msg["keys"])))
-        return StoreReply(bytes(outcomes), b"".join(pages))
+        return StoreReply(outcomes, pages)
 
     def _commit(self, identity: bytes, session: Session, msg: dict) -> EmptyReply:
         self.store.commit(session, msg["job"], msg["ok"], msg.get("checksums"))
@@ -191,7 +191,7 @@ class Handlers:
     def _load(self, identity: bytes, session: Session, msg: dict) -> LoadReply:
         self._refuse_if_stopping(session, msg["job"])
         hits, pages = self.store.load(session, msg["job"], msg["keys"], msg.get("lease"))
-        return LoadReply(hits, b"".join(pages))
+        return LoadReply(hits, pages)
 
     def _release(self, identity: bytes, session: Session, msg: dict) -> EmptyReply:
         self.store.release(session, msg["job"])

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ._native import hold
 from .policy import Policy
 
 CAPS = ("engine", "namespace", "total")     # kvtierd_hold_capped_keys_total's cap label
@@ -88,20 +89,16 @@ class Holds:
     def _hold(self, mine: np.ndarray, other: np.ndarray, slots: np.ndarray) -> int:
         """One more hold of one kind (``mine``, beside the ``other`` kind) on each slot: those
         held by nothing before leave the policy. Returns how many had no hold of this kind."""
-        before = mine[slots]
-        mine[slots] = before + 1
-        fresh = slots[before == 0]
-        self.policy.pinned(fresh[other[fresh] == 0].tolist())
-        return len(fresh)
+        fresh, leaving = hold(mine, other, slots, 1)
+        self.policy.pinned(np.frombuffer(leaving, np.int32))
+        return fresh
 
     def _let_go(self, mine: np.ndarray, other: np.ndarray, slots: np.ndarray) -> int:
         """One hold of this kind less on each slot: those held by nothing now re-enter the policy.
         Returns how many have no hold of this kind left."""
-        after = mine[slots] - 1
-        mine[slots] = after
-        gone = slots[after == 0]
-        self.policy.unpinned(gone[other[gone] == 0].tolist())
-        return len(gone)
+        gone, back = hold(mine, other, slots, -1)
+        self.policy.unpinned(np.frombuffer(back, np.int32))
+        return gone
 
     def held(self, slots: np.ndarray) -> np.ndarray:
         """Per slot: whether anything holds it."""

@@ -1,62 +1,71 @@
-"""The entry index: the (namespace, key) → entry map, pages and entry slots, eviction, the access
-clock, and recovery from the region's tables. No sockets, no threads, no jobs.
+"""The entry index: (namespace, key) → entry slot, entry states, pages and entry slots, eviction, the
+access clock, and recovery from the region's tables. No sockets, no threads, no jobs, and no Python
+object per entry.
 
-An entry is one cached block of one namespace (``kvtierd.namespaces``). It is WRITING from the
-moment a write (``kvtierd.writes``: a store job, a promote) is given its pages until the write
-completes (``make_ready``), then READY: visible to lookup and load, and evictable unless a hold
-keeps it (``kvtierd.holds``: a load's or a demote's pin, a lease). Its record in the region's
-entry table mirrors it; READY is the last byte written there, FREE the first (invariant 1).
+An entry is one cached block of one namespace (``kvtierd.namespaces``), named by its slot in the
+region's entry table; a batch of entries (a job's, an eviction's) is an int32 NumPy array of slots.
+It is WRITING from the moment a write (``kvtierd.writes``: a store job, a promote) is given its
+pages until the write completes (``make_ready``), then READY: visible to lookup and load, and
+evictable unless a hold keeps it (``kvtierd.holds``: a load's or a demote's pin, a lease). Its record
+in the region's entry table mirrors it; READY is the last byte written there, FREE the first
+(invariant 1).
+
+Where an entry's state lives, all of it in arrays indexed by slot:
+
+- the region's entry table (``region_format``): state, namespace, key, page chain, tick and sums.
+  It is the source of truth: a restart rebuilds everything below from it in a few passes
+  (``recovery.scan``, then ``KeyTable.rebuild`` and the policy's ``recovered``);
+- the key table (``kvtierd.keytable``, compiled): (namespace, key) → slot, and each key's
+  fingerprint. It keeps no copy of the keys: it compares the key in the record a bucket names, so
+  it can never return another key's entry whatever the hashes do;
+- the holds (``kvtierd.holds``): load pins and leases, two counts per slot;
+- the eviction policy's lists (``kvtierd.policy``, compiled).
 
 Page ownership (invariant 12). A page is free, held by an entry, or fenced (``kvtierd.fence``).
 Everything that frees entries — eviction for room, the tier's frees ahead of need, operator
 evictions, a namespace's takeover, the region's replacement, a write's abort — goes through
-``_free``, which refuses an entry a writer may still write (WRITING: only its write frees it) or
-a reader may still read (held); a takeover only takes a namespace nothing of which is held or
-written. Fenced pages come back only through the writes (``release_pages``).
+``_free``, which refuses an entry a writer may still write (WRITING: only its write frees it) or a
+reader may still read (held); a takeover only takes a namespace nothing of which is held or written.
+Fenced pages come back only through the writes (``release_pages``).
 
-Eviction: the policy (``kvtierd.policy``) holds exactly the READY entries nothing holds and
-chooses among them, across all namespaces (``victims``); the index frees what it chooses
-(invariants 2 and 10). The index tells its ``Events`` (``kvtierd.events``) what becomes of entries.
+Eviction: the policy holds exactly the READY entries nothing holds and chooses among them, across
+all namespaces (``victims``); the index frees what it chooses (invariants 2 and 10). The index tells
+its ``Events`` (``kvtierd.events``) what becomes of entries.
 
-Per-key work is done in C-level passes (map over attribute getters, NumPy fancy indexing of the
-entry table) rather than Python loops: a job carries up to thousands of keys, and the daemon's
-cost per key is what bounds lookup latency and keys/s (docs/benchmarks.md has the figures).
+Every operation takes a whole request's keys or slots and is a handful of compiled or NumPy passes:
+a job carries up to thousands of keys, and the daemon's cost per key is what bounds lookup latency
+and keys/s; and nothing per entry is left for the garbage collector to walk (docs/benchmarks.md:
+a full region of a million entries under eviction, and a restart with them).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-from collections import Counter, deque
-from itertools import repeat
-from operator import attrgetter
-from typing import Any, Iterator
+from collections import Counter
 
 import numpy as np
 
 from .contract.codes import ErrorCode, RequestError, StoreOutcome
 from .contract.namespace import NamespaceId
 from .contract.protocol import PAGES_DTYPE
-from .contract.region_format import ENTRY_DTYPE, TICK_LIMIT, EntryState
-from .contract.region_sums import entry_checksum, entry_record_sums
+from .contract.region_format import ENTRY_DTYPE, NS_SLOTS, TICK_LIMIT, EntryState
+from .contract.region_sums import entry_checksum
 from .contract.region_view import RegionView
 from .events import EntryEvents, Events, Gone
 from .fence import Fence
 from .holds import Holder, Holds
+from .keytable import ALL_BITS, key_table
 from .namespaces import Namespace, Namespaces
-from .pages import FreeStack
+from .pages import FreeIds
+from .records import keys_of, record_sums
 from .recovery import scan
 
 log = logging.getLogger(__name__)
 
-_SLOT = attrgetter("slot")
-_KEY = attrgetter("key")
-_PAGES = attrgetter("pages")
-
-
-def _slots(entries: list) -> np.ndarray:
-    return np.fromiter(map(_SLOT, entries), np.intp, len(entries))
-
+NO_SLOTS = np.zeros(0, dtype=np.int32)
+# Plain ints: NumPy compares and stores an IntEnum member 2-3x slower than an int (per call).
+READY, WRITING, FREE = int(EntryState.READY), int(EntryState.WRITING), int(EntryState.FREE)
+WRITE, PRESENT, NO_SPACE = int(StoreOutcome.WRITE), int(StoreOutcome.PRESENT), int(StoreOutcome.NO_SPACE)
 
 # Monotonic counters the index keeps (Store.stats reports them with the job machine's).
 COUNTERS = ("lookup_hit_keys", "lookup_miss_keys", "evictions", "operator_evictions")
@@ -65,19 +74,16 @@ _COUNTED = {Gone.EVICTED: "evictions", Gone.AHEAD: "evictions", Gone.RECLAIMED: 
             Gone.CLEARED: "operator_evictions", Gone.REGION_REPLACED: "operator_evictions"}
 
 
-class Entry:
-    __slots__ = ("slot", "ns", "key", "state", "pages", "write")
-
-    def __init__(self, slot: int, ns: Namespace, key: bytes, state: EntryState, pages: bytes, write=None):
-        self.slot, self.ns, self.key, self.state = slot, ns, key, state
-        self.pages = pages      # the whole chain, PAGES_DTYPE bytes (sent to clients as slices)
-        self.write = write      # the write (kvtierd.writes) writing it (WRITING only)
+def _slots(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, np.int32)
 
 
 class Index:
     def __init__(self, view: RegionView, holds: Holds, fence: Fence, verify_checksums: bool = False,
-                 events: EntryEvents | None = None):
-        """``holds``: the entries' holds, over the eviction policy (``holds.policy``)."""
+                 events: EntryEvents | None = None, hash_mask: int = ALL_BITS):
+        """``holds``: the entries' holds, over the eviction policy (``holds.policy``).
+        ``hash_mask``: the bits of each key's hash the key table uses (tests narrow it so that keys
+        collide)."""
         self.view = view
         self.fence = fence
         self.geometry = view.geometry
@@ -85,28 +91,19 @@ class Index:
         self.policy = holds.policy
         self.events = events if events is not None else Events()
         self.ns = Namespaces(view, self.page_size, verify_checksums)
-        self.by_slot: list[Entry | None] = [None] * self.geometry.entry_slots
-        self.entry_count = {EntryState.WRITING: 0, EntryState.READY: 0}
+        self.keys = key_table(view, hash_mask)
+        self.entry_count = {WRITING: 0, READY: 0}
         self.holds = holds
         self.checksums = verify_checksums         # entries carry data checksums (their namespaces' flag)
         self.tick = 0                             # the access clock (recovery orders by it)
         self.counters: Counter = Counter()
-        self._states = view.entries["state"]      # columns of the entry table, for vectorised writes
-        self._ticks = view.entries["tick"]
-        self._sums = view.entries["record_sum"]
-        self._ns_slots = view.entries["ns"]
+        entries = view.entries                    # columns of the entry table, for vectorised writes
+        self._states, self._ticks, self._sums = entries["state"], entries["tick"], entries["record_sum"]
+        self._ns_col, self._page_counts = entries["ns"], entries["page_count"]
         # The entry table as rows of bytes: NumPy scatters whole structured records ~100x slower
         # than the same bytes as uint8 rows.
-        self._records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
-        # Recovery allocates an object or two per entry, millions of them: the cyclic collector's
-        # passes over the growing heap cost 40% of it (and find nothing to collect) if left on.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            self.recovered = self._recover(verify_checksums)
-        finally:
-            if collecting:
-                gc.enable()
+        self._records = entries.view(np.uint8).reshape(len(entries), ENTRY_DTYPE.itemsize)
+        self.recovered = self._recover(verify_checksums)
 
     @property
     def namespaces(self) -> dict[NamespaceId, Namespace]:
@@ -114,14 +111,15 @@ class Index:
 
     # ------------------------------------------------------------------ recovery
     def _recover(self, verify_checksums: bool) -> dict[str, int]:
-        """Rebuild the index, the policy's order and the free pages and slots from the tables.
+        """Rebuild the key table, the policy's order and the free pages and slots from the tables.
 
         READY entries whose namespace record and page chain are sound (``recovery.scan``) are
         kept, oldest tick first in the policy; WRITING entries (a copy or vote that never
         finished) are discarded, as are entries whose chain is broken or shares a page with an
         earlier entry, and damaged records. The pages of discarded entries are free unless the
         fence holds them for a writer that may still copy into them (``Fence.recover``). Nothing
-        in the tables can make recovery raise.
+        in the tables can make recovery raise. A few passes over arrays: a million entries are
+        indexed without a Python object each.
         """
         view = self.view
         # With checksums on, an entry stored without one (the setting was off) is not kept: every
@@ -131,29 +129,21 @@ class Index:
         states = self._states
         for slot, why in found.problems:
             log.warning("entry %d discarded: %s", slot, why)
-            states[slot] = EntryState.FREE
-        states[found.writing] = EntryState.FREE
-        self._sums[states != EntryState.READY] = 0
-        # A region holds millions of entries: the objects are built with C-level loops (map, zip).
-        slots = found.ready_slots.tolist()
-        kept = list(map(Entry, slots, map(self.ns.at, found.ready_ns.tolist()), found.ready_keys,
-                        repeat(EntryState.READY), found.ready_pages))
-        if len(self.ns) == 1:
-            next(iter(self.ns)).index.update(zip(found.ready_keys, kept))
-        else:
-            for key, entry in zip(found.ready_keys, kept):
-                entry.ns.index[key] = entry
-        deque(map(self.by_slot.__setitem__, slots, kept), 0)
-        self.policy.recovered(slots, found.ready_keys)
-        self.entry_count[EntryState.READY] = len(kept)
+            states[slot] = FREE
+        states[found.writing] = FREE
+        self._sums[states != READY] = 0
+        ready = found.ready_slots.astype(np.int32)
+        self.keys.rebuild(ready, found.ready_fps, found.ready_ns)
+        self.policy.recovered(ready, found.ready_fps)
+        self.entry_count[READY] = len(ready)
         fenced = self.fence.recover(found)
-        self.pages = FreeStack(self.geometry.num_pages, np.concatenate([np.flatnonzero(found.owner >= 0), fenced]))
-        self.slots = FreeStack(self.geometry.entry_slots, np.flatnonzero(states != EntryState.FREE))
+        self.pages = FreeIds(self.geometry.num_pages, np.concatenate([np.flatnonzero(found.owner >= 0), fenced]))
+        self.slots = FreeIds(self.geometry.entry_slots, np.flatnonzero(states != FREE))
         # The clock goes on from the newest tick kept (scan refused any at or past TICK_LIMIT).
         header_tick = int(view.header["tick"])
         self.tick = max(header_tick if header_tick < TICK_LIMIT else 0,
-                        int(self._ticks[slots].max()) if slots else 0)
-        return {"ready": len(kept), "writing_discarded": len(found.writing),
+                        int(self._ticks[ready[-1]]) if len(ready) else 0)       # the newest: last
+        return {"ready": len(ready), "writing_discarded": len(found.writing),
                 "corrupt_discarded": len(found.problems), "pages_fenced": len(fenced)}
 
     # ------------------------------------------------------------------ namespaces
@@ -183,26 +173,25 @@ class Index:
         if not unused:
             raise RequestError(ErrorCode.NO_SPACE, f"all {len(self.view.namespaces)} namespace slots are held by "
                                                    "attached engines")
-
-        def last_used(ns: Namespace) -> int:
-            return int(self._ticks[_slots(list(ns.index.values()))].max()) if ns.index else -1
-        for victim in sorted(unused, key=last_used):
-            entries = list(victim.index.values())
-            if self._busy(entries):
+        live = np.flatnonzero(self._states != FREE)
+        newest = np.full(NS_SLOTS, -1, dtype=np.int64)
+        np.maximum.at(newest, self._ns_col[live].astype(np.intp), self._ticks[live].astype(np.int64))
+        for victim in sorted(unused, key=lambda ns: int(newest[ns.slot])):
+            slots = self.slots_of(victim)
+            if self._busy(slots):
                 continue
-            self._free(entries, Gone.RECLAIMED)
+            self._free(slots, Gone.RECLAIMED)
             self.ns.drop(victim)
             log.warning("namespace table full: namespace %d (%s) taken over, %d of its entries evicted", victim.slot,
-                        victim.id.name(), len(entries))
+                        victim.id.name(), len(slots))
             return victim.slot
         raise RequestError(ErrorCode.NO_SPACE, f"all {len(self.view.namespaces)} namespace slots are held by attached "
                                                f"engines or by blocks the second tier is moving ({len(unused)}): "
                                                "retry in a few seconds")
 
-    def _busy(self, entries: list[Entry]) -> bool:
+    def _busy(self, slots: np.ndarray) -> bool:
         """Whether a writer or a reader may still touch any of these entries' pages."""
-        slots = _slots(entries)
-        return bool(len(slots)) and bool(((self._states[slots] != EntryState.READY) | self.holds.held(slots)).any())
+        return bool(len(slots)) and bool(((self._states[slots] != READY) | self.holds.held(slots)).any())
 
     def namespace_at(self, slot: int) -> Namespace:
         """The namespace recorded in table slot ``slot``."""
@@ -212,179 +201,209 @@ class Index:
         """Whether ``ns`` is still in the table (a namespace taken over is not, even if its id comes back)."""
         return self.ns.get(ns.id) is ns
 
+    def slots_of(self, ns: Namespace) -> np.ndarray:
+        """Every live (WRITING or READY) entry of the namespace: a pass over the whole table (a
+        takeover, a tier clear, stats: seldom)."""
+        return np.flatnonzero((self._states != FREE) & (self._ns_col == ns.slot)).astype(np.int32)
+
     def namespace_stats(self) -> list[dict]:
-        return self.ns.stats()
+        counts = np.bincount(self._ns_col[self._states != FREE], minlength=NS_SLOTS)
+        return [{"slot": ns.slot, "name": ns.id.name(), "entries": int(counts[ns.slot]),
+                 "entry_pages": ns.entry_pages} for ns in self.ns]
 
     # ------------------------------------------------------------------ lookup and access
-    def lookup(self, ns: Namespace, keys: list[bytes]) -> list[Entry]:
-        """The entries of the leading keys that are READY, counted as looked up. The caller
+    def lookup(self, ns: Namespace, keys: list[bytes]) -> np.ndarray:
+        """The slots of the leading keys that are READY, counted as looked up. The caller
         accesses them (they are about to be used), or leases them (``lease``)."""
-        hits = ns.ready(keys)
+        hits = self.ready(ns, keys)
         self.counters["lookup_hit_keys"] += len(hits)
         self.counters["lookup_miss_keys"] += len(keys) - len(hits)
         return hits
 
-    def access(self, entries: list[Entry]) -> None:
+    def ready(self, ns: Namespace, keys: list[bytes]) -> np.ndarray:
+        """The slots of the leading keys that are in the namespace and READY (one compiled pass)."""
+        return _slots(self.keys.prefix(ns.slot, keys, READY))
+
+    def find(self, ns: Namespace, keys: list[bytes]) -> np.ndarray:
+        """Each key's slot in the namespace (WRITING or READY), -1 where there is none."""
+        return _slots(self.keys.find(ns.slot, keys))
+
+    def states(self, slots: np.ndarray) -> np.ndarray:
+        return self._states[slots]
+
+    def namespaces_of(self, slots: np.ndarray) -> np.ndarray:
+        """The table slot of each entry's namespace."""
+        return self._ns_col[slots]
+
+    def access(self, slots: np.ndarray) -> None:
         """The entries were just used: the policy hears it, and they get a new tick."""
-        if entries:
-            slots = list(map(_SLOT, entries))
+        if len(slots):
             self.policy.accessed(slots)
             self.stamp(slots)
 
-    def stamp(self, slots: list[int] | np.ndarray) -> None:
+    def stamp(self, slots: np.ndarray) -> None:
         """A new access tick for these entries in the table (recovery rebuilds the policy's order from it)."""
         self.tick += 1
-        self._ticks[slots if isinstance(slots, np.ndarray) else np.fromiter(slots, np.intp, len(slots))] = self.tick
+        self._ticks[slots] = self.tick
 
-    def ticks_of(self, entries: list[Entry]) -> np.ndarray:
+    def ticks_of(self, slots: np.ndarray) -> np.ndarray:
         """The entries' last-access ticks (a later access gives an entry a new one)."""
-        return self._ticks[_slots(entries)].copy()
+        return self._ticks[slots].copy()
 
     # ------------------------------------------------------------------ holds
-    def pin(self, entries: list[Entry], holder: Holder | None = None, access: bool = True) -> None:
+    def pin(self, slots: np.ndarray, holder: Holder | None = None, access: bool = True) -> None:
         """A load of ``holder`` (or, holder None, a demote to the second tier) reads the (distinct,
         READY) entries: those held by nothing else leave the policy; all get a new tick, unless the
         pin is no access (a demote reads them for the daemon itself)."""
-        slots = _slots(entries)
         self.holds.pin(slots, holder)
         if len(slots) and access:   # pinned: out of the policy until released; only the tick moves
             self.stamp(slots)
 
-    def unpin(self, entries: list[Entry], holder: Holder | None = None) -> None:
-        self.holds.unpin(_slots(entries), holder)
+    def unpin(self, slots: np.ndarray, holder: Holder | None = None) -> None:
+        self.holds.unpin(slots, holder)
 
-    def lease(self, entries: list[Entry], holder: Holder) -> None:
+    def lease(self, slots: np.ndarray, holder: Holder) -> None:
         """A lease of ``holder`` holds the (distinct, READY) entries: those held by nothing else
         leave the policy, as a pin's do; all get a new tick (just looked up: they are not accessed
         in the policy first, since they leave it)."""
-        slots = _slots(entries)
         self.holds.lease(slots, holder)
         if len(slots):
             self.stamp(slots)
 
-    def unlease(self, entries: list[Entry], holder: Holder) -> None:
-        self.holds.unlease(_slots(entries), holder)
+    def unlease(self, slots: np.ndarray, holder: Holder) -> None:
+        self.holds.unlease(slots, holder)
 
     # ------------------------------------------------------------------ store decisions
-    def place(self, ns: Namespace, keys: list[bytes], write: Any) -> tuple[list[StoreOutcome], list[Entry], int]:
+    def place(self, ns: Namespace, keys: list[bytes]) -> tuple[bytes, np.ndarray, int]:
         """Per key: PRESENT (READY, or WRITING by another write: accessed and never evicted for
-        this one), WRITE (a new WRITING entry with pages, written by ``write``), or NO_SPACE —
-        after the first key that does not fit, every later new key. Returns (outcomes, new entries,
-        how many were present). The decision of every write (``kvtierd.writes``): an engine's store
-        job, a promote from the second tier."""
-        found = list(map(ns.index.get, keys))    # keys of a job are distinct (protocol)
-        present = [e for e in found if e is not None]
-        self.access([e for e in present if e.state is EntryState.READY])
-        new_keys = [k for k, e in zip(keys, found) if e is None]
-        fit = self._make_room(len(new_keys), ns.entry_pages, set(map(_SLOT, present)))
-        entries = self._new_entries(ns, new_keys[:fit], write)
-        decided = iter([StoreOutcome.WRITE] * fit + [StoreOutcome.NO_SPACE] * (len(new_keys) - fit))
-        outcomes = [StoreOutcome.PRESENT if e is not None else next(decided) for e in found]
-        return outcomes, entries, len(present)
+        this one), WRITE (a new WRITING entry with pages), or NO_SPACE — after the first key that
+        does not fit, every later new key. Returns (one StoreOutcome byte per key, the new slots
+        in key order, how many were present). The decision of every write (``kvtierd.writes``):
+        an engine's store job, a promote from the second tier."""
+        found = self.find(ns, keys)              # keys of a write are distinct (protocol)
+        absent = found < 0
+        present = found[~absent]
+        self.access(present[self._states[present] == READY])
+        new = np.flatnonzero(absent)
+        fit = self._make_room(len(new), ns.entry_pages, present)
+        if fit == len(keys):                     # the usual store: every key new, all fit
+            return bytes([WRITE]) * fit, self._new_entries(ns, keys), 0
+        outcomes = np.full(len(keys), PRESENT, dtype=np.uint8)
+        outcomes[new[fit:]] = NO_SPACE
+        outcomes[new[:fit]] = WRITE
+        written = keys[:fit] if len(new) == len(keys) else [keys[i] for i in new[:fit].tolist()]
+        return outcomes.tobytes(), self._new_entries(ns, written), len(present)
 
-    def _make_room(self, count: int, entry_pages: int, exclude: set[int]) -> int:
-        """Evict the policy's victims (never those in ``exclude``: the job's present keys) until
-        ``count`` entries of ``entry_pages`` fit, or nothing evictable is left. Returns how many
-        fit: the job writes that prefix of its new keys and the rest get NO_SPACE."""
+    def _make_room(self, count: int, entry_pages: int, exclude: np.ndarray) -> int:
+        """Evict the policy's victims (never those in ``exclude``: the write's present keys)
+        until ``count`` entries of ``entry_pages`` fit, or nothing evictable is left. Returns how
+        many fit: the write takes that prefix of its new keys and the rest get NO_SPACE."""
         need = count * entry_pages - self.pages.free_count
         if need > 0:
-            victims = []
-            for entry in self.victims(exclude):
-                victims.append(entry)
-                need -= entry.ns.entry_pages
-                if need <= 0:
-                    break
-            self._free(victims, Gone.EVICTED)
+            self._free(self.victims(need, exclude), Gone.EVICTED)
         return min(count, self.pages.free_count // entry_pages)
 
-    def _new_entries(self, ns: Namespace, keys: list[bytes], write: Any) -> list[Entry]:
+    def _new_entries(self, ns: Namespace, keys: list[bytes]) -> np.ndarray:
         """WRITING entries for ``keys``, with pages (there is room: ``_make_room``) and records."""
         n = len(keys)
         if n == 0:
-            return []
-        pages = np.asarray(self.pages.alloc(n * ns.entry_pages), dtype=PAGES_DTYPE).reshape(n, -1)
+            return NO_SLOTS
+        pages = self.pages.alloc(n * ns.entry_pages).view(PAGES_DTYPE).reshape(n, -1)
         slots = self.slots.alloc(n)
-        # The records are built in a fresh array and written with one scatter. A torn write is
-        # harmless: recovery discards WRITING records.
+        # The records are built in a fresh array and written with one scatter; the key table writes
+        # each key into its record as it indexes it. A torn write is harmless: recovery discards
+        # WRITING records.
         rec = np.repeat(ns.record, n)
         rec["first_page"] = pages[:, 0]
         rec["tick"] = self.tick
-        lengths = list(map(len, keys))
-        rec["key_len"] = lengths
-        if len(set(lengths)) == 1:
-            rec["key"][:, :lengths[0]] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, -1)
-        else:
-            for i, key in enumerate(keys):      # keys of mixed lengths (unusual): row by row
-                rec["key"][i, :len(key)] = np.frombuffer(key, np.uint8)
-        self._records[np.asarray(slots)] = rec.view(np.uint8).reshape(n, -1)
+        self._records[slots] = rec.view(np.uint8).reshape(n, -1)
         self.view.write_chain(pages)
-        entries = list(map(Entry, slots, repeat(ns), keys, repeat(EntryState.WRITING),
-                           pages.view(f"V{pages.shape[1] * 4}").ravel().tolist(), repeat(write)))
-        ns.index.update(zip(keys, entries))
-        deque(map(self.by_slot.__setitem__, slots, entries), 0)
-        self.entry_count[EntryState.WRITING] += n
-        return entries
+        self.keys.insert(ns.slot, keys, slots)
+        self.entry_count[WRITING] += n
+        return slots
 
-    def make_ready(self, entries: list[Entry], shard_sums: list[list[int]] | None = None, chain: bool = True,
+    def make_ready(self, slots: np.ndarray, shard_sums: list[list[int]] | None = None, chain: bool = True,
                    cold: int = 0) -> None:
-        """Every rank voted: the WRITING entries become READY (and evictable), in order.
-        ``shard_sums`` holds each writer's checksums of its shard of every entry, in rank order.
-        ``chain`` and ``cold`` tell the policy what the store request said: its keys are a prefix
-        chain; its last ``cold`` entries are expected not to be reused."""
+        """Every rank voted: the WRITING entries (of one namespace: a write's) become READY and
+        evictable, in order. ``shard_sums`` holds each writer's checksums of its shard of every
+        entry, in rank order. ``chain`` and ``cold`` tell the policy what the store request said:
+        its keys are a prefix chain; its last ``cold`` entries are expected not to be reused."""
         self.tick += 1
-        slots = _slots(entries)
-        for entry in entries:
-            entry.state = EntryState.READY
-            entry.write = None
+        n = len(slots)
+        if n == 0:
+            return
         self._ticks[slots] = self.tick
         self.view.entries["checksum"][slots] = [entry_checksum([sums[i] for sums in shard_sums])
-                                                for i in range(len(entries))] if shard_sums else 0
-        if not entries:
-            return
-        ns = entries[0].ns          # the record is complete: its sum (a write's entries share a namespace)
-        chains = np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).reshape(len(entries), ns.entry_pages)
-        self._sums[slots] = entry_record_sums(self._records[slots], chains, None, ns.identity)
-        self._states[slots] = EntryState.READY    # last: the records are complete before they say READY
-        keys = list(map(_KEY, entries))
-        self.policy.inserted(slots.tolist(), keys, chain, cold)
-        self.entry_count[EntryState.WRITING] -= len(entries)
-        self.entry_count[EntryState.READY] += len(entries)
-        self.events.ready(ns, slots, keys)
+                                                for i in range(n)] if shard_sums else 0
+        ns = self.ns.at(int(self._ns_col[slots[0]]))
+        chains = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE).reshape(n, ns.entry_pages)
+        self._sums[slots] = record_sums(self.view, slots, chains, None, ns.identity)
+        self._states[slots] = READY    # last: the records are complete before they say READY
+        self.policy.inserted(slots, np.frombuffer(self.keys.fingerprints(slots), np.uint64), chain, cold)
+        self.entry_count[WRITING] -= n
+        self.entry_count[READY] += n
+        self.events.ready(ns, slots)
 
-    def abandon(self, entries: list[Entry]) -> None:
+    def abandon(self, slots: np.ndarray) -> None:
         """Forget the WRITING entries of a write that ended without them. Their pages stay taken:
         the write fences those a writer may still copy into and frees the others (``release_pages``)."""
-        if any(e.state is not EntryState.WRITING for e in entries):
+        if (self._states[slots] != WRITING).any():
             raise RuntimeError("only WRITING entries are abandoned")
-        self._forget(entries, Gone.ABORTED)
+        self._forget(slots, Gone.ABORTED)
 
     def release_pages(self, pages: np.ndarray) -> None:
         """Pages that no writer can touch any more come back (``kvtierd.writes`` alone)."""
-        self.pages.free(pages.tolist())
+        self.pages.free(pages)
+
+    # ------------------------------------------------------------------ pages and keys of entries
+    def pages_of(self, ns: Namespace, slots: np.ndarray, rank: int | None = None) -> bytes:
+        """The pages ``rank`` copies of each entry, in order, as PAGES_DTYPE bytes (what a store
+        or load reply carries): the whole chain of a replicated entry (its one copy: the node's
+        lowest rank writes it, every rank loads it), the run of ``rank``'s shard of a sharded one
+        (``NamespaceId.shard_of``: its place in the node slice); the whole chain of every entry for
+        ``rank`` None (a writer of whole entries: the tier). One compiled pass."""
+        if ns.shards == 1 or rank is None:
+            return self.keys.pages(self.view.chain, slots, ns.entry_pages)
+        shard = ns.id.shard_of(rank)
+        return self.keys.pages(self.view.chain, slots, ns.entry_pages, shard * ns.pages_per_shard,
+                               (shard + 1) * ns.pages_per_shard)
+
+    def shard_pages(self, ns: Namespace, slots: np.ndarray) -> np.ndarray:
+        """The entries' pages as [entry, shard, page of the shard] (one shard when replicated)."""
+        return np.frombuffer(self.pages_of(ns, slots), PAGES_DTYPE).reshape(len(slots), ns.shards,
+                                                                             ns.pages_per_shard)
+
+    def keys_of(self, slots: np.ndarray) -> list[bytes]:
+        """The entries' keys, a bytes object each (for those who name them: the second tier, the
+        KV events log)."""
+        return keys_of(self.view, slots)
 
     # ------------------------------------------------------------------ eviction and freeing
-    def victims(self, exclude: set[int] | frozenset[int] = frozenset()) -> Iterator[Entry]:
-        """The entries eviction may take (READY, held by nothing), the policy's best victim first."""
-        return map(self.by_slot.__getitem__, self.policy.victims(exclude))
+    def victims(self, need: int = -1, exclude: np.ndarray = NO_SLOTS) -> np.ndarray:
+        """The entries eviction may take (READY, held by nothing) and not in ``exclude``, the
+        policy's best victim first, until their pages reach ``need`` (< 0: all of them)."""
+        return _slots(self.policy.victims(need, exclude, self._page_counts))
 
     def evict(self, namespace: str | None, count: int | None, cause: Gone = Gone.CLEARED) -> int:
         """Operator eviction: up to ``count`` (None: all) of the policy's victims in the namespace
         named ``namespace`` (None: any). Pinned, leased and WRITING entries stay."""
-        if namespace is not None and not any(ns.id.name() == namespace for ns in self.ns):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"no namespace {namespace!r}; kvtierctl namespaces lists them")
-        victims = [e for e in self.victims() if namespace is None or e.ns.id.name() == namespace]
+        victims = self.victims()
+        if namespace is not None:
+            chosen = next((ns for ns in self.ns if ns.id.name() == namespace), None)
+            if chosen is None:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"no namespace {namespace!r}; kvtierctl namespaces lists them")
+            victims = victims[self._ns_col[victims] == chosen.slot]
         victims = victims if count is None else victims[:count]
         self._free(victims, cause)
-        if victims and cause is Gone.CLEARED:
+        if len(victims) and cause is Gone.CLEARED:
             log.info("operator evicted %d entries (namespace %s)", len(victims), namespace or "any")
         return len(victims)
 
-    def free_ahead(self, entries: list[Entry]) -> int:
+    def free_ahead(self, slots: np.ndarray) -> int:
         """Free those of the entries that nothing holds or writes (the second tier's frees ahead
         of need: it holds them, or could not take them). Returns how many were freed."""
-        slots = _slots(entries)
-        free = (self._states[slots] == EntryState.READY) & ~self.holds.held(slots) if len(slots) else []
-        chosen = [e for e, ok in zip(entries, free) if ok]
+        slots = np.asarray(slots, np.int32)
+        chosen = slots[(self._states[slots] == READY) & ~self.holds.held(slots)] if len(slots) else NO_SLOTS
         self._free(chosen, Gone.AHEAD)
         return len(chosen)
 
@@ -396,37 +415,33 @@ class Index:
     def total_pages(self) -> int:
         return self.pages.total
 
-    def _free(self, entries: list[Entry], cause: Gone) -> None:
+    def _free(self, slots: np.ndarray, cause: Gone) -> None:
         """The one way READY entries and their pages go. Raises (changing nothing) when a writer
         or a reader may still touch one of them: that would be a bug of the caller, and a page
         given to two owners at once is a wrong block for someone (invariant 12)."""
-        if not entries:
+        if not len(slots):
             return
-        if self._busy(entries):
+        if self._busy(slots):
             raise RuntimeError(f"{cause.value}: an entry a writer or a reader may still touch cannot be freed")
-        pages = np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).tolist()
-        self._forget(entries, cause)
+        pages = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE)
+        self._forget(slots, cause)
         self.pages.free(pages)
-        self.counters[_COUNTED[cause]] += len(entries)
+        self.counters[_COUNTED[cause]] += len(slots)
 
-    def _forget(self, entries: list[Entry], cause: Gone) -> None:
-        """Entries leave: the listeners hear it, then out of the table first (state FREE), the
-        index and the policy."""
-        if not entries:
+    def _forget(self, slots: np.ndarray, cause: Gone) -> None:
+        """Entries leave: the listeners hear it (their records still whole), then out of the table
+        first (state FREE), the key table and the policy."""
+        if not len(slots):
             return
-        slots = _slots(entries)
-        self.events.leaving(cause, slots, list(map(_KEY, entries)), self._ns_slots[slots].astype(np.intp))
-        self._states[slots] = EntryState.FREE
+        self.events.leaving(cause, slots, self._ns_col[slots].astype(np.intp))
+        ready = int(np.count_nonzero(self._states[slots] == READY))
+        self._states[slots] = FREE
         self._sums[slots] = 0       # a stale record whose state byte came back to READY is no entry
-        by_slot, count = self.by_slot, self.entry_count
-        for entry in entries:
-            del entry.ns.index[entry.key]
-            by_slot[entry.slot] = None
-            count[entry.state] -= 1
-            entry.state = EntryState.FREE
-        free = slots.tolist()
-        self.policy.removed(free)
-        self.slots.free(free)
+        self.keys.remove(slots)
+        self.entry_count[READY] -= ready
+        self.entry_count[WRITING] -= len(slots) - ready
+        self.policy.removed(slots)
+        self.slots.free(slots)
 
     # ------------------------------------------------------------------ stats and checks
     def stats(self) -> dict:
@@ -438,8 +453,8 @@ class Index:
             "pages_free": pages.free_count,
             "pages_used": pages.used_count,
             "used_bytes": pages.used_count * page_size,
-            "entries_ready": self.entry_count[EntryState.READY],
-            "entries_writing": self.entry_count[EntryState.WRITING],
+            "entries_ready": self.entry_count[READY],
+            "entries_writing": self.entry_count[WRITING],
             "entries_pinned": self.holds.pinned,
             "entries_leased": self.holds.leased,
             "evictable": len(self.policy),
@@ -456,8 +471,19 @@ class Index:
     def verify(self) -> None:
         """Check the index against itself and the entry table (tests, ``Store.verify``): every
         page is exactly one of free, held by one live entry, or parked by the fence; every slot
-        is free or holds one entry; the policy holds exactly the READY entries nothing holds; the
-        table's records match the index. (The lease counts are ``Leases.verify``'s.)"""
+        is free or holds one entry, indexed by its key; the policy holds exactly the READY entries
+        nothing holds; READY records' sums are current; the counts match. (The lease counts are
+        ``Leases.verify``'s, the writes' ``Writes.verify``'s.)"""
+        states = self._states
+        live = np.flatnonzero(states != FREE).astype(np.int32)
+        free_slots = self.slots.free_ids()
+        assert len(np.unique(free_slots)) == len(free_slots), "an entry slot is free twice"
+        assert (states[free_slots] == FREE).all(), "a free slot holds an entry"
+        assert len(free_slots) + len(live) == self.geometry.entry_slots, "entry slots leaked"
+        assert set(np.unique(states).tolist()) <= {FREE, WRITING, READY}, "an entry in an unknown state"
+        self.keys.verify()
+        assert len(self.keys) == len(live), "the key table does not index exactly the live entries"
+        self.policy.verify()
         owner = np.full(self.geometry.num_pages, -1, dtype=np.int64)
         free = self.pages.free_ids()
         assert len(np.unique(free)) == len(free), "a page is free twice"
@@ -466,33 +492,30 @@ class Index:
         assert len(np.unique(parked)) == len(parked), "a page is parked twice"
         assert (owner[parked] == -1).all(), "a fenced page is also free"
         owner[parked] = -3
-        free_slots = self.slots.free_ids()
-        assert len(np.unique(free_slots)) == len(free_slots), "an entry slot is free twice"
-        assert all(self.by_slot[s] is None for s in free_slots.tolist()), "a free slot holds an entry"
-        assert len(free_slots) + sum(len(ns.index) for ns in self.ns) == self.geometry.entry_slots, "entry slots leaked"
-        table = self.view.entries
-        held_slots = self.holds.held(np.arange(self.geometry.entry_slots))
+        counts = self._page_counts[live].astype(np.int64)
+        pages = np.frombuffer(self.keys.pages(self.view.chain, live), PAGES_DTYPE).astype(np.int64)
+        assert (owner[pages] == -1).all() and len(np.unique(pages)) == len(pages), "an entry shares a page"
+        owner[pages] = np.repeat(live, counts)
+        assert (owner != -1).all(), f"{int((owner == -1).sum())} pages leaked"
+        ready = live[states[live] == READY]
         for ns in self.ns:
             assert self.ns.at(ns.slot) is ns and int(self.view.namespaces["in_use"][ns.slot]), f"namespace {ns.slot}"
-            for key, entry in ns.index.items():
-                pages = np.frombuffer(entry.pages, PAGES_DTYPE).astype(np.int64)
-                assert len(pages) == ns.entry_pages, f"entry {entry.slot} has {len(pages)} pages"
-                assert (owner[pages] == -1).all(), f"entry {entry.slot} shares a page"
-                owner[pages] = entry.slot
-                assert self.by_slot[entry.slot] is entry and entry.ns is ns
-                rec = table[entry.slot]
-                assert int(rec["state"]) == entry.state and bytes(rec["key"][: rec["key_len"]]) == key
-                assert int(rec["ns"]) == ns.slot, f"entry {entry.slot} names namespace {int(rec['ns'])}"
-                assert np.array_equal(self.view.chain_of(entry.slot), pages)
-                held = held_slots[entry.slot]
-                assert (entry.slot in self.policy) == (entry.state is EntryState.READY and not held), \
-                    f"entry {entry.slot} policy membership"
-                assert entry.state is EntryState.READY or not held, f"entry {entry.slot} held"
-                assert (entry.state is EntryState.WRITING) == (entry.write is not None), f"entry {entry.slot} write"
-        assert (owner != -1).all(), f"{int((owner == -1).sum())} pages leaked"
-        self.holds.verify(np.asarray(free_slots, np.intp))
-        assert len(self.policy) == sum(1 for e in self.by_slot if e is not None and e.state is EntryState.READY
-                                       and not held_slots[e.slot])
+            mine, done = live[self._ns_col[live] == ns.slot], ready[self._ns_col[ready] == ns.slot]
+            assert (self._page_counts[mine] == ns.entry_pages).all(), f"namespace {ns.slot}: an entry's page count"
+            assert (self.find(ns, self.keys_of(mine)) == mine).all(), f"namespace {ns.slot}: an entry not found"
+            chains = np.frombuffer(self.keys.pages(self.view.chain, done), PAGES_DTYPE).reshape(len(done),
+                                                                                              ns.entry_pages)
+            assert (record_sums(self.view, done, chains, None, ns.identity) == self._sums[done]).all(), \
+                f"namespace {ns.slot}: a READY record's sum is stale"
+        assert set(np.unique(self._ns_col[live]).tolist()) <= {ns.slot for ns in self.ns}, "an entry of no namespace"
+        held = self.holds.held(ready)
+        in_policy = np.fromiter((slot in self.policy for slot in live.tolist()), bool, len(live))
+        assert (in_policy == np.isin(live, ready[~held])).all(), "the policy holds other than the READY unheld"
+        assert len(self.policy) == int((~held).sum())
+        writing = live[states[live] == WRITING]
+        assert not self.holds.held(writing).any(), "a WRITING entry is held"
+        assert self.entry_count == {WRITING: len(writing), READY: len(ready)}
+        self.holds.verify(free_slots)
 
     def persist_tick(self) -> None:
         """Write the access clock to the header (a clean stop)."""

@@ -46,12 +46,14 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .attachments import Engine, Session, SessionEnd
 from .contract.codes import AbortCause, ErrorCode, JobKind, JobState, RequestError, StoreOutcome
 from .contract.namespace import Sharding
 from .histogram import Histogram
 from .holds import Holds
-from .index import Index
+from .index import NO_SLOTS, Index
 from .leases import Leases
 from .writes import Write, Writes, WriterKind
 
@@ -71,9 +73,9 @@ class Job:
     kind: JobKind
     keys: list
     deadline: float
-    outcomes: list = field(default_factory=list)   # store: StoreOutcome per key
+    outcomes: bytes = b""                          # store: a StoreOutcome byte per key
     write: Write | None = None                     # store: its fenced write (entries, writers handed pages)
-    entries: list = field(default_factory=list)    # load: the pinned hits
+    slots: np.ndarray = field(default_factory=lambda: NO_SLOTS)   # load: the pinned hits
     seen: set = field(default_factory=set)         # ranks that got the decision
     done_ranks: set = field(default_factory=set)   # store: voted; load: released
     state: JobState = JobState.OPEN
@@ -191,8 +193,8 @@ class Jobs:
 
     # ------------------------------------------------------------------ store
     def store(self, session: Session, job_id: int, keys: list[bytes], chain: bool = True,
-              cold_tail: int = 0) -> tuple[list[int], list[bytes]]:
-        """Open or join a store job. Returns (outcome per key, this rank's pages per WRITE key).
+              cold_tail: int = 0) -> tuple[bytes, bytes]:
+        """Open or join a store job. Returns (outcome byte per key, this rank's pages per WRITE key).
 
         A writer rank gets its shard's pages for each WRITE key (in key order) and must commit
         after copying; a non-writer rank's request is its vote; a coordinator gets no pages.
@@ -202,7 +204,7 @@ class Jobs:
         job, new = self._job(session, job_id, JobKind.STORE, keys)
         if new:
             job.write, job.outcomes, present = self.writes.begin(WriterKind.RANK, job_id, job.engine.ns, keys)
-            written = len(job.write.entries)
+            written = len(job.write.slots)
             self.counters["store_written_keys"] += written
             self.counters["store_present_keys"] += present
             self.counters["store_no_space_keys"] += len(keys) - written - present
@@ -211,7 +213,7 @@ class Jobs:
                 job.cold = job.outcomes[max(0, len(keys) - cold_tail):].count(StoreOutcome.WRITE)
         rank = session.rank
         if rank is None:
-            return job.outcomes, []
+            return job.outcomes, b""
         job.seen.add(rank)
         if rank in job.engine.writers:
             if rank in job.done_ranks:
@@ -222,7 +224,7 @@ class Jobs:
             # fenced for this writer before the reply hands them out
             return job.outcomes, self.writes.hand(job.write, rank, session.writer, rank)
         self._vote(job, rank)
-        return job.outcomes, []
+        return job.outcomes, b""
 
     def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
         """A rank's vote on a store job; writers send it after their copy completed, with the
@@ -239,7 +241,7 @@ class Jobs:
             raise RequestError(ErrorCode.BAD_REQUEST, f"this kvtierd keeps checksums (setting checksums): the commit "
                                f"of job {job_id} must carry the checksum of rank {rank}'s shard of each entry")
         if checksums is not None and ok:
-            entries = len(job.write.entries)
+            entries = len(job.write.slots)
             writes = entries if rank in job.engine.writers else 0
             if rank not in job.engine.writers or len(checksums) != entries:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"commit of job {job_id} carries {len(checksums)} "
@@ -278,7 +280,7 @@ class Jobs:
 
     # ------------------------------------------------------------------ load
     def load(self, session: Session, job_id: int, keys: list[bytes], lease: int | None = None
-             ) -> tuple[int, list[bytes]]:
+             ) -> tuple[int, bytes]:
         """Open or join a load job. Returns (hits, this rank's pages per hit key).
 
         The first request pins the READY prefix of ``keys`` — as much of it as the engine may
@@ -289,19 +291,19 @@ class Jobs:
         job, new = self._job(session, job_id, JobKind.LOAD, keys)
         if new:
             engine = job.engine
-            ready = engine.ns.ready(keys)
+            ready = self.index.ready(engine.ns, keys)
             returned = self.leases.pages_of(engine, lease) if lease is not None else 0
-            job.entries = ready[:self.holds.fit(engine, len(ready), returned)]
-            self.index.pin(job.entries, engine)
+            job.slots = ready[:self.holds.fit(engine, len(ready), returned)]
+            self.index.pin(job.slots, engine)
             if lease is not None:
                 self.leases.consume(job.engine, lease)
-            self.counters["load_hit_keys"] += len(job.entries)
-            self.counters["load_miss_keys"] += len(keys) - len(job.entries)
-        hits = len(job.entries)
+            self.counters["load_hit_keys"] += len(job.slots)
+            self.counters["load_miss_keys"] += len(keys) - len(job.slots)
+        hits = len(job.slots)
         if session.rank is None:
-            return hits, []
+            return hits, b""
         job.seen.add(session.rank)
-        return hits, job.engine.ns.pages_for(job.entries, session.rank)
+        return hits, self.index.pages_of(job.engine.ns, job.slots, session.rank)
 
     def release(self, session: Session, job_id: int) -> None:
         """A rank finished copying a load job's blocks out of the region."""
@@ -316,8 +318,8 @@ class Jobs:
             self._finish(job, JobState.DONE)
 
     def _unpin(self, job: Job) -> None:
-        self.index.unpin(job.entries, job.engine)
-        job.entries = []
+        self.index.unpin(job.slots, job.engine)
+        job.slots = NO_SLOTS
 
     # ------------------------------------------------------------------ abort and finish
     def abort(self, session: Session, job_id: int) -> None:
@@ -336,7 +338,7 @@ class Jobs:
             return
         job.cause = cause
         if job.kind is JobKind.STORE:
-            self.counters["store_aborted_keys"] += len(job.write.entries)
+            self.counters["store_aborted_keys"] += len(job.write.slots)
             self.writes.abort(job.write)
         else:
             self._unpin(job)
@@ -448,7 +450,7 @@ class Jobs:
         for engine in self.engines.values():
             for job in engine.jobs.values():
                 if job.kind is JobKind.LOAD:
-                    held[engine] += len(job.entries) * engine.ns.entry_pages
+                    held[engine] += len(job.slots) * engine.ns.entry_pages
         return held
 
     def verify(self) -> None:

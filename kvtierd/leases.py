@@ -40,9 +40,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from .attachments import Engine, Session
 from .holds import Holds
-from .index import Entry, Index
+from .index import Index
 
 MIN_TTL = 0.01          # seconds: the shortest lease granted, whatever the lookup asked for
 
@@ -63,19 +65,19 @@ class Lease:
     id: int
     engine: Engine
     session: Session            # the session that made (or last renewed) it: it dies with it
-    entries: list[Entry]        # the held prefix, READY (no eviction may take them while held)
+    slots: np.ndarray           # the held prefix, READY (no eviction may take them while held)
     deadline: float
     live: bool = True
 
     @property
     def pages(self) -> int:
         """What it counts against the held shares (``kvtierd.holds``): its entries' pages."""
-        return len(self.entries) * self.engine.ns.entry_pages
+        return len(self.slots) * self.engine.ns.entry_pages
 
     @property
     def cost(self) -> int:
         """What it counts against the caps: its entries plus one (the record itself)."""
-        return len(self.entries) + 1
+        return len(self.slots) + 1
 
 
 class Leases:
@@ -104,8 +106,8 @@ class Leases:
         return len(self._leases)
 
     # ------------------------------------------------------------------ grant, renew
-    def grant(self, session: Session, lease_id: int, entries: list[Entry], ttl: float | None) -> tuple[int, float]:
-        """Hold ``entries`` (a lookup's READY prefix) for ``session``'s engine under ``lease_id``,
+    def grant(self, session: Session, lease_id: int, slots: np.ndarray, ttl: float | None) -> tuple[int, float]:
+        """Hold the entries of ``slots`` (a lookup's READY prefix) for ``session``'s engine under ``lease_id``,
         replacing the live lease of that id. Returns (entries held, ttl granted in seconds); (0, 0)
         when nothing is held (no hits, or no room under the caps: any earlier lease of the id ends)."""
         engine = session.engine
@@ -113,15 +115,15 @@ class Leases:
         returned = old.cost if old is not None else 0
         room = min(self.max_keys_per_engine - self._engine_keys[engine],
                    self.max_keys - self.keys) + returned - 1
-        n = max(0, min(len(entries), room))
+        n = max(0, min(len(slots), room))
         n = self.holds.fit(engine, n, old.pages if old is not None else 0)
-        self.capped_keys += len(entries) - n
+        self.capped_keys += len(slots) - n
         if n == 0:
             if old is not None:
                 self._end(old, LeaseEnd.REPLACED)
             return 0, 0.0
         ttl = min(max(self.ttl if ttl is None else ttl, MIN_TTL), self.max_ttl)
-        held = entries[:n]
+        held = slots[:n]
         self.index.lease(held, engine)  # before the old lease lets go: never evictable in between
         if old is not None:
             self._end(old, LeaseEnd.REPLACED)
@@ -191,7 +193,7 @@ class Leases:
         if not self._engine_keys[lease.engine]:
             del self._engine_keys[lease.engine]
         self.keys -= lease.cost
-        self.index.unlease(lease.entries, lease.engine)
+        self.index.unlease(lease.slots, lease.engine)
         self.ends[cause.value] += 1
 
     def _push_deadline(self, lease: Lease) -> None:
@@ -206,8 +208,9 @@ class Leases:
     # ------------------------------------------------------------------ what is going on
     def leased_entries(self, namespace: str | None) -> int:
         """Entries held by a lease in the namespace named ``namespace`` (None: all)."""
-        return len({entry.slot for lease in self._leases.values()
-                    if namespace is None or lease.engine.ns.id.name() == namespace for entry in lease.entries})
+        mine = [lease.slots for lease in self._leases.values()
+                if namespace is None or lease.engine.ns.id.name() == namespace]
+        return len(np.unique(np.concatenate(mine))) if mine else 0
 
     def held(self) -> Counter:
         """Engine → the pages its leases hold (``Holds.verify_holders``)."""
@@ -219,7 +222,7 @@ class Leases:
     def of_session(self, session: Session) -> tuple[int, int]:
         """(leases, entries in them) that ``session`` holds."""
         owned = self._by_session.get(session, {})
-        return len(owned), sum(len(lease.entries) for lease in owned.values())
+        return len(owned), sum(len(lease.slots) for lease in owned.values())
 
     def stats(self) -> dict:
         return {"leases_open": len(self._leases), "leased_keys": self.keys - len(self._leases),
@@ -232,7 +235,7 @@ class Leases:
         for (engine, lease_id), lease in self._leases.items():
             assert lease.live and lease.engine is engine and lease.id == lease_id
             assert self._by_session[lease.session][lease_id] is lease
-            held.update(entry.slot for entry in lease.entries)
+            held.update(lease.slots.tolist())
         assert sum(map(len, self._by_session.values())) == len(self._leases)
         assert self.keys == sum(lease.cost for lease in self._leases.values()) == sum(self._engine_keys.values())
         for slot, count in held.items():

@@ -11,14 +11,11 @@ writer or reader may still touch).
 from __future__ import annotations
 
 import logging
-from itertools import repeat
-from operator import attrgetter
 from typing import Iterator
 
 import numpy as np
 
 from .contract.namespace import NamespaceId
-from .contract.protocol import PAGES_DTYPE
 from .contract.region_format import ENTRY_DTYPE, NS_CHECKSUMS, EntryState
 from .contract.region_sums import namespace_identities
 from .contract.region_view import RegionView, namespace_record
@@ -26,68 +23,24 @@ from .recovery import RegionScan
 
 log = logging.getLogger(__name__)
 
-_PAGES = attrgetter("pages")
-_STATE = attrgetter("state")
-_READY = bytes([EntryState.READY])
-
-
-class _Absent:
-    """Stands in for a key the namespace does not hold, so that a state can be read for every key."""
-    state = EntryState.FREE
-
-
-_ABSENT = _Absent()
-
 
 class Namespace:
-    """One namespace's entries, and what every entry of it has in common."""
+    """One namespace: what every entry of it has in common (its entries are slots of the index)."""
 
-    __slots__ = ("slot", "id", "index", "shards", "pages_per_shard", "entry_pages", "shard_bytes", "record",
-                 "users", "identity")
+    __slots__ = ("slot", "id", "shards", "pages_per_shard", "entry_pages", "record", "users", "identity")
 
     def __init__(self, slot: int, ns_id: NamespaceId, page_size: int, identity: int):
         self.slot = slot                  # in the region's namespace table
         self.id = ns_id
         self.identity = identity          # namespace_identities of its record: every entry's record_sum covers it
-        self.index: dict = {}             # key → Entry (kvtierd.index)
         self.shards = ns_id.shards
         self.pages_per_shard = ns_id.pages_per_shard(page_size)
         self.entry_pages = ns_id.entry_pages(page_size)
-        self.shard_bytes = self.pages_per_shard * 4   # bytes of one shard's page list
         self.users = 0                    # attached engines of this namespace
         # What every new entry record of this namespace starts from.
         self.record = np.zeros(1, ENTRY_DTYPE)
         self.record[["state", "ns", "page_count", "length"]] = (EntryState.WRITING, slot, self.entry_pages,
                                                                  ns_id.entry_bytes)
-
-    def ready(self, keys: list[bytes]) -> list:
-        """The entries of the leading keys that are READY (a C-level pass over the keys)."""
-        entries = list(map(self.index.get, keys, repeat(_ABSENT)))
-        states = bytes(map(_STATE, entries))               # one byte per key
-        hits = len(states) - len(states.lstrip(_READY))
-        return entries if hits == len(entries) else entries[:hits]
-
-    def find(self, keys: list[bytes]) -> list:
-        """The entry of each key (READY or WRITING), or None."""
-        return list(map(self.index.get, keys))
-
-    def pages_for(self, entries: list, rank: int | None) -> list[bytes]:
-        """The pages ``rank`` copies of each entry, in order: the whole chain of a replicated
-        entry (its one copy: the node's lowest rank writes it, every rank loads it), the run of
-        ``rank``'s shard of a sharded one (``NamespaceId.shard_of``: its place in the node slice);
-        the whole chain of every entry for ``rank`` None (a writer of whole entries: the tier).
-
-        One call for a job's entries: per entry it would be a Python frame per key."""
-        if self.shards == 1 or rank is None:
-            return list(map(_PAGES, entries))
-        shard = self.id.shard_of(rank)
-        lo, hi = shard * self.shard_bytes, (shard + 1) * self.shard_bytes
-        return [e.pages[lo:hi] for e in entries]
-
-    def shard_pages(self, entries: list) -> np.ndarray:
-        """The entries' pages as [entry, shard, page of the shard] (one shard when replicated)."""
-        return np.frombuffer(b"".join(map(_PAGES, entries)), PAGES_DTYPE).reshape(
-            len(entries), self.shards, self.pages_per_shard)
 
 
 class Namespaces:
@@ -138,7 +91,7 @@ class Namespaces:
 
     def drop(self, ns: Namespace) -> None:
         """Forget ``ns`` and free its table slot (its entries are gone already)."""
-        assert not ns.index and not ns.users, "dropping a namespace still in use"
+        assert not ns.users, "dropping a namespace still in use"
         del self.by_id[ns.id]
         del self.by_slot[ns.slot]
         self.view.namespaces[ns.slot]["in_use"] = 0
@@ -148,7 +101,3 @@ class Namespaces:
         self.by_id[ns_id] = ns
         self.by_slot[slot] = ns
         return ns
-
-    def stats(self) -> list[dict]:
-        return [{"slot": ns.slot, "name": ns.id.name(), "entries": len(ns.index),
-                 "entry_pages": ns.entry_pages} for ns in self.by_id.values()]

@@ -54,3 +54,48 @@ class FreeStack:
         freed = list(ids)
         freed.reverse()
         self._free.extend(freed)
+
+
+class FreeIds:
+    """``FreeStack``'s LIFO over a NumPy array (no Python int per id): ``alloc`` and ``free`` are a
+    slice copy each, and the stack's memory is 4 bytes per id whatever it holds. Same order:
+    ``alloc(n)`` hands out the last freed first, and a freed run comes back in the order given."""
+
+    def __init__(self, total: int, used: np.ndarray | None = None):
+        free = np.ones(total, dtype=bool)
+        if used is not None and len(used):
+            free[np.asarray(used, dtype=np.int64)] = False
+        ids = np.flatnonzero(free)[::-1].astype(np.int32)   # highest at the bottom: 0, 1, 2, ... first
+        self._ids = np.empty(total, dtype=np.int32)
+        self._ids[:len(ids)] = ids
+        self._top = len(ids)
+        self.total = total
+
+    @property
+    def free_count(self) -> int:
+        return self._top
+
+    @property
+    def used_count(self) -> int:
+        return self.total - self._top
+
+    def free_ids(self) -> np.ndarray:
+        """A snapshot of the free ids (consistency checks)."""
+        return self._ids[:self._top].astype(np.int64)
+
+    def alloc(self, n: int) -> np.ndarray | None:
+        """n ids (int32), or None (and nothing taken) when fewer than n are free."""
+        if n <= 0:
+            raise ValueError(f"cannot allocate {n} ids")
+        if n > self._top:
+            return None
+        self._top -= n
+        return self._ids[self._top:self._top + n][::-1].copy()
+
+    def free(self, ids: np.ndarray) -> None:
+        """Push ids back, last first, so that ``alloc`` hands them out again in the order given."""
+        n = len(ids)
+        if self._top + n > self.total:
+            raise ValueError(f"freeing {n} ids onto {self._top} free of {self.total}: an id is freed twice")
+        self._ids[self._top:self._top + n] = np.asarray(ids)[::-1]
+        self._top += n

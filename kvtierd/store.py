@@ -93,7 +93,7 @@ class Store:
                          clock, checksums, **job_limits)
         self.tier = tier(self.index, self.writes, events, clock)
         self.event_log = EventLog(TableSnapshot(view.entries), events_log_bytes)
-        self.recorder = Recorder(self.event_log)
+        self.recorder = Recorder(self.event_log, self.index.keys_of)
         events.subscribe(self.recorder)
         # session → (log key, epoch, cursor) of its last read: how far behind each reader is
         self._readers: dict[Session, tuple[int, int, int]] = {}
@@ -183,14 +183,14 @@ class Store:
         return self.tier.pending(session.engine.ns, keys, hits)
 
     def store(self, session: Session, job_id: int, keys: list[bytes], chain: bool = True,
-              cold_tail: int = 0) -> tuple[list[int], list[bytes]]:
+              cold_tail: int = 0) -> tuple[bytes, bytes]:
         return self.jobs.store(session, job_id, keys, chain, cold_tail)
 
     def commit(self, session: Session, job_id: int, ok: bool, checksums: list[int] | None = None) -> None:
         self.jobs.commit(session, job_id, ok, checksums)
 
     def load(self, session: Session, job_id: int, keys: list[bytes], lease: int | None = None
-             ) -> tuple[int, list[bytes]]:
+             ) -> tuple[int, bytes]:
         return self.jobs.load(session, job_id, keys, lease)
 
     def release(self, session: Session, job_id: int) -> None:
@@ -243,9 +243,10 @@ class Store:
             raise RequestError(ErrorCode.FORBIDDEN, "the events op is for an engine's coordinator session (its "
                                                     "scheduler); a rank session cannot read events")
         ns = session.engine.ns
-        if snapshot_from is not None and snapshot_from > len(self.index.by_slot):
+        slots = self.index.geometry.entry_slots
+        if snapshot_from is not None and snapshot_from > slots:
             raise RequestError(ErrorCode.BAD_REQUEST, f"events.snapshot_from={snapshot_from} is past the entry table "
-                                                      f"({len(self.index.by_slot)} slots)")
+                                                      f"({slots} slots)")
         key = self.recorder.follow(ns)
         read = self.event_log.read(key, epoch, cursor, snapshot_from, max_keys)
         self._readers[session] = (key, read.epoch, read.seq)

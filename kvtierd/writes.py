@@ -2,7 +2,8 @@
 — an engine's rank storing a job, the tier companion promoting blocks, any later writer — is given
 pages, and by which those pages come back. No other code hands, settles, parks or releases a page.
 
-A ``Write`` is one job's WRITING entries (one namespace), and the writers it handed their pages:
+A ``Write`` is one job's WRITING entries (one namespace; their slots), and the writers it handed
+their pages:
 
     begin(kind, id, ns, keys)   the decision (``Index.place``): per key PRESENT, WRITE (a new WRITING
                                 entry with pages) or NO_SPACE
@@ -31,6 +32,7 @@ index frees no entry a write or a reader may still touch (``Index._free``).
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,8 +40,8 @@ import numpy as np
 from .contract.codes import StoreOutcome
 from .contract.protocol import PAGES_DTYPE
 from .contract.region_format import EntryState
+from .index import NO_SLOTS, Index
 from .fence import Fence, Release, Writer
-from .index import Entry, Index
 from .namespaces import Namespace
 from .processes import Process
 
@@ -56,37 +58,49 @@ class Write:
     kind: WriterKind
     id: int                 # what the fence parks pages under, per writer (a job id; a promote's id)
     ns: Namespace
-    entries: list = field(default_factory=list)
+    slots: np.ndarray = field(default_factory=lambda: NO_SLOTS)   # its WRITING entries, in key order
     # key (a rank; 0 for the companion) → (the writer, the pages it was handed, its shard's place in
     # the entry: None for every shard): writers handed pages that have not settled. An aborted
     # write keeps them until they settle (late) or are dropped, so that their late final is
     # recognised.
     handed: dict = field(default_factory=dict)
     open: bool = True
+    tag: int = 0            # its key among the open writes (0: it wrote nothing)
 
 
 class Writes:
     def __init__(self, index: Index, fence: Fence):
         self.index = index
         self.fence = fence
-        self._open: set[Write] = set()
+        self._open: dict[int, Write] = {}
+        self._tags = itertools.count(1)
+        # Per entry slot, the tag of the open write whose WRITING entry it is (0: none): which write
+        # a WRITING entry belongs to, without an object per entry.
+        self._of_slot = np.zeros(index.geometry.entry_slots, np.int64)
 
     # ------------------------------------------------------------------ a write
     def begin(self, kind: WriterKind, write_id: int, ns: Namespace, keys: list[bytes]
               ) -> tuple[Write, list[StoreOutcome], int]:
         """A write of ``keys``: (the write, the outcome per key, how many keys were present)."""
         write = Write(kind, write_id, ns)
-        outcomes, write.entries, present = self.index.place(ns, keys, write)
-        if write.entries:
-            self._open.add(write)
+        outcomes, write.slots, present = self.index.place(ns, keys)
+        if len(write.slots):
+            write.tag = next(self._tags)
+            self._open[write.tag] = write
+            self._of_slot[write.slots] = write.tag
         return write, outcomes, present
 
-    def hand(self, write: Write, key: int, writer: Writer, rank: int | None = None) -> list[bytes]:
+    def kind_of(self, slot: int) -> WriterKind | None:
+        """The kind of the write writing the entry of ``slot`` (None: the entry is not WRITING)."""
+        write = self._open.get(int(self._of_slot[slot]))
+        return None if write is None else write.kind
+
+    def hand(self, write: Write, key: int, writer: Writer, rank: int | None = None) -> bytes:
         """The pages ``writer`` (``key``: its rank, or 0) copies of each entry — rank ``rank``'s
-        shard (``Namespace.pages_for``), every shard for None — fenced for it before returned."""
-        pages = write.ns.pages_for(write.entries, rank)
+        shard (``Index.pages_of``), every shard for None — fenced for it before returned."""
+        pages = self.index.pages_of(write.ns, write.slots, rank)
         if pages:
-            flat = np.frombuffer(b"".join(pages), PAGES_DTYPE)
+            flat = np.frombuffer(pages, PAGES_DTYPE)
             self.fence.hand(writer, flat)
             shard = None if rank is None or write.ns.shards == 1 else write.ns.id.shard_of(rank)
             write.handed[key] = (writer, flat, shard)
@@ -105,18 +119,16 @@ class Writes:
             self.index.release_pages(self.fence.release_job(writer, write.id))
 
     def complete(self, write: Write, landed: bytes | None = None, sums: list[list[int]] | None = None,
-                 chain: bool = True, cold: int = 0) -> list[Entry]:
+                 chain: bool = True, cold: int = 0) -> np.ndarray:
         """Every vote is in (the writers' after they settled): the entries (those whose ``landed``
         byte is not 0, or all) become READY, with the writers' ``sums`` and the policy's hints; the
         others go, with their pages. Returns the entries made READY."""
         self._close(write)
-        if landed is None:
-            ready, lost = write.entries, []
-        else:
-            ready = [e for e, ok in zip(write.entries, landed) if ok]
-            lost = [e for e, ok in zip(write.entries, landed) if not ok]
-        if lost:
-            pages = np.frombuffer(b"".join(e.pages for e in lost), PAGES_DTYPE)
+        ready = write.slots
+        if landed is not None and landed.count(0):
+            ok = np.frombuffer(landed, np.uint8) != 0
+            ready, lost = write.slots[ok], write.slots[~ok]
+            pages = np.frombuffer(self.index.pages_of(write.ns, lost), PAGES_DTYPE)
             self.index.abandon(lost)
             self.index.release_pages(pages)
         self.index.make_ready(ready, sums, chain, cold)
@@ -128,12 +140,12 @@ class Writes:
         if not write.open:
             return
         self._close(write)
-        if not write.entries:
+        if not len(write.slots):
             return
         ns = write.ns
-        shards = ns.shard_pages(write.entries)            # [entry, shard, page of the shard]
-        self.index.abandon(write.entries)
-        write.entries = []
+        shards = self.index.shard_pages(ns, write.slots)  # [entry, shard, page of the shard]
+        self.index.abandon(write.slots)
+        write.slots = NO_SLOTS
         fenced = np.zeros(ns.shards, dtype=bool)
         for writer, pages, shard in write.handed.values():
             self.fence.park(writer, write.id, pages)
@@ -147,7 +159,8 @@ class Writes:
 
     def _close(self, write: Write) -> None:
         write.open = False
-        self._open.discard(write)
+        if self._open.pop(write.tag, None) is not None:
+            self._of_slot[write.slots] = 0
 
     # ------------------------------------------------------------------ writers and the fence's proofs
     def add_writer(self, session: int, token: int, process: Process, engine: str, rank: int) -> Writer:
@@ -186,10 +199,11 @@ class Writes:
     def verify(self) -> None:
         """The open writes against the index and the fence's table (tests, ``Store.verify``)."""
         handed: dict[int, list[np.ndarray]] = {}
-        for write in self._open:
-            assert write.open and all(e.write is write and e.state is EntryState.WRITING for e in write.entries)
+        for tag, write in self._open.items():
+            assert write.open and write.tag == tag and (self._of_slot[write.slots] == tag).all()
+            assert (self.index.states(write.slots) == EntryState.WRITING).all()
             for writer, pages, _ in write.handed.values():
                 handed.setdefault(writer.row, []).append(pages)
-        assert sum(len(w.entries) for w in self._open) == self.index.entry_count[EntryState.WRITING], \
-            "a WRITING entry belongs to no open write"
+        assert sum(len(w.slots) for w in self._open.values()) == self.index.entry_count[EntryState.WRITING] \
+            == int(np.count_nonzero(self._of_slot)), "a WRITING entry belongs to no open write"
         self.fence.verify(handed)

@@ -198,9 +198,18 @@ def encode(message: dict[str, Any]) -> bytes:
     return _packer.pack(message)
 
 
-def decode_request(frame: bytes, ops: dict[str, dict[str, Field]] = REQUESTS) -> dict[str, Any]:
+KeysCheck = Callable[[Any], bool]
+
+
+def decode_request(frame: bytes, ops: dict[str, dict[str, Field]] = REQUESTS,
+                   keys_ok: KeysCheck | None = None) -> dict[str, Any]:
     """Decode one request frame with every msgpack length bounded, then validate it against
     ``ops`` (REQUESTS on the client socket, ADMIN_REQUESTS on the admin socket).
+
+    ``keys_ok``: a faster proof that a keys field is valid (a list of at most
+    MAX_KEYS_PER_REQUEST distinct bytes of 1..MAX_KEY_BYTES), which may only say True of lists
+    that ``_check_keys`` accepts; when it says False, ``_check_keys`` judges and names the fault.
+    The daemon passes its compiled one (kvtierd._native.keys_ok); this module stays pure Python.
 
     Raises RequestError; never anything else for any input bytes.
     """
@@ -226,14 +235,14 @@ def decode_request(frame: bytes, ops: dict[str, dict[str, Field]] = REQUESTS) ->
     if not isinstance(msg, dict):
         raise RequestError(ErrorCode.BAD_REQUEST, "request must be a msgpack map")
     try:
-        return _validate(msg, ops)
+        return _validate(msg, ops, keys_ok)
     except RequestError:
         raise
     except Exception as exc:  # a check that failed in a way nobody foresaw: the request's error, nothing more
         raise RequestError(ErrorCode.BAD_REQUEST, f"malformed request ({type(exc).__name__})") from None
 
 
-def _validate(msg: dict[str, Any], ops: dict[str, dict[str, Field]]) -> dict[str, Any]:
+def _validate(msg: dict[str, Any], ops: dict[str, dict[str, Field]], keys_ok: KeysCheck | None = None) -> dict[str, Any]:
     op = msg.get("op")
     if type(op) is not str:
         # Never repr() the value: it may be a structure nested 1,000 deep, or megabytes long.
@@ -245,7 +254,7 @@ def _validate(msg: dict[str, Any], ops: dict[str, dict[str, Field]]) -> dict[str
     rid = msg.get("rid", 0)
     if type(rid) is not int or not 0 <= rid < (1 << 63):
         raise RequestError(ErrorCode.BAD_REQUEST, "field 'rid' must be a non-negative int")
-    validate_fields(op, msg, ops[op])
+    validate_fields(op, msg, ops[op], keys_ok)
     if op == "hello":
         validate_fields("hello.namespace", msg["namespace"], NAMESPACE_FIELDS)
         if msg["rank"] is not None and msg["rank"] >= msg["world_size"]:
@@ -391,8 +400,9 @@ def _(name: str, value: Any, spec: Field) -> None:
         _check_int(name, item, spec.lo, spec.hi)
 
 
-def validate_fields(op: str, msg: dict[str, Any], spec: dict[str, Field]) -> None:
-    """Check every declared field of ``msg``; unknown extra fields are ignored (forward compat)."""
+def validate_fields(op: str, msg: dict[str, Any], spec: dict[str, Field], keys_ok: KeysCheck | None = None) -> None:
+    """Check every declared field of ``msg``; unknown extra fields are ignored (forward compat).
+    ``keys_ok``: see ``decode_request``."""
     for name, field in spec.items():
         if name not in msg:
             if field.required:
@@ -400,5 +410,7 @@ def validate_fields(op: str, msg: dict[str, Any], spec: dict[str, Field]) -> Non
             continue
         value = msg[name]
         if value is None and field.nullable:
+            continue
+        if field.kind == "keys" and keys_ok is not None and keys_ok(value):
             continue
         _CHECKS[field.kind](f"{op}.{name}", value, field)

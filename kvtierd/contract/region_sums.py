@@ -65,8 +65,8 @@ _NS_SUMMED = _word_mask(NS_DTYPE, ("record_sum",))
 _NS_IDENTITY = _word_mask(NS_DTYPE, ("in_use", "record_sum", "flags"))
 # An entry record's sum leaves out the bytes that change without the entry changing: state (written
 # last, after the sum) and tick (every access).
-_ENTRY_SUMMED = _word_mask(ENTRY_DTYPE, ("state", "tick", "record_sum"))
-_ENTRY_WORDS = len(_ENTRY_SUMMED)
+ENTRY_SUMMED = _word_mask(ENTRY_DTYPE, ("state", "tick", "record_sum"))
+_ENTRY_WORDS = len(ENTRY_SUMMED)
 
 
 def namespace_record_sums(records: np.ndarray) -> np.ndarray:
@@ -87,7 +87,7 @@ def entry_record_sums(records: np.ndarray, chains: np.ndarray, counts: np.ndarra
     (``namespace_identities``); and the first ``counts[i]`` pages of ``chains[i]`` (a uint32 row
     per record; None: the whole row)."""
     width = chains.shape[1]
-    words = _words(records, _ENTRY_SUMMED, 1 + width)
+    words = _words(records, ENTRY_SUMMED, 1 + width)
     words[:, _ENTRY_WORDS] = ns_identities
     pages = words[:, _ENTRY_WORDS + 1:]
     np.add(chains, 1, out=pages, casting="unsafe")       # + 1: page 0 must count too

@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import ClassVar, Iterator, Sequence, TypedDict
+from typing import TYPE_CHECKING, ClassVar, Iterator, Sequence, TypedDict
+
+if TYPE_CHECKING:
+    from .native import NativePolicy
 
 Slots = Sequence[int]
 
@@ -108,6 +111,17 @@ def policy_class(name: str) -> type[Policy]:
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
-def create(name: str = DEFAULT) -> Policy:
-    """A new, empty policy of the given name."""
+def reference(name: str = DEFAULT) -> Policy:
+    """A new, empty policy of the given name, in Python: the reference the compiled policies are
+    checked against victim for victim (tests/unit/test_native_policy.py), and what the in-process
+    trace replays of kvtierbench run."""
     return policy_class(name)()
+
+
+def create(name: str = DEFAULT) -> "NativePolicy":
+    """A new, empty policy of the given name as the daemon runs it: compiled, over flat per-slot
+    arrays, hooks taking whole batches (``kvtierd.policy.native``)."""
+    from .native import NATIVE
+    if name not in NATIVE:
+        policy_class(name)                  # raises the error that names the known policies
+    return NATIVE[name]()

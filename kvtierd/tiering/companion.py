@@ -23,10 +23,11 @@ import secrets
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from ..contract.namespace import NamespaceId
 from ..fence import Release, Writer
 from ..histogram import Histogram
-from ..index import Entry
 from ..namespaces import Namespace
 from ..processes import Process, start_ticks
 from ..tier.keys import identity
@@ -181,9 +182,10 @@ class Companion:
             ident = self._identities[ns.id] = identity(ns.id)
         return ident
 
-    def fields(self, ns: Namespace, entries: list[Entry]) -> dict:
+    def fields(self, ns: Namespace, slots: np.ndarray) -> dict:
         """A put's or a get's fields: the entries' keys and whole page chains (every shard)."""
-        return {"ns": self.identity(ns), "keys": [e.key for e in entries], "pages": b"".join(e.pages for e in entries),
+        index = self.writes.index
+        return {"ns": self.identity(ns), "keys": index.keys_of(slots), "pages": index.pages_of(ns, slots),
                 "length": ns.id.block_bytes, "shards": ns.shards}
 
     # ------------------------------------------------------------------ what is going on

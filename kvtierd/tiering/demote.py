@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from ..events import EntryEvents, Gone
-from ..index import Entry, Index
+from ..index import NO_SLOTS, Index
 from ..namespaces import Namespace
 from ..tier.link import LinkBusy, LinkDown, Outcome
 from .companion import Companion
@@ -67,7 +67,7 @@ class Put:
     """The context of a demote's put."""
 
     ns: Namespace
-    entries: list
+    slots: np.ndarray
     ticks: np.ndarray
     started: float
     timed_out: bool = False
@@ -101,64 +101,73 @@ class Demotes(EntryEvents):
             return
         free_now, chosen = [], {}
         room, fresh, held = batches * DEMOTE_BATCH, self.copies.fresh, self.copies.held
-        for looked, entry in enumerate(index.victims()):
-            slot = entry.slot
+        looked = 0
+        for slot, ns_slot in self._candidates(short):
+            looked += 1
             if slot in fresh:
-                if index.ticks_of([entry])[0] == fresh[slot]:
+                if index.ticks_of(slot) == fresh[slot]:
                     continue                    # promoted for an engine that has not come back yet
                 del fresh[slot]
+            ns = index.namespace_at(ns_slot)
             if held[slot]:
-                free_now.append(entry)
-            elif self.config.serves(entry.ns):
-                chosen.setdefault(entry.ns, []).append(entry)
+                free_now.append(slot)
+            elif self.config.serves(ns):
+                chosen.setdefault(ns, []).append(slot)
                 room -= 1
             else:
                 continue
-            short -= entry.ns.entry_pages
+            short -= ns.entry_pages
             if short <= 0 or room <= 0 or looked >= LOOK_LIMIT:
                 break
-        index.free_ahead(free_now)
-        for ns, entries in chosen.items():
-            for i in range(0, len(entries), DEMOTE_BATCH):
-                if not self._put(ns, entries[i:i + DEMOTE_BATCH], now):
+        index.free_ahead(np.array(free_now, np.int32))
+        for ns, slots in chosen.items():
+            for i in range(0, len(slots), DEMOTE_BATCH):
+                if not self._put(ns, np.array(slots[i:i + DEMOTE_BATCH], np.int32), now):
                     return
 
-    def _put(self, ns: Namespace, entries: list[Entry], now: float) -> bool:
-        ctx = Put(ns, entries, self.index.ticks_of(entries), now)
+    def _candidates(self, short: int) -> Iterator[tuple[int, int]]:
+        """(slot, namespace slot) of the policy's victims, best first, asked for ``short`` pages
+        at a time (a walk moves the policy's lists as far as it goes: no further than needed)."""
+        index, seen = self.index, NO_SLOTS
+        while len(seen) < LOOK_LIMIT:
+            batch = index.victims(max(short, 1), seen)
+            if not len(batch):
+                return
+            yield from zip(batch.tolist(), index.namespaces_of(batch).tolist())
+            seen = np.concatenate([seen, batch])
+
+    def _put(self, ns: Namespace, slots: np.ndarray, now: float) -> bool:
+        ctx = Put(ns, slots, self.index.ticks_of(slots), now)
         try:
-            self.companion.submit("put", ctx, **self.companion.fields(ns, entries))
+            self.companion.submit("put", ctx, **self.companion.fields(ns, slots))
         except (LinkBusy, LinkDown):
             return False                       # they stay; if a store takes their pages, counted
-        self.index.pin(entries, access=False)  # READY and loadable; no store takes their pages
-        self.pages += len(entries) * ns.entry_pages
-        self.blocks += len(entries)
+        self.index.pin(slots, access=False)    # READY and loadable; no store takes their pages
+        self.pages += len(slots) * ns.entry_pages
+        self.blocks += len(slots)
         return True
 
     def done(self, ctx: Put, o: Outcome, now: float) -> None:
         """A put's outcome (past its deadline: its pages stay pinned until its final one)."""
         if not o.final:
             return
-        entries, ns = ctx.entries, ctx.ns
-        self.index.unpin(entries)
-        self.pages -= len(entries) * ns.entry_pages
-        self.blocks -= len(entries)
+        slots, ns = ctx.slots, ctx.ns
+        self.index.unpin(slots)
+        self.pages -= len(slots) * ns.entry_pages
+        self.blocks -= len(slots)
         done = o.result.get("done", b"") if o.ok else b""
-        done = done if len(done) == len(entries) else bytes(len(entries))
+        done = done if len(done) == len(slots) else bytes(len(slots))
         if not o.ok:
             self.off_until = now + self.config.cooldown
-        untouched = self.index.ticks_of(entries) == ctx.ticks
-        free, failed = [], []
-        for entry, took, same in zip(entries, done, untouched.tolist()):
-            if took:
-                self.copies.held[entry.slot] = True
-                self.counters["demoted_blocks"] += 1
-                self.counters["demoted_bytes"] += ns.id.entry_bytes
-            if same:
-                (free if took else failed).append(entry)
-        self.index.free_ahead(free)
-        self.dropped["failed"] += self.index.free_ahead(failed)
+        took = np.frombuffer(done, np.uint8) != 0
+        untouched = self.index.ticks_of(slots) == ctx.ticks
+        self.copies.held[slots[took]] = True
+        self.counters["demoted_blocks"] += int(took.sum())
+        self.counters["demoted_bytes"] += int(took.sum()) * ns.id.entry_bytes
+        self.index.free_ahead(slots[untouched & took])
+        self.dropped["failed"] += self.index.free_ahead(slots[untouched & ~took])
 
-    def leaving(self, cause: Gone, slots: np.ndarray, keys: list[bytes], namespaces: np.ndarray) -> None:
+    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
         """Entries leave the index (``kvtierd.events``): forget what was known of them; count
         those a store's room took that the tier does not hold, by why the tier did not get them."""
         held = self.copies.forget(slots)

@@ -112,17 +112,17 @@ class Promotes:
         if now < self.off_until or len(self._to_check) >= self.companion.room():
             return 0
         rest = keys[hits:]
-        found = ns.find(rest)
+        found = self.index.find(ns, rest)
         checking = self._checking.setdefault(ns.id, {})
         absent = self._absent.setdefault(ns.id, {})
-        if (found.count(None) == len(found) and not any(map(checking.__contains__, rest))
+        if ((found < 0).all() and not any(map(checking.__contains__, rest))
                 and not any(map(absent.__contains__, rest))):
             self._check(ns, rest, now)          # the common case: a fresh miss
             return len(rest)
         pending, new = 0, []
-        for key, entry in zip(rest, found):
-            if entry is not None:
-                if entry.state is EntryState.READY or entry.write.kind is WriterKind.TIER:
+        for key, slot in zip(rest, found.tolist()):
+            if slot >= 0:
+                if self._promised(slot):
                     pending += 1
                     continue
                 break                           # an engine is storing it: not the tier's to promise
@@ -190,15 +190,20 @@ class Promotes:
         if not self.index.live(ns):             # taken over meanwhile: its engines are gone
             return
         run = []
-        for key, held_it, entry in zip(ctx.keys, present, ns.find(ctx.keys)):
+        for key, held_it, slot in zip(ctx.keys, present, self.index.find(ns, ctx.keys).tolist()):
             if not held_it:
                 break
-            if entry is None:
+            if slot < 0:
                 run.append(key)
-            elif not (entry.state is EntryState.READY or entry.write.kind is WriterKind.TIER):
+            elif not self._promised(slot):
                 break
         for i in range(0, len(run), PROMOTE_BATCH):
             self._promote(ns, run[i:i + PROMOTE_BATCH], now)
+
+    def _promised(self, slot: int) -> bool:
+        """Whether the local entry of a key is one a lookup may count as coming: READY, or being
+        written by a promote (an engine storing it is not the tier's to promise)."""
+        return self.index.states(slot) == EntryState.READY or self.writes.kind_of(slot) is WriterKind.TIER
 
     def _remember_absent(self, ns: Namespace, keys: list[bytes], until: float) -> None:
         if not keys:
@@ -218,18 +223,18 @@ class Promotes:
             return
         job_id = next(self._ids)
         write, outcomes, _ = self.writes.begin(WriterKind.TIER, job_id, ns, keys)
-        self._remember_absent(ns, [k for k, out in zip(keys, outcomes) if out is StoreOutcome.NO_SPACE],
+        self._remember_absent(ns, [k for k, out in zip(keys, outcomes) if out == StoreOutcome.NO_SPACE],
                               now + ABSENT_SECONDS)
-        entries = write.entries
-        if not entries:
+        slots = write.slots
+        if not len(slots):
             return
         job = Promote(job_id, ns, writer, write, now)
         self.writes.hand(write, 0, writer)      # every shard (the tier holds whole entries), before the get
         try:
-            self.companion.submit("get", job, **self.companion.fields(ns, entries))
+            self.companion.submit("get", job, **self.companion.fields(ns, slots))
         except (LinkBusy, LinkDown):
             self.writes.settle(write, 0)        # never sent: nothing landed
-            self.writes.complete(write, bytes(len(entries)))
+            self.writes.complete(write, bytes(len(slots)))
             self._remember_absent(ns, keys, now + ABSENT_SECONDS)
             return
         self.jobs[job.id] = job
@@ -246,18 +251,18 @@ class Promotes:
         self.writes.settle(write, 0)            # aborted earlier: its parked pages come back (a late final)
         if not write.open:
             return
-        entries = list(write.entries)
+        slots = write.slots
         done = o.result.get("done", b"") if o.ok else b""
-        done = done if len(done) == len(entries) else bytes(len(entries))
+        done = done if len(done) == len(slots) else bytes(len(slots))
         # Blocks whose seal failed (issue 26 G) did not land: the companion says why.
         self.rejected.update({r: int(n) for r, n in o.result.get("rejected", {}).items() if r in REASONS})
         landed = self.writes.complete(write, done)
-        lost = [e.key for e, d in zip(entries, done) if not d]
+        lost = [key for key, d in zip(self.index.keys_of(slots), done) if not d] if done.count(0) else []
         if lost:
             self._remember_absent(job.ns, lost, now + ABSENT_SECONDS)
             self.counters["promote_failed_blocks"] += len(lost)
-        if landed:
-            self.copies.promoted([e.slot for e in landed], self.index.ticks_of(landed).tolist())
+        if len(landed):
+            self.copies.promoted(landed.tolist(), self.index.ticks_of(landed).tolist())
             self.counters["promoted_blocks"] += len(landed)
             self.counters["promoted_bytes"] += len(landed) * job.ns.id.entry_bytes
         if o.ok:
@@ -272,7 +277,7 @@ class Promotes:
         if not write.open:
             return
         job.cause = cause
-        keys = [e.key for e in write.entries]
+        keys = self.index.keys_of(write.slots)
         self.writes.abort(write)
         self._remember_absent(job.ns, keys, self.clock() + ABSENT_SECONDS)
         self.counters["promote_failed_blocks"] += len(keys)
@@ -289,7 +294,7 @@ class Promotes:
     def stats(self) -> dict:
         c = self.counters
         return {"promoted_blocks": c["promoted_blocks"], "promoted_bytes": c["promoted_bytes"],
-                "promoting_blocks": sum(len(j.write.entries) for j in self.jobs.values() if j.write.open),
+                "promoting_blocks": sum(len(j.write.slots) for j in self.jobs.values() if j.write.open),
                 "promote_failed_blocks": c["promote_failed_blocks"], "promote_jobs": c["promote_jobs"],
                 "promote_jobs_done": c["promote_jobs_done"], "promote_aborted": dict(self.aborted),
                 "seal_rejected_blocks": {r: self.rejected[r] for r in REASONS},

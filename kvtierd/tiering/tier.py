@@ -147,7 +147,7 @@ class CompanionTier(Tier):
             reply("excluded" if namespaces else "removed", None if namespaces else 0)
             return
         for ns in served:                      # their entries' copies in the tier are going
-            self.copies.held[[e.slot for e in ns.index.values()]] = False
+            self.copies.held[self.index.slots_of(ns)] = False
         batch = _ClearBatch(len(served), reply)
         now = self.clock()
         for ns in served:

@@ -69,6 +69,19 @@ def pages(p: bytes) -> list[int]:
     return np.frombuffer(p, PAGES_DTYPE).tolist()
 
 
+def per_entry(p: bytes, n: int) -> list[bytes]:
+    """A reply's pages (PAGES_DTYPE bytes, ``n`` entries' runs one after the other) split per entry."""
+    if n == 0:
+        return []
+    step = len(p) // n
+    return [p[i * step:(i + 1) * step] for i in range(n)]
+
+
+def slot_of(index, ns, key: bytes) -> int:
+    """The slot of ``key``'s entry in ``ns`` (WRITING or READY), -1 when there is none."""
+    return int(index.find(ns, [key])[0])
+
+
 # What the unit stores let engines hold out of eviction: all of it. Their regions are a few pages,
 # where any share would cut the pins and leases they test; the tests of the shares (test_holds.py)
 # pass the shares they test.
@@ -111,8 +124,11 @@ class Env:
 
     def has(self, session, key: bytes) -> bool:
         """Without touching the LRU (unlike lookup)."""
-        e = session.engine.ns.index.get(key)
-        return e is not None and e.state is EntryState.READY
+        return slot_of(self.store.index, session.engine.ns, key) in self.ready_slots()
+
+    def ready_slots(self) -> set[int]:
+        index = self.store.index
+        return set(np.flatnonzero(index.states(np.arange(index.geometry.entry_slots)) == EntryState.READY).tolist())
 
     def stats(self) -> dict:
         return self.store.stats()
@@ -144,12 +160,14 @@ def two_namespaces(num_pages: int, a: int, b: int):
 def corrupt_env():
     """Namespace A: 1-page entries a0..a3; namespace B: 2-page entries b0..b3."""
     env, a, b = two_namespaces(32, 4, 4)
-    return env, a.engine.ns.index, b.engine.ns.index
+    return env, (env.store.index, a.engine.ns), (env.store.index, b.engine.ns)
 
 
-def slot_pages(idx, key):
-    e = idx[key]
-    return e.slot, pages(e.pages)
+def slot_pages(where, key):
+    """(slot, whole page chain) of ``key``'s entry; ``where``: (index, namespace)."""
+    index, ns = where
+    slot = slot_of(index, ns, key)
+    return slot, pages(index.pages_of(ns, np.array([slot], np.int32)))
 
 
 def reseal(view: RegionView, slot: int) -> None:

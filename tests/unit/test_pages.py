@@ -1,13 +1,14 @@
-"""kvtierd.pages.FreeStack (the pages of the data area, the slots of the entry table): O(1) alloc/free,
-never the same id twice."""
+"""kvtierd.pages.FreeStack and FreeIds (the pages of the data area, the slots of the entry table): O(1)
+alloc/free, never the same id twice; FreeIds (a NumPy array) gives the same ids in the same order."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtierd.pages import FreeStack
+from kvtierd.pages import FreeIds, FreeStack
 
 
 def test_fresh_region_hands_out_pages_in_order():
@@ -121,3 +122,41 @@ def test_free_ids_is_a_snapshot():
     assert sorted(free.tolist()) == sorted(set(range(6)) - {2} - set(taken))
     a.free(taken)
     assert len(free) == 3 and a.free_count == 5
+
+
+# ---------------------------------------------------------------------------- FreeIds (the array index's)
+def test_free_ids_hand_out_in_order_and_reuse_last_freed_first():
+    a = FreeIds(10, used=np.array([2, 7]))
+    assert (a.free_count, a.used_count) == (8, 2)
+    assert a.alloc(3).tolist() == [0, 1, 3]
+    assert a.alloc(20) is None and a.free_count == 5
+    a.free(np.array([9, 1, 3]))          # freed... (9 was never taken: the caller's bug, not checked)
+    assert a.alloc(3).tolist() == [9, 1, 3]      # ...come back in the order given
+    with pytest.raises(ValueError):
+        a.alloc(0)
+
+
+def test_free_ids_refuse_more_frees_than_ids():
+    a = FreeIds(3)
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free(np.array([0]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=60))
+def test_free_ids_behave_as_free_stack(ops):
+    """The same ids in the same order as the list-based stack, under any alloc/free sequence."""
+    a, b = FreeIds(24), FreeStack(24)
+    held: list[list[int]] = []
+    for alloc, n in ops:
+        if alloc:
+            got_a, got_b = a.alloc(n), b.alloc(n)
+            assert (got_a is None) == (got_b is None)
+            if got_b is not None:
+                assert got_a.tolist() == got_b
+                held.append(got_b)
+        elif held:
+            ids = held.pop(n % len(held))
+            a.free(np.asarray(ids))
+            b.free(ids)
+        assert a.free_ids().tolist() == b.free_ids().tolist()

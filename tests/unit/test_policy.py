@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtierd.policy import DEFAULT, POLICIES, Policy, create
+from kvtierd.policy import DEFAULT, POLICIES, Policy, reference as create
 from kvtierd.policy.lru import LRUPolicy
 
 

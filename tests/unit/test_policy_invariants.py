@@ -15,7 +15,7 @@ from itertools import islice
 
 import pytest
 
-from kvtierd.policy import POLICIES, create
+from kvtierd.policy import POLICIES, reference as create
 
 NAMES = sorted(POLICIES)
 

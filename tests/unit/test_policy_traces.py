@@ -17,7 +17,7 @@ import pytest
 
 from kvtierbench import traces
 from kvtierbench.traces import Trace, TraceError, belady, capacity, load, replay
-from kvtierd.policy import POLICIES, create
+from kvtierd.policy import POLICIES, reference as create
 from kvtierd.policy.lru import LRUPolicy
 from kvtierd.policy.slru import SLRUPolicy
 

@@ -28,7 +28,7 @@ from kvtierd.tiering.interface import TierConfig
 from kvtierd.tiering.promote import CHECK_DELAY
 from kvtierd.tiering.tier import CompanionTier
 
-from .store_env import PAGE, Env
+from .store_env import PAGE, Env, per_entry
 
 
 class ScriptedLink:
@@ -187,8 +187,9 @@ class TierEnv(Env):
         return reply
 
     def ready(self, session, key: bytes) -> bool:
-        e = session.engine.ns.index.get(key)
-        return e is not None and e.state is EntryState.READY
+        index = self.store.index
+        slot = int(index.find(session.engine.ns, [key])[0])
+        return slot >= 0 and int(index.states(slot)) == EntryState.READY
 
     def fill(self, sessions: list, job: int, ks: list[bytes]) -> list:
         """The whole store protocol with the writers' copies: every rank stores, each writer writes
@@ -202,12 +203,12 @@ class TierEnv(Env):
                 self.store.commit(s, job, True)
         return outcomes
 
-    def copy(self, session, ks: list[bytes], handed: list[bytes]) -> None:
-        """What a writer rank copies into the pages it was handed for ``ks``."""
+    def copy(self, session, ks: list[bytes], handed: bytes) -> None:
+        """What a writer rank copies into the pages it was handed for ``ks`` (one run per key)."""
         ns = session.engine.ns
         first = session.rank * ns.pages_per_shard if ns.shards > 1 else 0
         owner = identity(ns.id)
-        for key, chain in zip(ks, handed):
+        for key, chain in zip(ks, per_entry(handed, len(ks))):
             pages = np.frombuffer(chain, PAGES_DTYPE)
             write_pages(self.view, pages, [page_content(owner, key, first + i) for i in range(len(pages))])
 

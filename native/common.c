@@ -1,0 +1,148 @@
+/* Arguments from Python (slot and word vectors) and the growth of the ordered lists' arrays. */
+#include "native.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int from_sequence(PyObject *obj, Py_ssize_t *n, PyObject **fast) {
+    *fast = PySequence_Fast(obj, "expected a buffer of integers or a sequence of ints");
+    if (*fast == NULL) return -1;
+    *n = PySequence_Fast_GET_SIZE(*fast);
+    return 0;
+}
+
+int slots_get(PyObject *obj, Slots *out) {
+    memset(out, 0, sizeof(*out));
+    if (PyObject_CheckBuffer(obj) && !PyBytes_Check(obj)) {
+        if (PyObject_GetBuffer(obj, &out->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+        out->has_view = true;
+        Py_ssize_t item = out->view.itemsize;
+        const char *f = out->view.format ? out->view.format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        bool is_signed = (*f == 'i' || *f == 'l' || *f == 'q' || *f == 'n');
+        if (!is_signed || (item != 4 && item != 8) || f[1] != '\0') {
+            PyErr_Format(PyExc_TypeError, "slots must be int32 or int64, not format '%s'", out->view.format);
+            slots_release(out);
+            return -1;
+        }
+        out->n = out->view.len / item;
+        if (item == 4) {
+            out->v = (const int32_t *)out->view.buf;
+        } else {
+            const int64_t *src = (const int64_t *)out->view.buf;
+            out->owned = PyMem_Malloc(sizeof(int32_t) * (size_t)(out->n ? out->n : 1));
+            if (out->owned == NULL) { slots_release(out); PyErr_NoMemory(); return -1; }
+            for (Py_ssize_t i = 0; i < out->n; i++) {
+                if (src[i] < 0 || src[i] > INT32_MAX - 1) {
+                    PyErr_Format(PyExc_ValueError, "slot %lld out of range", (long long)src[i]);
+                    slots_release(out);
+                    return -1;
+                }
+                out->owned[i] = (int32_t)src[i];
+            }
+            out->v = out->owned;
+        }
+    } else {
+        PyObject *fast;
+        if (from_sequence(obj, &out->n, &fast) < 0) return -1;
+        out->owned = PyMem_Malloc(sizeof(int32_t) * (size_t)(out->n ? out->n : 1));
+        if (out->owned == NULL) { Py_DECREF(fast); PyErr_NoMemory(); return -1; }
+        PyObject **items = PySequence_Fast_ITEMS(fast);
+        for (Py_ssize_t i = 0; i < out->n; i++) {
+            long long value = PyLong_AsLongLong(items[i]);
+            if (value == -1 && PyErr_Occurred()) { Py_DECREF(fast); slots_release(out); return -1; }
+            if (value < 0 || value > INT32_MAX - 1) {
+                PyErr_Format(PyExc_ValueError, "slot %lld out of range", value);
+                Py_DECREF(fast);
+                slots_release(out);
+                return -1;
+            }
+            out->owned[i] = (int32_t)value;
+        }
+        Py_DECREF(fast);
+        out->v = out->owned;
+    }
+    for (Py_ssize_t i = 0; i < out->n; i++) {
+        if (out->v[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "slot %d out of range", out->v[i]);
+            slots_release(out);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+void slots_release(Slots *s) {
+    if (s->owned) PyMem_Free(s->owned);
+    if (s->has_view) PyBuffer_Release(&s->view);
+    s->owned = NULL;
+    s->has_view = false;
+}
+
+PyObject *int32_bytes(const int32_t *v, Py_ssize_t n) {
+    return PyBytes_FromStringAndSize((const char *)v, n * (Py_ssize_t)sizeof(int32_t));
+}
+
+int words_get(PyObject *obj, Words *out) {
+    memset(out, 0, sizeof(*out));
+    if (PyObject_CheckBuffer(obj) && !PyBytes_Check(obj)) {
+        if (PyObject_GetBuffer(obj, &out->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+        out->has_view = true;
+        if (out->view.itemsize != 8) {
+            PyErr_SetString(PyExc_TypeError, "expected 8-byte integers (uint64 or int64)");
+            words_release(out);
+            return -1;
+        }
+        out->n = out->view.len / 8;
+        out->v = (const uint64_t *)out->view.buf;
+        return 0;
+    }
+    PyObject *fast;
+    if (from_sequence(obj, &out->n, &fast) < 0) return -1;
+    out->owned = PyMem_Malloc(sizeof(uint64_t) * (size_t)(out->n ? out->n : 1));
+    if (out->owned == NULL) { Py_DECREF(fast); PyErr_NoMemory(); return -1; }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < out->n; i++) {
+        /* Python hashes are signed: take their two's complement bits, as NumPy's view does. */
+        unsigned long long value = PyLong_AsUnsignedLongLongMask(items[i]);
+        if (value == (unsigned long long)-1 && PyErr_Occurred()) { Py_DECREF(fast); words_release(out); return -1; }
+        out->owned[i] = value;
+    }
+    Py_DECREF(fast);
+    out->v = out->owned;
+    return 0;
+}
+
+void words_release(Words *w) {
+    if (w->owned) PyMem_Free(w->owned);
+    if (w->has_view) PyBuffer_Release(&w->view);
+    w->owned = NULL;
+    w->has_view = false;
+}
+
+int order_reserve(Order *o, Py_ssize_t slots) {
+    if (slots <= o->cap) return 0;
+    Py_ssize_t cap = o->cap ? o->cap : 1024;
+    while (cap < slots) cap *= 2;
+    int32_t *prev = PyMem_Realloc(o->prev, sizeof(int32_t) * (size_t)cap);
+    if (prev == NULL) { PyErr_NoMemory(); return -1; }
+    o->prev = prev;
+    int32_t *next = PyMem_Realloc(o->next, sizeof(int32_t) * (size_t)cap);
+    if (next == NULL) { PyErr_NoMemory(); return -1; }
+    o->next = next;
+    uint8_t *where = PyMem_Realloc(o->where, (size_t)cap);
+    if (where == NULL) { PyErr_NoMemory(); return -1; }
+    o->where = where;
+    memset(o->where + o->cap, WHERE_NONE, (size_t)(cap - o->cap));
+    o->cap = cap;
+    return 0;
+}
+
+void order_free(Order *o) {
+    PyMem_Free(o->prev);
+    PyMem_Free(o->next);
+    PyMem_Free(o->where);
+    o->prev = o->next = NULL;
+    o->where = NULL;
+    o->cap = 0;
+}

@@ -1,0 +1,40 @@
+/* kvtierd._native: the daemon's per-entry state in flat arrays (native/README.md). */
+#include "native.h"
+
+static PyMethodDef functions[] = {
+    {"key_hashes", (PyCFunction)(void (*)(void))key_hashes, METH_FASTCALL,
+     "key_hashes(records, slots, record_bytes, key_len_at, key_at, max_key) -> uint64 hash of each slot's key"},
+    {"record_sums", (PyCFunction)(void (*)(void))record_sums, METH_FASTCALL,
+     "record_sums(records, slots, chains, counts, identities, mask) -> uint64 record sum of each slot"},
+    {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL,
+     "hold(mine, other, slots, step) -> (changed, int32 slots that leave or re-enter the policy)"},
+    {"keys_ok", (PyCFunction)(void (*)(void))keys_ok, METH_FASTCALL,
+     "keys_ok(keys, max_len, max_count) -> whether keys are distinct bytes of 1..max_len, at most max_count"},
+    {NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvtierd._native",
+    .m_methods = functions,
+    .m_doc = "The daemon's compiled core: the key table, the eviction policies and their sketch.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyTypeObject *types[] = {&KeyTableType, &PolicyType, &SketchType};
+    const char *names[] = {"KeyTable", "Policy", "Sketch"};
+    for (int i = 0; i < 3; i++)
+        if (PyType_Ready(types[i]) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    for (int i = 0; i < 3; i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    return m;
+}

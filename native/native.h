@@ -1,0 +1,158 @@
+/* What the compiled core's parts share: slot arguments, the ordered lists the policies keep over
+ * per-slot arrays, and the frequency sketch. native/README.md has the design. */
+#ifndef KVTIERD_NATIVE_H
+#define KVTIERD_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+/* ---------------------------------------------------------------------------- slot arguments */
+/* A sequence of slots given by Python: a contiguous buffer of 4- or 8-byte signed integers (NumPy
+ * int32/int64) used in place when it is int32, or copied (another width, a list, a tuple). */
+typedef struct {
+    const int32_t *v;
+    Py_ssize_t n;
+    int32_t *owned;          /* a copy made here (freed by slots_release) */
+    Py_buffer view;
+    bool has_view;
+} Slots;
+
+int slots_get(PyObject *obj, Slots *out);      /* 0, or -1 with an exception set */
+void slots_release(Slots *s);
+PyObject *int32_bytes(const int32_t *v, Py_ssize_t n);
+
+/* A vector of uint64 given by Python (a contiguous buffer of 8-byte integers, or a list). */
+typedef struct {
+    const uint64_t *v;
+    Py_ssize_t n;
+    uint64_t *owned;
+    Py_buffer view;
+    bool has_view;
+} Words;
+
+int words_get(PyObject *obj, Words *out);
+void words_release(Words *w);
+
+/* ---------------------------------------------------------------------------- ordered lists */
+/* Each tracked slot is in at most one list at a time (``where``), so one prev/next pair per slot
+ * holds every list: the OrderedDict operations the Python policies used (append at the young
+ * end, move to either end, pop, walk from the old end), each O(1). */
+#define NO_SLOT (-1)
+#define MAX_LISTS 3
+#define WHERE_NONE 0          /* untracked */
+#define WHERE_PINNED 0x80     /* held by a load or lease: out of every list */
+
+typedef struct {
+    int32_t head, tail;       /* old end, young end */
+    Py_ssize_t size;
+} List;
+
+typedef struct {
+    List lists[MAX_LISTS];
+    int32_t *prev, *next;
+    uint8_t *where;           /* WHERE_NONE, list index + 1, or WHERE_PINNED */
+    Py_ssize_t cap;           /* length of the per-slot arrays */
+} Order;
+
+int order_reserve(Order *o, Py_ssize_t slots);   /* grow the per-slot arrays to cover ``slots`` */
+void order_free(Order *o);
+
+static inline void order_unlink(Order *o, int32_t s) {
+    List *l = &o->lists[o->where[s] - 1];
+    int32_t p = o->prev[s], n = o->next[s];
+    if (p == NO_SLOT) l->head = n; else o->next[p] = n;
+    if (n == NO_SLOT) l->tail = p; else o->prev[n] = p;
+    l->size--;
+    o->where[s] = WHERE_NONE;
+}
+
+static inline bool order_in(const Order *o, int32_t s, int list) {
+    return s < o->cap && o->where[s] == list + 1;
+}
+
+static inline bool order_listed(const Order *o, int32_t s) {
+    return s < o->cap && o->where[s] != WHERE_NONE && o->where[s] != WHERE_PINNED;
+}
+
+static inline void order_push_tail(Order *o, int list, int32_t s) {
+    List *l = &o->lists[list];
+    o->prev[s] = l->tail;
+    o->next[s] = NO_SLOT;
+    if (l->tail == NO_SLOT) l->head = s; else o->next[l->tail] = s;
+    l->tail = s;
+    l->size++;
+    o->where[s] = (uint8_t)(list + 1);
+}
+
+static inline void order_push_head(Order *o, int list, int32_t s) {
+    List *l = &o->lists[list];
+    o->next[s] = l->head;
+    o->prev[s] = NO_SLOT;
+    if (l->head == NO_SLOT) l->tail = s; else o->prev[l->head] = s;
+    l->head = s;
+    l->size++;
+    o->where[s] = (uint8_t)(list + 1);
+}
+
+/* OrderedDict ``d[s] = None``: at the young end unless already in the list (then it stays). */
+static inline void order_add(Order *o, int list, int32_t s) {
+    if (o->where[s] == list + 1) return;
+    if (order_listed(o, s)) order_unlink(o, s);
+    order_push_tail(o, list, s);
+}
+
+/* ``move_to_end(s)`` / ``move_to_end(s, last=False)`` of a slot in the list. */
+static inline void order_to_tail(Order *o, int list, int32_t s) {
+    if (o->lists[list].tail == s) return;
+    order_unlink(o, s);
+    order_push_tail(o, list, s);
+}
+
+static inline void order_to_head(Order *o, int list, int32_t s) {
+    if (o->lists[list].head == s) return;
+    order_unlink(o, s);
+    order_push_head(o, list, s);
+}
+
+/* ---------------------------------------------------------------------------- frequency sketch */
+/* kvtierd/policy/sketch.py's count-min sketch, counter for counter: ROWS rows of 2**bits 8-bit
+ * counters, multiply-shift hashing of each key's 64-bit fingerprint, a batch counted as one step
+ * (all counters read before any is written), halving every width/4 counted keys. */
+#define SKETCH_ROWS 4
+#define SKETCH_MAX 15
+#define SKETCH_WIDTH_PER_ENTRY 16
+#define SKETCH_MIN_BITS 10
+
+typedef struct {
+    uint8_t *table;           /* ROWS x width, row-major */
+    int bits;
+    int64_t added;            /* keys counted since the last halving */
+    uint64_t *at;             /* scratch: ROWS x n counter positions */
+    uint8_t *before;          /* scratch: ROWS x n counters before a count */
+    Py_ssize_t scratch;
+} Sketch;
+
+int sketch_init(Sketch *s);
+void sketch_free(Sketch *s);
+int sketch_fit(Sketch *s, Py_ssize_t entries);
+/* Count each fingerprint once more; ``seen[i]`` (when given) says whether key i had been counted
+ * before in every row, ``least[i]`` (when given) its estimate before. */
+int sketch_count(Sketch *s, const uint64_t *fps, Py_ssize_t n, bool *seen, uint8_t *least);
+int sketch_estimate(Sketch *s, const uint64_t *fps, Py_ssize_t n, uint8_t *out);
+
+static inline Py_ssize_t sketch_width(const Sketch *s) { return (Py_ssize_t)1 << s->bits; }
+
+/* ---------------------------------------------------------------------------- module functions */
+PyObject *key_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *record_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
+/* ---------------------------------------------------------------------------- types */
+extern PyTypeObject KeyTableType;
+extern PyTypeObject PolicyType;
+extern PyTypeObject SketchType;
+
+#endif

@@ -1,0 +1,52 @@
+"""kvtierd.records: the compiled passes over entry records agree with the format's own definitions
+(region_format.entry_record_sums in NumPy; Python's hash of each key's bytes)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtierd.contract.protocol import MAX_KEY_BYTES
+from kvtierd.contract.region_format import ENTRY_DTYPE, Geometry
+from kvtierd.contract.region_sums import entry_record_sums
+from kvtierd.contract.region_view import RegionView
+from kvtierd.records import key_hashes, keys_of, record_sums
+
+
+def random_view(seed: int, slots: int) -> RegionView:
+    """A table of records of random bytes (whatever a damaged table may hold)."""
+    geo = Geometry.for_pages(slots, 4096)
+    view = RegionView(bytearray(geo.meta_bytes), None, geo)
+    rng = np.random.default_rng(seed)
+    view.entries.view(np.uint8)[:] = rng.integers(0, 256, len(view.entries) * ENTRY_DTYPE.itemsize, dtype=np.uint8)
+    return view
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), width=st.integers(1, 9), per_slot=st.booleans(), whole=st.booleans())
+def test_record_sums_are_the_formats(seed, width, per_slot, whole):
+    view = random_view(seed, 40)
+    rng = np.random.default_rng(seed + 1)
+    slots = rng.choice(40, 25, replace=True).astype(np.int32)          # repeats too
+    chains = rng.integers(0, 2**32, (25, width), dtype=np.uint64).astype(np.uint32)
+    counts = None if whole else rng.integers(0, width + 1, 25)
+    ids = rng.integers(0, 2**63, 25, dtype=np.uint64) if per_slot else int(rng.integers(0, 2**63))
+    records = view.entries.view(np.uint8).reshape(40, ENTRY_DTYPE.itemsize)[slots]
+    want = entry_record_sums(records, chains, counts, ids)
+    assert record_sums(view, slots, chains, counts, ids).tolist() == want.tolist()
+
+
+def test_key_hashes_are_pythons_hash_of_each_key():
+    view = random_view(7, 64)
+    lengths = view.entries["key_len"]
+    lengths[:] = np.arange(64) % (MAX_KEY_BYTES + 3)                  # 0 and too long among them
+    slots = np.arange(64, dtype=np.int32)
+    got = key_hashes(view, slots).view(np.int64).tolist()
+    for slot in range(64):
+        n = int(lengths[slot])
+        if 1 <= n <= MAX_KEY_BYTES:
+            key = bytes(view.entries["key"][slot][:n])
+            assert got[slot] == hash(key) and keys_of(view, slots[slot:slot + 1]) == [key]
+        else:
+            assert got[slot] == 0
