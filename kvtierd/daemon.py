@@ -214,8 +214,10 @@ class Daemon:
                       max_writer_rows=max_writer_rows, max_writer_rows_per_peer=c.max_writer_rows_per_peer,
                       held_shares=(c.max_held_share_per_engine, c.max_held_share_per_namespace, c.max_held_share),
                       events_log_bytes=c.events_log_bytes, tier=build_tier(c, self.region.paths, self.region.geometry))
-        # The recovered index (up to millions of entries) lives as long as the daemon: keep it
-        # out of the cyclic GC's full passes, which would otherwise stall the loop for ~0.2 s.
+        # What the daemon built to start (modules, functions, its store: ~35,000 objects, none per
+        # entry) lives as long as it does: frozen out of the cyclic collector's passes, a full pass
+        # walks only what requests create (docs/benchmarks.md: a full pass over them paused the
+        # loop 10-18 ms here).
         gc.freeze()
         rec = store.recovered
         if self.region.adopted:

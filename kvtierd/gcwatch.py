@@ -1,7 +1,7 @@
 """Python's cyclic garbage collector, watched: how many collections of each generation ran and how
 long each paused the daemon (its one loop serves every request, so a collection is a pause of
 all of them). ``kvtierctl stats`` shows it (``gc``) and the eviction bench reads it: with the
-entries in arrays (``kvtierd.entries``) a full collection walks a few thousand objects, not one
+entries in arrays (``kvtierd.index``) a full collection walks a few thousand objects, not one
 per entry.
 """
 

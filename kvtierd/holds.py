@@ -1,8 +1,8 @@
 """Holds (invariants 2, 10, 12 and 13): who may still read a READY entry's pages, and how much of
 the region each engine may keep out of eviction that way. No sockets, no threads.
 
-Per entry slot, two kinds of hold, each a count (NumPy arrays, so that a job's or a lease's
-thousands of entries are held in a few passes):
+Per entry slot, two kinds of hold, each a count (uint32 arrays: a job's or a lease's thousands of
+entries are held in one compiled pass, ``kvtierd._native.hold``):
 
 - a *pin*: someone copies out of the entry's pages now — an engine's load job (until every rank
   released it) or the second tier's put (a demote, until its final outcome);

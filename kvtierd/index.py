@@ -333,8 +333,9 @@ class Index:
         if n == 0:
             return
         self._ticks[slots] = self.tick
-        self.view.entries["checksum"][slots] = [entry_checksum([sums[i] for sums in shard_sums])
-                                                for i in range(n)] if shard_sums else 0
+        if shard_sums:              # else the records' checksums stay 0, as _new_entries wrote them
+            self.view.entries["checksum"][slots] = [entry_checksum([sums[i] for sums in shard_sums])
+                                                    for i in range(n)]
         ns = self.ns.at(int(self._ns_col[slots[0]]))
         chains = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE).reshape(n, ns.entry_pages)
         self._sums[slots] = record_sums(self.view, slots, chains, None, ns.identity)
@@ -352,8 +353,10 @@ class Index:
         self._forget(slots, Gone.ABORTED)
 
     def release_pages(self, pages: np.ndarray) -> None:
-        """Pages that no writer can touch any more come back (``kvtierd.writes`` alone)."""
-        self.pages.free(pages)
+        """Pages that no writer can touch any more come back (``kvtierd.writes`` alone; the
+        fence's proofs are asked every turn of the loop, and most turns release none)."""
+        if len(pages):
+            self.pages.free(pages)
 
     # ------------------------------------------------------------------ pages and keys of entries
     def pages_of(self, ns: Namespace, slots: np.ndarray, rank: int | None = None) -> bytes:

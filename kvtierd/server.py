@@ -62,7 +62,9 @@ from .attachments import SessionEnd
 from .contract import protocol as P
 from .contract.replies import StatsReply, error_reply, ok_reply
 from .contract.paths import check_socket_path
+from ._native import keys_ok
 from .contract.codes import ErrorCode, RequestError
+from .gcwatch import GcWatch
 from .handlers import Handlers, Later
 from .histogram import Histogram
 from .kvevents_pub import KvEventsPublisher, NoStream
@@ -91,6 +93,11 @@ def _describe(exc: BaseException) -> str:
     except Exception:
         text = "?"
     return f"{type(exc).__name__}: {text[:P.MAX_ERROR_CHARS]}"
+
+
+def _keys_ok(keys: Any) -> bool:
+    """The compiled proof that a keys field is valid (the decoder's pure check judges the rest)."""
+    return keys_ok(keys, P.MAX_KEY_BYTES, P.MAX_KEYS_PER_REQUEST)
 
 
 class Server:
@@ -128,6 +135,7 @@ class Server:
         self.connections = Connections(max_connections, max_connections_per_peer, self.sessions.disconnected)
         self.stopping = False
         self.started = time.time()
+        self.gc = GcWatch()             # the collector's passes: each is a pause of the one loop
         self.requests: Counter = Counter()
         self.errors: Counter = Counter()
         self.latency: dict[str, Histogram] = {op: Histogram() for op in P.REQUESTS}
@@ -317,7 +325,7 @@ class Server:
         for a hello); without it (unit tests, no sockets) the connection and its peer are
         unknown, and a session said hello there owes heartbeats."""
         try:
-            msg = P.decode_request(frame)
+            msg = P.decode_request(frame, keys_ok=_keys_ok)
         except Exception as exc:   # RequestError; anything else is a decoder bug, and costs this request only
             return self._refusal(frame, exc)
         op, rid = msg["op"], msg.get("rid", 0)
@@ -402,6 +410,7 @@ class Server:
             connections=len(self.connections),
             connections_refused=dict(self.connections.refused),
             events={**self.store.events_stats(), "stream": self.stream.stats()},
+            gc=self.gc.snapshot(),
         )
 
     def _replace_data(self) -> None:
@@ -424,6 +433,7 @@ class Server:
     def close(self) -> None:
         """End every session, close the sockets (when bound) and the wake pipe."""
         self.sessions.close()
+        self.gc.close()
         registered = {sock for sock, _ in self.poller.sockets}    # a failed listen registered only some
         if self.connections.monitor is not None:
             if self.connections.monitor in registered:

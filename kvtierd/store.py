@@ -32,7 +32,7 @@ from .jobs import COUNTERS as JOB_COUNTERS
 from .jobs import Jobs
 from .leases import Leases
 from .policy import DEFAULT as DEFAULT_POLICY
-from .policy import create as create_policy
+from .policy.native import create as create_policy
 from .processes import Process
 from .tiering.interface import TierFactory, no_tier
 from .writes import Writes

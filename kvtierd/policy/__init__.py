@@ -39,10 +39,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Iterator, Sequence, TypedDict
-
-if TYPE_CHECKING:
-    from .native import NativePolicy
+from typing import ClassVar, Iterator, Sequence, TypedDict
 
 Slots = Sequence[int]
 
@@ -116,12 +113,3 @@ def reference(name: str = DEFAULT) -> Policy:
     checked against victim for victim (tests/unit/test_native_policy.py), and what the in-process
     trace replays of kvtierbench run."""
     return policy_class(name)()
-
-
-def create(name: str = DEFAULT) -> "NativePolicy":
-    """A new, empty policy of the given name as the daemon runs it: compiled, over flat per-slot
-    arrays, hooks taking whole batches (``kvtierd.policy.native``)."""
-    from .native import NATIVE
-    if name not in NATIVE:
-        policy_class(name)                  # raises the error that names the known policies
-    return NATIVE[name]()

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .._native import Policy as _Policy
-from . import PolicyStats
+from . import DEFAULT, PolicyStats, policy_class
 from .s3fifo import SMALL_SHARE
 from .slru import PROTECTED_SHARE as SLRU_PROTECTED_SHARE
 from .tinylfu import PROTECTED_SHARE as TINYLFU_PROTECTED_SHARE
@@ -82,3 +82,10 @@ class TinyLFU(NativePolicy):
 
 
 NATIVE: dict[str, type[NativePolicy]] = {cls.name: cls for cls in (LRU, SLRU, S3FIFO, TinyLFU)}
+
+
+def create(name: str = DEFAULT) -> NativePolicy:
+    """A new, empty policy of the given name as the daemon runs it."""
+    if name not in NATIVE:
+        policy_class(name)                  # raises the error that names the known policies
+    return NATIVE[name]()

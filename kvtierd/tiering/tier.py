@@ -62,6 +62,7 @@ class CompanionTier(Tier):
                  clock: Callable[[], float]):
         self.config = config
         self.clock = clock
+        self.index = index
         self.companion = Companion(link, writes, f"{config.backend} at {config.address}")
         copies = Copies(index.geometry.entry_slots)
         self.copies = copies
