@@ -24,15 +24,63 @@ static void release_counters(uint8_t *table, int bits) {
     if (table) munmap(table, (size_t)SKETCH_ROWS << bits);
 }
 
+static size_t table_bytes(int bits) { return (size_t)SKETCH_ROWS << bits; }
+
+static size_t blocks(int bits) {
+    return (table_bytes(bits) + ((size_t)1 << SKETCH_BLOCK_BITS) - 1) >> SKETCH_BLOCK_BITS;
+}
+
+/* Per-block halving marks for a table of ``bits``, every block settled at ``halvings``. */
+static uint32_t *settled_marks(int bits, uint32_t halvings) {
+    size_t n = blocks(bits);
+    uint32_t *m = PyMem_Malloc(n * sizeof(uint32_t));
+    if (m == NULL) { PyErr_NoMemory(); return NULL; }
+    for (size_t b = 0; b < n; b++) m[b] = halvings;
+    return m;
+}
+
+/* Apply the halvings block ``b`` missed: k halvings of an 8-bit counter are one shift by k. */
+static void settle_block(Sketch *s, size_t b) {
+    uint32_t lag = s->halvings - s->settled[b];
+    if (lag == 0) return;
+    size_t start = b << SKETCH_BLOCK_BITS, end = start + ((size_t)1 << SKETCH_BLOCK_BITS);
+    if (end > table_bytes(s->bits)) end = table_bytes(s->bits);
+    if (lag >= 8) {
+        memset(s->table + start, 0, end - start);
+    } else {
+        const uint64_t keep = 0x0101010101010101ULL * (uint64_t)(0xFFu >> lag);
+        size_t c = start;
+        for (; c + 8 <= end; c += 8) {
+            uint64_t w;
+            memcpy(&w, s->table + c, 8);
+            w = (w >> lag) & keep;
+            memcpy(s->table + c, &w, 8);
+        }
+        for (; c < end; c++) s->table[c] >>= lag;
+    }
+    s->settled[b] = s->halvings;
+}
+
+static inline void settle(Sketch *s, uint64_t at) { settle_block(s, (size_t)(at >> SKETCH_BLOCK_BITS)); }
+
+/* Every block settled: the table as the eager halvings would have left it. */
+static void settle_all(Sketch *s) {
+    size_t n = blocks(s->bits);
+    for (size_t b = 0; b < n; b++) settle_block(s, b);
+}
+
 int sketch_init(Sketch *s) {
     memset(s, 0, sizeof(*s));
     s->bits = SKETCH_MIN_BITS;
     s->table = counters(s->bits);
-    return s->table ? 0 : -1;
+    if (s->table == NULL) return -1;
+    s->settled = settled_marks(s->bits, 0);
+    return s->settled ? 0 : -1;
 }
 
 void sketch_free(Sketch *s) {
     release_counters(s->table, s->bits);
+    PyMem_Free(s->settled);
     PyMem_Free(s->at);
     PyMem_Free(s->before);
     memset(s, 0, sizeof(*s));
@@ -47,13 +95,18 @@ int sketch_fit(Sketch *s, Py_ssize_t entries) {
     size_t old_width = (size_t)1 << s->bits, width = (size_t)1 << bits, factor = width / old_width;
     uint8_t *table = counters(bits);
     if (table == NULL) return -1;
+    uint32_t *marks = settled_marks(bits, s->halvings);
+    if (marks == NULL) { release_counters(table, bits); return -1; }
+    settle_all(s);
     for (size_t r = 0; r < SKETCH_ROWS; r++) {
         const uint8_t *src = s->table + r * old_width;
         uint8_t *dst = table + r * width;
         for (size_t i = 0; i < old_width; i++) memset(dst + i * factor, src[i], factor);
     }
     release_counters(s->table, s->bits);
+    PyMem_Free(s->settled);
     s->table = table;
+    s->settled = marks;
     s->bits = bits;
     return 0;
 }
@@ -89,6 +142,7 @@ int sketch_count(Sketch *s, const uint64_t *fps, Py_ssize_t n, bool *seen, uint8
     locate(s, fps, n, at);
     for (Py_ssize_t c = 0; c < cells; c++) {      /* every read before any write */
         if (c + 16 < cells) __builtin_prefetch(&table[at[c + 16]], 1);
+        settle(s, at[c]);
         before[c] = table[at[c]];
     }
     for (Py_ssize_t c = 0; c < cells; c++) {
@@ -103,8 +157,7 @@ int sketch_count(Sketch *s, const uint64_t *fps, Py_ssize_t n, bool *seen, uint8
     }
     s->added += n;
     if (s->added >= sketch_width(s) / 4) {
-        size_t size = (size_t)SKETCH_ROWS << s->bits;
-        for (size_t c = 0; c < size; c++) table[c] >>= 1;
+        s->halvings++;                            /* applied to each block when next touched */
         s->added = 0;
     }
     return 0;
@@ -114,6 +167,7 @@ int sketch_estimate(Sketch *s, const uint64_t *fps, Py_ssize_t n, uint8_t *out) 
     if (n == 0) return 0;
     if (reserve(s, n) < 0) return -1;
     locate(s, fps, n, s->at);
+    for (Py_ssize_t c = 0; c < SKETCH_ROWS * n; c++) settle(s, s->at[c]);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint8_t low = s->table[s->at[i]];
         for (int r = 1; r < SKETCH_ROWS; r++) {
@@ -185,6 +239,7 @@ static PyObject *Sketch_estimate(SketchObject *self, PyObject *arg) {
 }
 
 static PyObject *Sketch_table(SketchObject *self, PyObject *unused) {
+    settle_all(&self->sketch);
     return PyBytes_FromStringAndSize((const char *)self->sketch.table, (Py_ssize_t)SKETCH_ROWS << self->sketch.bits);
 }
 

@@ -250,3 +250,24 @@ def test_the_sketch_counts_as_the_python_one(batches):
         assert new.seen(batch) == (old.seen([i.to_bytes(4, "little") for i in ids]))
         assert new.estimate(batch) == old.estimate(batch.view(np.uint64)).tobytes()
         assert new.table() == old._table.tobytes() and new.width == old.width
+
+
+
+@pytest.mark.parametrize("entries", [1, 300, 1000])
+def test_the_sketch_halves_lazily_as_the_python_one_eagerly(entries):
+    """The compiled sketch applies a halving to a block of counters only when a count or an
+    estimate first touches it: however many halvings a block missed, what is read is what the
+    eager halvings of the Python sketch left (its table is only looked at once, at the end)."""
+    rng = random.Random(entries)
+    old, new = FrequencySketch(), Sketch()
+    old.fit(entries)
+    new.fit(entries)
+    counted = 0
+    for _ in range(120):
+        ids = [rng.randrange(3 * entries + 500) for _ in range(rng.randrange(1, 400))]
+        batch = fps([i.to_bytes(4, "little") for i in ids])
+        assert new.estimate(batch) == old.estimate(batch.view(np.uint64)).tobytes()
+        assert new.seen(batch) == old.seen([i.to_bytes(4, "little") for i in ids])
+        counted += len(set(ids))
+    assert counted >= 4 * new.width // 4, "too few keys counted for several halvings"
+    assert new.table() == old._table.tobytes()
