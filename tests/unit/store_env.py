@@ -245,4 +245,6 @@ def damage_region(env, ia, ib, damage: str) -> list[bytes]:
 
 
 def pages_held(env) -> np.ndarray:
-    return np.concatenate([np.frombuffer(e.pages, PAGES_DTYPE) for e in env.store.index.by_slot if e is not None])
+    """Every page the live entries hold."""
+    index = env.store.index
+    return np.concatenate([np.frombuffer(index.pages_of(ns, index.slots_of(ns)), PAGES_DTYPE) for ns in index.ns])

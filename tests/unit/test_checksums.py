@@ -10,16 +10,16 @@ from kvtierd.contract.region_sums import entry_checksum, shard_checksum
 from kvtierd.recovery import scan
 from kvtierd.store import Store
 
-from .store_env import PAGE, TIMEOUT, FakeClock, keys, lay, make_view, pages
+from .store_env import PAGE, TIMEOUT, FakeClock, W, keys, lay, make_view, pages, per_entry, slot_pages
 
 
 def fill_and_commit(store, view, sessions, job, ks):
     """Store ``ks``; each writer writes random bytes into its pages and commits their checksums."""
     rng = np.random.default_rng(job)
     for s in sessions:
-        _, got = store.store(s, job, ks)
+        outcomes, got = store.store(s, job, ks)
         if s.rank in s.engine.writers:
-            rows = [pages(p) for p in got]
+            rows = [pages(p) for p in per_entry(got, outcomes.count(W))]
             for row in rows:
                 for page in row:
                     view.data[page * PAGE:(page + 1) * PAGE] = rng.integers(0, 256, PAGE, dtype=np.uint8)
@@ -37,9 +37,9 @@ def test_checksums_recorded_and_verified_by_scan(kind, world_size):
     recorded = view.entries["checksum"][view.entries["state"] == 2]
     assert len(recorded) == 3 and (recorded != 0).all()
     assert scan(view, verify_checksums=True).problems == []
-    victim = sessions[0].engine.ns.index[b"k1"]
-    view.data[pages(victim.pages)[-1] * PAGE + 50] ^= 1          # inside the last shard's bytes
-    assert scan(view, verify_checksums=True).problems == [(victim.slot, "checksum mismatch")]
+    slot, chain = slot_pages((store.index, sessions[0].engine.ns), b"k1")
+    view.data[chain[-1] * PAGE + 50] ^= 1                          # inside the last shard's bytes
+    assert scan(view, verify_checksums=True).problems == [(slot, "checksum mismatch")]
     assert scan(view).problems == []                               # without verification: unseen
     # A restarted daemon with checksums on discards exactly that entry.
     restarted = Store(view, job_timeout=TIMEOUT, clock=FakeClock(), checksums=True)

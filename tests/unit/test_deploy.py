@@ -30,7 +30,7 @@ from kvtierd.histogram import Histogram
 from kvtierd.holds import CAPS as HOLD_CAPS
 from kvtierd.leases import LeaseEnd
 from kvtierd.metrics import STORE_KEY_OUTCOMES, DaemonCollector
-from kvtierd.policy import POLICIES, create
+from kvtierd.policy import POLICIES, policy_class
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,7 +70,7 @@ def pin_results() -> set[str]:
 
 def policy_segments() -> set[str]:
     """Every `segment` label value: the segments of every registered eviction policy."""
-    return {segment for name in POLICIES for segment in create(name).segments}
+    return {segment for name in POLICIES for segment in policy_class(name).segments}
 
 
 def tier_snapshot() -> dict:

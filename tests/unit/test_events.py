@@ -16,16 +16,26 @@ class Recorder(EntryEvents):
         self.index = index
         self.heard: list[tuple] = []
 
-    def ready(self, ns, slots, keys):
-        assert isinstance(slots, np.ndarray) and len(slots) == len(keys)
-        assert all(self.index.by_slot[s].key == k for s, k in zip(slots.tolist(), keys))
+    def ready(self, ns, slots):
+        assert isinstance(slots, np.ndarray)
+        keys = self.held(slots, np.full(len(slots), ns.slot))
         self.heard.append(("ready", ns.id.model, sorted(keys)))
 
-    def leaving(self, cause, slots, keys, namespaces):
+    def leaving(self, cause, slots, namespaces):
         # told before they go: the index still holds them
-        assert all(self.index.by_slot[s].key == k for s, k in zip(slots.tolist(), keys))
+        keys = self.held(slots, namespaces)
         models = sorted({self.index.namespace_at(int(n)).id.model for n in namespaces.tolist()})
         self.heard.append((cause, models, sorted(keys)))
+
+    def held(self, slots, namespaces) -> list[bytes]:
+        """The entries' keys, once checked that the index finds each entry under its key in its namespace."""
+        assert (self.index.namespaces_of(slots) == namespaces).all()
+        keys = self.index.keys_of(slots)
+        for n in np.unique(namespaces).tolist():
+            mine = namespaces == n
+            found = self.index.find(self.index.namespace_at(n), [k for k, m in zip(keys, mine.tolist()) if m])
+            assert (found == slots[mine]).all()
+        return keys
 
 
 def recorded(num_pages: int = 8, **env) -> tuple[Env, Recorder]:

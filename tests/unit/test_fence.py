@@ -46,7 +46,7 @@ def writer_of(env: Env, pid: int = 0, engine: str = "e", world_size: int = 2):
 def handed(env: Env, sess, job: int, n: int, prefix: str = "k") -> list[int]:
     """The writer asks to store ``n`` keys and gets their pages (it is copying now)."""
     _, got = env.store.store(sess[0], job, keys(prefix, n))
-    return [p for pg in got for p in pages(pg)]
+    return pages(got)
 
 
 def test_pages_are_fenced_in_the_region_before_the_reply_and_settled_by_the_commit():
@@ -78,7 +78,7 @@ def test_a_restart_parks_a_living_writers_pages_and_frees_them_when_it_dies(chil
     assert stats["fenced_pages"]["restart_recovery"] == 4 and stats["pages_free"] == 12
     other = [restarted.attach("b", 0, 1, lay("replicated", 1))]
     _, got = restarted.store(other[0], 1, keys("b", 12))
-    assert not {p for pg in got for p in pages(pg)} & set(held)       # nobody gets the fenced pages
+    assert not set(pages(got)) & set(held)                # nobody gets the fenced pages
     (fd,) = restarted.fence.pidfds
     assert select.select([fd], [], [], 0)[0] == []
     child.kill()
@@ -151,7 +151,8 @@ def test_a_ready_entry_wins_over_a_stale_fence_and_a_fence_naming_no_writer_is_c
     env = Env(16)
     sess = writer_of(env)
     env.put(sess, 1, keys("r", 2))
-    ready = [p for k in keys("r", 2) for p in pages(sess[0].engine.ns.index[k].pages)]
+    index, ns = env.store.index, sess[0].engine.ns
+    ready = pages(index.pages_of(ns, index.find(ns, keys("r", 2))))
     env.view.fence[ready[0]] = sess[0].writer.row           # a crash between READY and the settle
     env.view.fence[10] = 4000                               # names a row that is not in use
     restarted = reopen(env.view, env.clock)
@@ -249,7 +250,7 @@ def test_a_writer_whose_process_cannot_be_checked_keeps_its_pages_fenced(child, 
     assert env.store.fence.pidfds == {} and (env.view.fence[held] == sess[0].writer.row).all()
     other = env.engine("o", 1, model="O")
     _, got = env.store.store(other[0], 1, keys("o", 13))
-    assert not {p for pg in got for p in pages(pg)} & set(held)   # nobody gets its pages
+    assert not set(pages(got)) & set(held)                   # nobody gets its pages
     env.store.verify()
     env.clock.advance(RECHECK_SECONDS)
     assert env.store.expire() is not None                    # descriptors again: the process is watched

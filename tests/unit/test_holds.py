@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvtierd.contract.codes import StoreOutcome
 
-from .store_env import PAGE, Env, keys
+from .store_env import PAGE, Env, keys, pages
 
 SHARES = (0.25, 0.4, 0.75)         # the settings' defaults: engine, namespace, all engines
 
@@ -34,7 +34,7 @@ def test_an_engine_that_leases_the_whole_region_holds_its_share_and_others_can_s
     assert stats["hold_capped_keys"] == {"engine": 150, "namespace": 0, "total": 0}
     assert stats["lease_capped_keys"] == 150
     outcomes, _ = env.put(b, 1, keys("b", 60))                   # evicts what a does not hold
-    assert outcomes == [StoreOutcome.WRITE] * 60
+    assert list(outcomes) == [StoreOutcome.WRITE] * 60
     assert all(env.has(a[0], k) for k in ours[:25])              # what a holds stays
     env.store.verify()
 
@@ -45,8 +45,8 @@ def test_a_load_of_leased_keys_is_whole_and_a_load_past_the_share_is_cut():
     ks = keys("k", 60)
     env.put(a, 1, ks)
     assert env.store.lease(a[0], 1, ks[:25]).leased == 25
-    hits, pages = env.store.load(a[0], 2, ks[:25], 1)            # consumes the lease: its pages are room
-    assert hits == 25 and len(pages) == 25
+    hits, got = env.store.load(a[0], 2, ks[:25], 1)              # consumes the lease: its pages are room
+    assert hits == 25 and len(pages(got)) == 25                  # an entry is a page
     env.store.verify()
     hits, _ = env.store.load(a[0], 3, ks)                        # the pins of job 2 and 3 together: 25
     assert hits == 0

@@ -7,12 +7,15 @@ The scenarios drive ``Store`` (the front the server calls) over a region in memo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvtierd.contract.codes import ErrorCode
 from kvtierd.contract.region_format import NS_SLOTS
+from kvtierd.records import keys_of
 
-from .store_env import DAMAGES, PAGE, Env, N, P, W, corrupt_env, damage_region, err, keys, lay, pages, reopen, small
+from .store_env import (DAMAGES, PAGE, Env, N, P, W, corrupt_env, damage_region, err, keys, lay, pages, per_entry,
+                        reopen, slot_of, slot_pages, small)
 
 # ---------------------------------------------------------------------------- capacity
 def fill_count(env: Env, kind: str, tp: int) -> int:
@@ -20,7 +23,7 @@ def fill_count(env: Env, kind: str, tp: int) -> int:
     ks = keys("k", 200)
     out, _ = env.put(sess, 1, ks)
     n = out.count(W)
-    assert out == [W] * n + [N] * (200 - n)     # a prefix
+    assert list(out) == [W] * n + [N] * (200 - n)   # a prefix
     assert env.store.lookup(sess[0], ks) == n
     env.store.verify()
     return n
@@ -48,7 +51,7 @@ def test_lru_eviction_order_across_namespaces():
     env.get(b, 3, [b"b1"])                          # load refreshes b1
     # LRU now: a2 b2 a3 a4 b3 b4 a1 b1
     out, _ = env.put(b, 4, [b"c1", b"c2", b"c3"])
-    assert out == [W, W, W]
+    assert list(out) == [W, W, W]
     assert env.stats()["evictions"] == 3
     gone = {k for k in [b"a2", b"b2", b"a3"]}
     for s, k in [(a[0], b"a1"), (a[0], b"a2"), (a[0], b"a3"), (a[0], b"a4"),
@@ -56,7 +59,7 @@ def test_lru_eviction_order_across_namespaces():
         assert env.has(s, k) == (k not in gone), k
     # a PRESENT key in a store job is touched too
     out, _ = env.put(a, 3, [b"a4"])
-    assert out == [P]
+    assert list(out) == [P]
     env.put(a, 4, [b"d1"])                          # LRU: b3 b4 a1 b1 c* a4 -> evicts b3
     assert not env.has(b[0], b"b3") and env.has(a[0], b"a4")
     st_.verify()
@@ -71,7 +74,7 @@ def test_pinned_entries_survive_eviction_pressure():
     assert hits == 3
     b = env.engine("b", 1, model="B")
     out, _ = env.put(b, 1, keys("b", 8))
-    assert out == [W] * 5 + [N] * 3
+    assert list(out) == [W] * 5 + [N] * 3
     assert all(env.has(a[0], k) for k in keys("a", 3))
     assert env.stats()["entries_pinned"] == 3 and env.stats()["evictable"] == 5
     st_.verify()
@@ -82,11 +85,11 @@ def test_pinned_entries_survive_eviction_pressure():
     assert env.stats()["entries_pinned"] == 0
     # unpinned entries are evictable again, as the most recently used
     out, _ = env.put(b, 2, keys("b", 3, 8))
-    assert out == [W] * 3
+    assert list(out) == [W] * 3
     assert all(env.has(a[0], k) for k in keys("a", 3))
     assert not any(env.has(b[0], k) for k in keys("b", 3))
     out, _ = env.put(b, 3, keys("b", 5, 11))
-    assert out == [W] * 5
+    assert list(out) == [W] * 5
     assert not any(env.has(a[0], k) for k in keys("a", 3))
     st_.verify()
 
@@ -103,10 +106,10 @@ def test_overlapping_pins_need_every_load_released():
     st_.verify()
     b = env.engine("b", 1, model="B")
     out, _ = env.put(b, 1, keys("b", 3))
-    assert out == [W, W, N]
+    assert list(out) == [W, W, N]
     st_.release(a[0], 3)
     out, _ = env.put(b, 2, keys("c", 4))
-    assert out == [W] * 4                            # x and y are evictable again
+    assert list(out) == [W] * 4                      # x and y are evictable again
     assert not env.has(a[0], b"x") and not env.has(a[0], b"y")
 
 
@@ -117,9 +120,9 @@ def test_writing_entries_are_never_evicted():
     st_.store(a[0], 1, keys("a", 4))                 # WRITING, not voted
     b = env.engine("b", 1, model="B")
     out, _ = env.put(b, 1, keys("b", 4))
-    assert out == [W, W, N, N]
+    assert list(out) == [W, W, N, N]
     out, _ = env.put(b, 2, keys("c", 2))             # evicts b0, b1, never a WRITING entry
-    assert out == [W, W]
+    assert list(out) == [W, W]
     assert env.stats()["entries_writing"] == 4
     st_.store(a[1], 1, keys("a", 4))
     st_.commit(a[0], 1, True)
@@ -133,11 +136,11 @@ def test_job_keys_are_never_evicted_for_the_same_job():
     a = env.engine("a", 1)
     env.put(a, 1, keys("r", 4))
     out, _ = env.put(a, 2, keys("r", 4) + [b"new"])
-    assert out == [P, P, P, P, N]
+    assert list(out) == [P, P, P, P, N]
     assert st_.lookup(a[0], keys("r", 4)) == 4
     # with two of the job's keys present, the new key evicts an entry outside the job
     out, _ = env.put(a, 3, [b"r3", b"new", b"r0"])
-    assert out == [P, W, P]
+    assert list(out) == [P, W, P]
     assert env.has(a[0], b"r0") and env.has(a[0], b"r3")
     assert sum(env.has(a[0], k) for k in [b"r1", b"r2"]) == 1
     st_.verify()
@@ -149,7 +152,7 @@ def test_present_includes_keys_being_written_by_another_job(env):
     st_ = env.store
     st_.store(a[0], 1, [b"x"])
     out, pg = st_.store(b[0], 1, [b"x", b"y"])
-    assert out == [P, W] and len(pg) == 1
+    assert list(out) == [P, W] and len(pages(pg)) == 1      # y's one page
     assert st_.lookup(b[0], [b"x"]) == 0
     hits, _ = st_.load(b[0], 2, [b"x", b"y"])
     assert hits == 0                                 # WRITING is not a hit
@@ -167,8 +170,8 @@ def test_no_space_stores_a_prefix_and_reports_present():
     env.put(a, 1, keys("p", 5))
     st_.load(a[0], 2, keys("p", 5))                  # pinned: 3 pages left
     out, got = env.put(a, 3, [b"p0", b"n0", b"n1", b"n2", b"n3", b"p4", b"n4"])
-    assert out == [P, W, W, W, N, P, N]
-    assert len(got[0]) == 3
+    assert list(out) == [P, W, W, W, N, P, N]
+    assert len(pages(got[0])) == 3                   # n0..n2's one page each
     assert st_.lookup(a[0], [b"n0", b"n1", b"n2", b"n3"]) == 3
     st_.release(a[0], 2)
     stats = env.stats()
@@ -185,9 +188,9 @@ def test_entry_bigger_than_region_is_refused_at_attach():
     assert env.store.jobs.engines == {} and env.store.attachments.sessions == {}
     s = env.store.attach("big", 0, 1, lay(block_bytes=8 * PAGE))   # exactly the region fits
     out, _ = env.put([s], 1, [b"a", b"b"])
-    assert out == [W, N]
+    assert list(out) == [W, N]
     out, _ = env.put([s], 2, [b"b"])
-    assert out == [W]                                 # evicts a
+    assert list(out) == [W]                           # evicts a
     env.store.verify()
 
 # ---------------------------------------------------------------------------- namespaces
@@ -206,8 +209,8 @@ def test_namespaces_never_mix(env):
         hits, _ = env.get(other, 1, [b"k"])
         assert hits == 0
         out, got = env.put(other, 2, [b"k"])
-        assert out == [W]
-        assert not set(pages(got[0][0])) & set(pages(ga[0][0]))
+        assert list(out) == [W]
+        assert not set(pages(got[0])) & set(pages(ga[0]))
     assert st_.lookup(g[0], [b"k"]) == 1
     _, gl = env.get(g, 1, [b"k"])
     assert gl[0] == ga[0]
@@ -232,8 +235,9 @@ def build_state(env: Env):
 def test_recovery_keeps_ready_and_discards_writing():
     env = small(16)
     a, b, pa, pb = build_state(env)
-    before_a = {k: env.store.jobs.engines["a"].ns.index[k].pages for k in keys("a", 4)}
-    before_b = {k: env.store.jobs.engines["b"].ns.index[k].pages for k in keys("b", 2)}
+    index = env.store.index
+    before_a = {k: slot_pages((index, env.store.jobs.engines["a"].ns), k) for k in keys("a", 4)}
+    before_b = {k: slot_pages((index, env.store.jobs.engines["b"].ns), k) for k in keys("b", 2)}
     st2 = reopen(env.view)
     # The writers had their pages (w0, w1: rank 0's; w2: rank 0's shard) and may still copy into
     # them: fenced, not free (kvtierd.fence; the unit store's writers cannot be watched).
@@ -247,8 +251,8 @@ def test_recovery_keeps_ready_and_discards_writing():
     a2 = [st2.attach("a2", r, 2, lay("replicated", 2, model="A")) for r in range(2)]
     b2 = [st2.attach("b2", r, 2, lay("sharded", 2, model="B")) for r in range(2)]
     assert st2.lookup(a2[0], [b"w0"]) == 0 and st2.lookup(b2[0], [b"w2"]) == 0
-    assert {k: a2[0].engine.ns.index[k].pages for k in keys("a", 4)} == before_a
-    assert {k: b2[0].engine.ns.index[k].pages for k in keys("b", 2)} == before_b
+    assert {k: slot_pages((st2.index, a2[0].engine.ns), k) for k in keys("a", 4)} == before_a
+    assert {k: slot_pages((st2.index, b2[0].engine.ns), k) for k in keys("b", 2)} == before_b
     for r in range(2):
         st2.load(b2[r], 1, keys("b", 2))
     for r in range(2):
@@ -269,11 +273,11 @@ def test_recovery_lru_follows_ticks():
     s = st2.attach("a", 0, 1, lay())
     order = []
     for i in range(8):
-        before = set(s.engine.ns.index)
+        before = set(st2.index.keys_of(st2.index.slots_of(s.engine.ns)))
         out, _ = st2.store(s, 10 + i, [f"n{i}".encode()])
-        assert out == [W]
+        assert list(out) == [W]
         st2.commit(s, 10 + i, True)
-        order += sorted(before - set(s.engine.ns.index))
+        order += sorted(before - set(st2.index.keys_of(st2.index.slots_of(s.engine.ns))))
     assert order[:4] == [b"k3", b"k5", b"k6", b"k7"]
     assert set(order[4:6]) == {b"k0", b"k1"}        # same tick: either order
     assert order[6:] == [b"k4", b"k2"]
@@ -297,7 +301,7 @@ def test_recovery_after_clean_shutdown():
     # ticks keep growing after a restart: new touches are younger than recovered ones
     s = st2.attach("a", 0, 1, lay())
     st2.lookup(s, [b"k1"])
-    assert int(st2.index.view.entries["tick"][s.engine.ns.index[b"k1"].slot]) > env.store.index.tick - 1
+    assert int(st2.index.view.entries["tick"][slot_of(st2.index, s.engine.ns, b"k1")]) > env.store.index.tick - 1
 
 
 def test_recovered_entries_can_be_evicted_and_reused():
@@ -307,7 +311,7 @@ def test_recovered_entries_can_be_evicted_and_reused():
     st2 = reopen(env.view)
     s = st2.attach("a", 0, 1, lay())
     out, _ = st2.store(s, 1, keys("n", 4))
-    assert out == [W] * 4
+    assert list(out) == [W] * 4
     st2.commit(s, 1, True)
     assert st2.lookup(s, keys("k", 4)) == 0 and st2.stats()["evictions"] == 4
     st2.verify()
@@ -335,7 +339,7 @@ def test_recovery_discards_corrupt_entries(damage):
     # the store keeps working over the whole region: fill it, then reopen once more
     out, _ = st2.store(a2, 1, keys("n", 40))
     st2.commit(a2, 1, True)
-    assert W in out and out == sorted(out)          # a prefix of W, then NO_SPACE
+    assert W in out and list(out) == sorted(out)    # a prefix of W, then NO_SPACE
     assert st2.stats()["pages_free"] == 0
     st2.verify()
     st3 = reopen(st2.index.view)
@@ -350,12 +354,16 @@ def test_pages_for_a_rank():
     shd = env.engine("s", 2, "sharded", block_bytes=2 * PAGE, model="S")
     env.put(rep, 1, keys("k", 2))
     env.put(shd, 1, keys("k", 2))
+    index, view = env.store.index, env.view
     nr, ns = rep[0].engine.ns, shd[0].engine.ns
-    er, es = [nr.index[k] for k in keys("k", 2)], [ns.index[k] for k in keys("k", 2)]
-    assert nr.pages_for(er, 0) == nr.pages_for(er, 1) == [e.pages for e in er]     # the one copy, for every rank
-    for rank in (0, 1):
-        assert [pages(p) for p in ns.pages_for(es, rank)] == [pages(e.pages)[2 * rank:2 * rank + 2] for e in es]
-    assert ns.pages_for([], 1) == [] and nr.pages_for([], 0) == []
+    er, es = index.find(nr, keys("k", 2)), index.find(ns, keys("k", 2))
+    chains_r, chains_s = [view.chain_of(e).tolist() for e in er], [view.chain_of(e).tolist() for e in es]
+    for rank in (0, 1):                                 # the one copy, for every rank
+        assert [pages(p) for p in per_entry(index.pages_of(nr, er, rank), 2)] == chains_r
+        assert [pages(p) for p in per_entry(index.pages_of(ns, es, rank), 2)] == [c[2 * rank:2 * rank + 2]
+                                                                                  for c in chains_s]
+    none = np.zeros(0, np.int32)
+    assert index.pages_of(ns, none, 1) == b"" and index.pages_of(nr, none, 0) == b""
 
 
 def test_full_namespace_table_reuses_an_unused_empty_namespace():
@@ -387,16 +395,23 @@ def test_verify_catches_a_leaked_page_and_a_stray_policy_member(env):
     with pytest.raises(AssertionError, match="1 pages leaked"):
         env.store.verify()
     index.pages.free(taken)
-    index.policy.pinned([sess[0].engine.ns.index[b"a"].slot])
-    with pytest.raises(AssertionError, match="policy membership"):
+    a = index.find(sess[0].engine.ns, [b"a"])
+    index.policy.pinned(a)
+    with pytest.raises(AssertionError, match="the policy holds other than the READY unheld"):
         env.store.verify()
-    index.policy.unpinned([sess[0].engine.ns.index[b"a"].slot])
+    index.policy.unpinned(a)
+
+
+def fingerprints(ks: list[bytes]) -> list[int]:
+    """What the policy is told of each key: its fingerprint, Python's hash of its bytes as uint64."""
+    return [hash(k) % (1 << 64) for k in ks]
 
 
 def test_the_policy_hears_keys_chain_and_the_written_part_of_a_cold_tail():
-    """make_ready hands the policy the written keys in order, the job's chain flag, and how many
-    of them lie in the cold tail: PRESENT keys in the tail are not counted (they were not
-    written), nor NO_SPACE ones; recovery hands it the recovered keys."""
+    """make_ready hands the policy the written entries and their keys' fingerprints in order, the
+    job's chain flag, and how many of them lie in the cold tail: PRESENT keys in the tail are not
+    counted (they were not written), nor NO_SPACE ones; recovery hands it the recovered entries and
+    their keys' fingerprints."""
     env = small(8)
     st_ = env.store
     a = env.engine("a", 1)
@@ -404,24 +419,28 @@ def test_the_policy_hears_keys_chain_and_the_written_part_of_a_cold_tail():
     heard = []
     policy = st_.index.policy
     real = policy.inserted
-    policy.inserted = lambda slots, keys, chain=True, cold=0: (heard.append((list(keys), chain, cold)),
-                                                                real(slots, keys, chain, cold))
+    policy.inserted = lambda slots, fps, chain=True, cold=0: (
+        heard.append((st_.index.keys_of(slots), np.asarray(fps, np.uint64).tolist(), chain, cold)),
+        real(slots, fps, chain, cold))
     st_.store(a[0], 2, [b"k0", b"k1", b"k2", b"k3"], True, 2)     # k2 PRESENT: 1 written key in the tail
     st_.commit(a[0], 2, True)
     st_.store(a[0], 3, keys("x", 9), False, 3)                    # 8 fit (the rest evicted): x8 NO_SPACE
     st_.commit(a[0], 3, True)
-    assert heard == [([b"k0", b"k1", b"k3"], True, 1), (keys("x", 8), False, 2)]
+    k, x = [b"k0", b"k1", b"k3"], keys("x", 8)
+    assert heard == [(k, fingerprints(k), True, 1), (x, fingerprints(x), False, 2)]
     assert env.stats()["policy_refused_keys"] == 3
     st_.verify()
     st_.shutdown()
-    keys_back = []
+    back = []
     real_recovered = type(policy).recovered
-    type(policy).recovered = lambda self, slots, ks: (keys_back.extend(ks), real_recovered(self, slots, ks))
+    type(policy).recovered = lambda self, slots, fps: (
+        back.extend(zip(keys_of(env.view, slots), np.asarray(fps, np.uint64).tolist())),
+        real_recovered(self, slots, fps))
     try:
         reopen(env.view)
     finally:
         type(policy).recovered = real_recovered
-    assert sorted(keys_back) == keys("x", 8)
+    assert sorted(back) == sorted(zip(x, fingerprints(x)))
 
 
 def test_stats_count_evictions_by_reason_and_by_segment():

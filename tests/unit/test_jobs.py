@@ -12,7 +12,7 @@ import pytest
 from kvtierd.attachments import SessionEnd
 from kvtierd.contract.codes import ErrorCode
 
-from .store_env import PAGE, TIMEOUT, Env, N, P, W, err, keys, lay, pages, small
+from .store_env import PAGE, TIMEOUT, Env, N, P, W, err, keys, lay, pages, per_entry, slot_pages, small
 
 # ---------------------------------------------------------------------------- replicated
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -26,16 +26,15 @@ def test_replicated_one_writer_ready_after_all_votes(env, tp, writer_first):
     rank0_pages = None
     for s in order:
         out, pg = st_.store(s, 1, ks)
-        assert out == [W, W, W]
+        assert list(out) == [W, W, W]
         if s.rank == 0:
-            assert len(pg) == 3 and all(len(pages(p)) == 3 for p in pg)
+            assert len(pages(pg)) == 3 * 3  # 3 entries' runs of 3 pages
             rank0_pages = pg
         else:
-            assert pg == []             # a non-writer's store is its vote
+            assert pg == b""            # a non-writer's store is its vote
         assert st_.lookup(sess[-1], ks) == 0
     assert env.stats()["entries_writing"] == 3
-    flat = [p for pg in rank0_pages for p in pages(pg)]
-    assert len(set(flat)) == 9
+    assert len(set(pages(rank0_pages))) == 9
     st_.verify()
     st_.commit(sess[0], 1, True)        # the writer's vote, after its copy: the last one
     for s in sess:
@@ -77,7 +76,7 @@ def test_replicated_namespace_shared_across_tp_sizes(env):
     env.put(a, 1, [b"x"])
     assert env.store.lookup(b[0], [b"x"]) == 1
     out, _ = env.put(b, 1, [b"x", b"y"])
-    assert out == [P, W]
+    assert list(out) == [P, W]
     assert env.store.lookup(a[1], [b"x", b"y"]) == 2
 
 # ---------------------------------------------------------------------------- sharded
@@ -89,15 +88,16 @@ def test_sharded_every_rank_writes_its_own_shard(env):
     got = {}
     for s in sess:
         out, got[s.rank] = st_.store(s, 1, ks)
-        assert out == [W, W, W]
-        assert len(got[s.rank]) == 3 and all(len(pages(p)) == 2 for p in got[s.rank])
+        assert list(out) == [W, W, W]
+        assert len(pages(got[s.rank])) == 3 * 2         # 3 entries' runs of a 2-page shard
+    runs = {r: per_entry(got[r], 3) for r in range(4)}
     for i in range(3):
-        shards = [set(pages(got[r][i])) for r in range(4)]
+        shards = [set(pages(runs[r][i])) for r in range(4)]
         union = set().union(*shards)
         assert len(union) == 8                          # disjoint shards
-        entry = sess[0].engine.ns.index[ks[i]]
-        assert pages(entry.pages) == [p for r in range(4) for p in pages(got[r][i])]   # rank order
-    all_pages = [p for r in range(4) for pg in got[r] for p in pages(pg)]
+        _, chain = slot_pages((st_.index, sess[0].engine.ns), ks[i])
+        assert chain == [p for r in range(4) for p in pages(runs[r][i])]   # rank order
+    all_pages = [p for r in range(4) for p in pages(got[r])]
     assert len(set(all_pages)) == 24
     # storing is not voting for a writer: every rank must commit
     for s in sess[:3]:
@@ -143,17 +143,17 @@ def test_coordinator_opens_jobs_ranks_copy_and_vote(env, kind):
     ks = keys("k", 2)
     assert st_.lookup(coord, ks) == 0
     out, pg = st_.store(coord, 7, ks)
-    assert out == [W, W] and pg == []
+    assert list(out) == [W, W] and pg == b""
     with err(ErrorCode.FORBIDDEN):
         st_.commit(coord, 7, True)
     assert env.stats()["entries_writing"] == 2
     outs, got = env.put(sess, 7, ks)
-    assert outs == [W, W]
-    assert all(len(got[r]) == 2 for r in sess[0].engine.writers)
+    assert list(outs) == [W, W]
+    assert all(len(pages(got[r])) == 2 for r in sess[0].engine.writers)   # a run of one page per entry
     assert st_.lookup(coord, ks) == 2
     assert st_.job_states(coord, [7])[0]["state"] == "done"
     hits, pg = st_.load(coord, 8, ks)
-    assert hits == 2 and pg == []
+    assert hits == 2 and pg == b""
     assert env.stats()["entries_pinned"] == 2
     with err(ErrorCode.FORBIDDEN):
         st_.release(coord, 8)
@@ -192,7 +192,7 @@ def test_store_decision_is_fixed_by_first_request():
     assert hits == 4
     sess = env.engine("e", 2)
     out0, pg0 = st_.store(sess[0], 1, [b"p0", b"x"])
-    assert out0 == [P, N] and pg0 == []
+    assert list(out0) == [P, N] and pg0 == b""
     st_.release(other[0], 2)                               # room now, but the decision stands
     out1, _ = st_.store(sess[1], 1, [b"p0", b"x"])
     assert out1 == out0
@@ -220,7 +220,7 @@ def test_conflicting_request_aborts_job(env, how):
     st_ = env.store
     ks = keys("k", 3)
     out, pg = st_.store(sess[0], 1, ks)
-    assert out == [W] * 3 and len(pg) == 3
+    assert list(out) == [W] * 3 and len(pages(pg)) == 3            # an entry is a page
     assert env.stats()["pages_used"] == 3
     with err(ErrorCode.CONFLICT):
         if how == "keys":
@@ -234,7 +234,7 @@ def test_conflicting_request_aborts_job(env, how):
     # entries gone at once; pages fenced until the writer that holds them answers
     assert env.stats()["entries_writing"] == 0
     assert st_.lookup(sess[0], ks) == 0
-    assert all(k not in sess[0].engine.ns.index for k in ks)
+    assert (st_.index.find(sess[0].engine.ns, ks) == -1).all()
     assert env.stats()["pages_fenced"] == 3
     st_.verify()
     with err(ErrorCode.ABORTED):
@@ -244,7 +244,7 @@ def test_conflicting_request_aborts_job(env, how):
     assert env.store.jobs.aborted["conflict"] == 1
     # the keys can be stored again by a new job
     out, _ = env.put(sess, 2, ks)
-    assert out == [W] * 3
+    assert list(out) == [W] * 3
     st_.verify()
 
 
@@ -409,7 +409,7 @@ def test_job_ids_are_not_reused(env):
     # job ids are per engine
     other = env.engine("o", 1)
     out, _ = env.put(other, 1, [b"b"])
-    assert out == [W]
+    assert list(out) == [W]
 
 
 def test_a_fenced_job_id_stays_taken_after_its_tombstone_is_dropped(env):
@@ -472,30 +472,30 @@ def fence_setup(num_pages=8):
     env = small(num_pages)
     sess = env.engine("e", 2)
     _, pg = env.store.store(sess[0], 1, keys("q", 3))   # the writer has its pages, is copying
-    held = {p for x in pg for p in pages(x)}
+    held = set(pages(pg))
     env.store.abort(sess[1], 1)
     assert env.stats()["pages_fenced"] == 3
     return env, sess, held
 
 
-def fill_other(env: Env, job: int, n: int) -> tuple[list, set]:
+def fill_other(env: Env, job: int, n: int) -> tuple[bytes, set]:
     other = env.store.jobs.engines.get("o")
     other = list(other.ranks.values()) if other else env.engine("o", 1, model="O")
     out, got = env.put(other, job, keys(f"o{job}_", n))
-    return out, {p for x in got[0] for p in pages(x)}
+    return out, set(pages(got[0]))
 
 
 def test_fenced_pages_not_reused_until_writer_commits():
     env, sess, held = fence_setup()
     out, used = fill_other(env, 1, 8)
-    assert out == [W] * 5 + [N] * 3
+    assert list(out) == [W] * 5 + [N] * 3
     assert not used & held
     env.store.verify()
     with err(ErrorCode.ABORTED):
         env.store.commit(sess[0], 1, True)
     assert env.stats()["pages_fenced"] == 0 and env.stats()["pages_free"] == 3
     out, used = fill_other(env, 2, 3)
-    assert out == [W] * 3 and used == held
+    assert list(out) == [W] * 3 and used == held
     env.store.verify()
 
 

@@ -13,18 +13,20 @@ from kvtierd.attachments import SessionEnd
 from kvtierd.leases import MIN_TTL
 from kvtierd.store import Store
 
-from .store_env import TIMEOUT, N, W, keys, make_view, reopen, small
+from .store_env import TIMEOUT, N, W, keys, make_view, pages, reopen, slot_of, small
 
 
-def fill(env, engine_sessions, job: int, count: int, prefix: str = "f") -> list:
+def fill(env, engine_sessions, job: int, count: int, prefix: str = "f") -> bytes:
     """Another engine stores ``count`` new keys (evicting what it can for room)."""
     outcomes, _ = env.put(engine_sessions, job, keys(prefix, count))
     return outcomes
 
 
 def evictable(env, session, ks) -> list[bool]:
-    index = session.engine.ns.index
-    return [index[k].slot in env.store.index.policy for k in ks]
+    index = env.store.index
+    slots = index.find(session.engine.ns, ks)
+    assert (slots >= 0).all(), "a key has no entry"
+    return [slot in index.policy for slot in slots.tolist()]
 
 
 # ---------------------------------------------------------------------------- hold and consume
@@ -39,8 +41,8 @@ def test_a_leased_prefix_survives_a_region_filled_by_another_engine():
     outcomes = fill(env, other, 1, 8)              # wants the whole region: gets the 4 unleased pages
     assert outcomes.count(W) == 4 and outcomes.count(N) == 4
     assert all(env.has(a[0], k) for k in ours)
-    hits, pages = env.store.load(a[0], 2, ours, 7)  # the load consumes the lease: never short
-    assert hits == 4 and len(pages) == 4
+    hits, got = env.store.load(a[0], 2, ours, 7)    # the load consumes the lease: never short
+    assert hits == 4 and len(pages(got)) == 4       # an entry is a page
     stats = env.stats()
     assert stats["lease_ends"] == {"consumed": 1} and stats["leases_open"] == 0
     assert stats["entries_leased"] == 0 and stats["entries_pinned"] == 4
@@ -78,7 +80,7 @@ def test_the_coordinators_lease_is_consumed_by_the_ranks_load_with_no_evictable_
     assert env.stats()["lease_missed_loads"] == 0
     for r in ranks:
         env.store.release(r, 5)
-    assert sorted(unpinned) == sorted(e.slot for e in map(ranks[0].engine.ns.index.get, ks))
+    assert sorted(unpinned) == sorted(env.store.index.find(ranks[0].engine.ns, ks).tolist())
     del policy.unpinned
 
 
@@ -147,7 +149,7 @@ def test_renewal_replaces_the_lease_and_never_lets_a_shared_entry_go(env):
     env.clock.advance(0.8)
     found = env.store.lease(a[0], 1, ks[1:], ttl=1.0)      # the same id: renewed over other keys
     assert found.leased == 3
-    assert unpinned == [a[0].engine.ns.index[ks[0]].slot]  # only the key the new lease lacks
+    assert unpinned == [slot_of(env.store.index, a[0].engine.ns, ks[0])]  # only the key the new lease lacks
     env.clock.advance(0.8)                                  # past the first deadline, not the renewed one
     env.store.expire()
     assert evictable(env, a[0], ks) == [True, False, False, False]

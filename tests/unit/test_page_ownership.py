@@ -21,7 +21,7 @@ from kvtierd.contract.protocol import PAGES_DTYPE
 from kvtierd.contract.region_format import NS_SLOTS
 from kvtierd.tier.backend import TierTimeout
 
-from .store_env import err, keys, lay
+from .store_env import err, keys, lay, per_entry
 from .tier_env import TierEnv, identity, page_content
 
 
@@ -36,7 +36,10 @@ def churn(tenv: TierEnv, count: int, prefix: str = "churn") -> None:
 
 
 def chain_pages(tenv: TierEnv, sessions: list) -> set[int]:
-    return {p for s in sessions for e in s.engine.ns.index.values() for p in np.frombuffer(e.pages, PAGES_DTYPE)}
+    """Every page of every entry of the sessions' namespaces (whole chains)."""
+    index = tenv.store.index
+    return {p for s in sessions
+            for p in np.frombuffer(index.pages_of(s.engine.ns, index.slots_of(s.engine.ns)), PAGES_DTYPE).tolist()}
 
 
 # ------------------------------------------------------------------------------------------ case E
@@ -89,7 +92,7 @@ def test_a_namespace_taken_over_mid_promote_keeps_the_pages_the_get_writes():
     for r, start in enumerate(range(0, len(stored), 20)):
         batch = stored[start:start + 20]
         hits, pages = tenv.store.load(new, 10 + r, batch)
-        wrong += sum(not tenv.holds_own_bytes(new, k, p) for k, p in zip(batch[:hits], pages))
+        wrong += sum(not tenv.holds_own_bytes(new, k, p) for k, p in zip(batch[:hits], per_entry(pages, hits)))
         tenv.store.release(new, 10 + r)
     assert (handed_away, wrong) == (0, 0), f"{handed_away} pages under a get handed to a new engine, " \
                                            f"{wrong} of its blocks loaded with foreign bytes"
@@ -111,7 +114,7 @@ def test_a_full_table_whose_unused_namespaces_the_tier_still_moves_says_retry_th
     tenv.pump()                                      # the put ended: nothing of "old" is touched now
     (new,) = tenv.engine("new", model="new")
     assert new.engine.ns.slot == 0 and tenv.link.foreign == 0
-    assert tenv.fill([new], 1, keys("n", 8)) == [StoreOutcome.WRITE] * 8
+    assert list(tenv.fill([new], 1, keys("n", 8))) == [StoreOutcome.WRITE] * 8
 
 
 # ------------------------------------------------------------------------------------------ randomized
@@ -214,7 +217,8 @@ class World:
             except RequestError:
                 return
             self.loads += found
-            self.wrong += sum(not self.tenv.holds_own_bytes(s, k, p) for k, p in zip(ks[:found], pages))
+            self.wrong += sum(not self.tenv.holds_own_bytes(s, k, p)
+                              for k, p in zip(ks[:found], per_entry(pages, found)))
         for s in sessions:
             self._try(self.store.release, s, job)
 

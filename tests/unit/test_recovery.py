@@ -11,7 +11,8 @@ from kvtierd.contract.protocol import PAGES_DTYPE
 from kvtierd.contract.region_sums import shard_checksum
 from kvtierd.recovery import scan
 
-from .store_env import PAGE, DAMAGES, Env, corrupt_env, damage_region, pages, reopen, two_namespaces
+from .store_env import (PAGE, DAMAGES, Env, corrupt_env, damage_region, keys, pages, per_entry, reopen, slot_of,
+                        slot_pages, two_namespaces)
 
 
 def region():
@@ -29,16 +30,19 @@ def test_sound_region():
     assert bytes(env.view.raw) == before                                  # a judge, not a fixer
     assert found.namespaces == {na.slot: na.id, nb.slot: nb.id} and found.damaged_namespaces == {}
     assert found.problems == []
-    assert found.writing.tolist() == [na.index[b"w0"].slot]
+    index = env.store.index
+    w0, w0_pages = slot_pages((index, na), b"w0")
+    assert found.writing.tolist() == [w0]
     assert found.ready_keys == [b"a1", b"a2", b"a3", b"b0", b"b1", b"a0"]   # least recently used first
     for slot, ns_slot, key, chain in found.ready:
-        entry = env.store.index.by_slot[slot]
-        assert (entry.key, entry.ns.slot) == (key, ns_slot) and chain.tolist() == pages(entry.pages)
+        one = np.array([slot], np.int32)
+        assert (index.keys_of(one), index.namespaces_of(one).tolist()) == ([key], [ns_slot])
+        assert chain.tolist() == pages(index.pages_of(index.namespace_at(ns_slot), one))
         assert (found.owner[chain] == slot).all()
-    assert found.pages_held == 4 + 2 * 2 and (found.owner[pages(na.index[b"w0"].pages)] == -1).all()
+    assert found.pages_held == 4 + 2 * 2 and (found.owner[w0_pages] == -1).all()
     # w0's writer holds its page, uncommitted: the fence gives it to that writer's row.
     writer = env.store.jobs.engines["a"].ranks[0].writer
-    assert found.fenced.tolist() == pages(na.index[b"w0"].pages) and found.fenced_rows.tolist() == [writer.row]
+    assert found.fenced.tolist() == w0_pages and found.fenced_rows.tolist() == [writer.row]
     assert writer.row in found.writers.tolist() and found.stale_fence.tolist() == [] and found.pages_fenced == 1
 
 
@@ -66,17 +70,19 @@ REASONS = {
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_each_damage_is_named_and_nothing_changes(damage):
     env, ia, ib = corrupt_env()
+    # The slots before the damage (it may leave a record that no longer says its key).
+    slot = {k: slot_of(*where, k) for where, prefix in ((ia, "a"), (ib, "b")) for k in keys(prefix, 4)}
     lost = damage_region(env, ia, ib, damage)
     before = bytes(env.view.raw)
     found = scan(env.view)
     assert bytes(env.view.raw) == before
-    slots = {({**ia, **ib}[k]).slot for k in lost}
+    slots = {slot[k] for k in lost}
     assert {slot for slot, _ in found.problems} == slots, found.problems
     assert all(reason.startswith(REASONS[damage]) for _, reason in found.problems), found.problems
     assert not slots & set(found.ready_slots.tolist()) and len(found.ready_keys) == 8 - len(lost)
     assert not set(found.owner.tolist()) & slots                 # no page is held by a lost record
     if damage in ("ns_record_garbage", "ns_record_edited"):
-        assert list(found.damaged_namespaces) == [ia[b"a0"].ns.slot]
+        assert list(found.damaged_namespaces) == [ia[1].slot]
 
 
 def test_a_stale_record_revived_is_no_entry():
@@ -85,9 +91,9 @@ def test_a_stale_record_revived_is_no_entry():
     # the old key. Here: slot F held key "old" on a2's page before a2 got it (what freeing leaves:
     # the fields, state FREE, record_sum zeroed), and its state byte is set back to READY.
     env, a, b = two_namespaces(16, 4, 2)
-    view, a2 = env.view, a.engine.ns.index[b"a2"]
+    view, a2 = env.view, slot_of(env.store.index, a.engine.ns, b"a2")
     free = int(np.flatnonzero(view.entries["state"] == 0)[0])
-    view.entries[free] = view.entries[a2.slot]
+    view.entries[free] = view.entries[a2]
     view.entries["key"][free][:3] = np.frombuffer(b"old", np.uint8)
     view.entries["tick"][free] = 0                             # older than a2: it would win the page
     view.entries["record_sum"][free] = 0
@@ -107,12 +113,12 @@ def test_an_entry_moved_to_another_namespace_or_its_checksum_zeroed_is_caught():
     for s in (x, y):
         _, got = env.store.store(s[0], 1, ks)
         env.store.commit(s[0], 1, True, [shard_checksum(env.view.data, np.frombuffer(p, PAGES_DTYPE), PAGE, PAGE)
-                                         for p in got])
+                                         for p in per_entry(got, len(ks))])
     assert len(scan(env.view, verify_checksums=True).ready_keys) == 4
     ents = env.view.entries
-    moved = x[0].engine.ns.index[b"k0"].slot
+    moved = slot_of(env.store.index, x[0].engine.ns, b"k0")
     ents["ns"][moved] = y[0].engine.ns.slot                    # X's k0 claims to be Y's
-    zeroed = x[0].engine.ns.index[b"k1"].slot
+    zeroed = slot_of(env.store.index, x[0].engine.ns, b"k1")
     ents["checksum"][zeroed] = 0
     found = scan(env.view, verify_checksums=True)
     assert sorted(found.problems) == sorted([(moved, "record checksum mismatch"), (zeroed, "record checksum mismatch")])

@@ -270,8 +270,8 @@ def test_store_hints_reach_the_policy(d):
     assert (s["policy"], s["policy_admitted_keys"], s["policy_refused_keys"]) == ("slru", 2, 2)
     assert s["policy_segments"] == {"probation": 4, "protected": 0}
     # The two cold keys go first, the deepest first; then the chain from its tail.
-    slot = {key: entry.slot for key, entry in d.store.jobs.engines["e"].ns.index.items()}
-    assert list(d.store.index.policy.victims()) == [slot[KEYS[3]], slot[KEYS[2]], slot[KEYS[1]], slot[KEYS[0]]]
+    slot = d.store.index.find(d.store.jobs.engines["e"].ns, KEYS).tolist()
+    assert np.frombuffer(d.store.index.policy.victims(), np.int32).tolist() == [slot[3], slot[2], slot[1], slot[0]]
     more = [bytes([i]) * 36 for i in range(10, 14)]
     d.ok("store", job=2, keys=more, chain=False, cold_tail=99)     # capped at the job's keys
     d.ok("commit", job=2, ok=True)

@@ -20,10 +20,23 @@ from kvtierd.tier.backend import TierTimeout, TierUnavailable
 from kvtierd.tier.keys import identity
 from kvtierd.tiering.promote import ABSENT_SECONDS, CHECK_DELAY, PATIENCE
 
-from .store_env import keys
+from .store_env import keys, pages
 from .tier_env import TierEnv
 
 W, P = StoreOutcome.WRITE, StoreOutcome.PRESENT
+
+
+def slots(tenv, s, ks: list[bytes]) -> np.ndarray:
+    """The entry slots of ``ks`` in ``s``'s namespace (each key must have an entry)."""
+    found = tenv.store.index.find(s.engine.ns, ks)
+    assert (found >= 0).all(), ks
+    return found
+
+
+def entry_pages(tenv, s) -> set[int]:
+    """Every page of every entry of ``s``'s namespace."""
+    index = tenv.store.index
+    return set(pages(index.pages_of(s.engine.ns, index.slots_of(s.engine.ns))))
 
 
 @pytest.fixture
@@ -43,8 +56,7 @@ def test_victims_are_demoted_before_their_pages_are_reused_then_freed(tenv):
     victims = put["keys"]                        # the policy's first two (a chain: its tail first)
     assert len(victims) == 2 and put["length"] == 4096 and put["shards"] == 1
     assert put["ns"] == identity(s.engine.ns.id)
-    assert np.frombuffer(put["pages"], PAGES_DTYPE).tolist() == [
-        p for k in victims for p in np.frombuffer(s.engine.ns.index[k].pages, PAGES_DTYPE).tolist()]
+    assert pages(put["pages"]) == pages(tenv.store.index.pages_of(s.engine.ns, slots(tenv, s, victims)))
     stats = tenv.tier.stats()
     assert stats["demoting_blocks"] == 2 and tenv.stats()["entries_pinned"] == 2
     # Pinned for the demote: still READY and loadable, but no store takes their pages.
@@ -56,7 +68,7 @@ def test_victims_are_demoted_before_their_pages_are_reused_then_freed(tenv):
     tenv.pump()
     # The first was looked up meanwhile (used: it stays); the other was not: freed, and in the tier.
     assert tenv.ready(s, victims[0]) and not tenv.ready(s, victims[1])
-    assert tenv.tier.copies.held[s.engine.ns.index[victims[0]].slot]
+    assert tenv.tier.copies.held[slots(tenv, s, victims[:1])].all()
     stats = tenv.tier.stats()
     assert stats["demoted_blocks"] == 2 and stats["demoted_bytes"] == 2 * 4096
     assert stats["demoting_blocks"] == len(tenv.link.last("put")[1]["keys"])     # the next pass is under way
@@ -65,8 +77,7 @@ def test_victims_are_demoted_before_their_pages_are_reused_then_freed(tenv):
 def test_a_block_the_tier_holds_is_freed_without_a_second_put(tenv):
     (s,) = tenv.engine("e")
     tenv.put([s], 1, keys("k", 26))
-    for entry in s.engine.ns.index.values():
-        tenv.tier.copies.held[entry.slot] = True    # promoted, or demoted before
+    tenv.tier.copies.held[tenv.store.index.slots_of(s.engine.ns)] = True    # promoted, or demoted before
     tenv.pump()
     assert [op for _, op, _ in tenv.link.sent] == ["stats"]             # no put
     assert tenv.store.index.pages.free_count == 8                       # the reserve, freed ahead of need
@@ -122,7 +133,7 @@ def test_a_demote_pass_takes_the_policy_s_first_ready_victims_not_the_oldest_blo
     assert tenv.store.index.evict(None, None) == 1          # gone, but the policy remembers its key
     tenv.put([s], 2, x)
     assert tenv.store.index.pages.free_count == 16 and not [op for _, op, _ in tenv.link.sent if op == "put"]
-    assert tenv.store.store(s, 3, trigger)[0] == [W] * 16     # the last free pages
+    assert list(tenv.store.store(s, 3, trigger)[0]) == [W] * 16     # the last free pages
     if commit_first:
         tenv.store.commit(s, 3, True)
     tenv.pump()
@@ -193,11 +204,11 @@ def test_a_miss_is_checked_then_promoted_and_reported_pending_until_ready(tenv):
     assert tenv.lookup(s, ks) == (2, 4)                      # promoting; "absent" ends the run
     # An engine storing a key being promoted finds it present (one writer at a time).
     (w,) = tenv.engine("w")
-    assert tenv.store.store(w, 1, [b"t0"])[0] == [P]
+    assert list(tenv.store.store(w, 1, [b"t0"])[0]) == [P]
     tenv.link.answer(rid, done=b"\x01\x01\x01\x01")
     tenv.pump()
     assert tenv.lookup(s, ks) == (6, 0)                      # "absent" is remembered: no new check
-    assert all(tenv.tier.copies.held[s.engine.ns.index[k].slot] for k in keys("t", 4))
+    assert tenv.tier.copies.held[slots(tenv, s, keys("t", 4))].all()
     assert not (fence.table == row).any()
     stats = tenv.tier.stats()
     assert stats["promoted_blocks"] == 4 and stats["lookup_keys"] == {"hit": 6, "miss": 1}
@@ -218,7 +229,7 @@ def promoting(tenv, s, ks: list[bytes]) -> tuple[int, np.ndarray]:
 def test_a_promote_past_its_deadline_is_a_miss_and_its_pages_stay_fenced_until_the_end(tenv):
     (s,) = tenv.engine("e")
     ks = keys("t", 3)
-    rid, pages = promoting(tenv, s, ks)
+    rid, fenced = promoting(tenv, s, ks)
     tenv.link.answer(rid, ok=False, final=False, error=TierTimeout("late"))
     tenv.pump()
     assert tenv.lookup(s, ks) == (0, 0)                      # aborted: gone, and not asked again soon
@@ -228,8 +239,7 @@ def test_a_promote_past_its_deadline_is_a_miss_and_its_pages_stay_fenced_until_t
     # The region fills: no store gets the fenced pages.
     (w,) = tenv.engine("w")
     tenv.put([w], 1, keys("f", 40))
-    got = {p for e in w.engine.ns.index.values() for p in np.frombuffer(e.pages, PAGES_DTYPE).tolist()}
-    assert not got & set(pages.tolist())
+    assert not entry_pages(tenv, w) & set(fenced.tolist())
     tenv.link.answer(rid, done=b"\x01\x01\x01")               # it answered after all: the pages are free
     tenv.pump()
     assert tenv.stats()["pages_fenced"] == 0 and not tenv.ready(s, b"t0")
@@ -258,18 +268,17 @@ def test_a_killed_companion_keeps_its_row_and_pages_until_it_is_reaped(tenv):
     says ``killed`` and ends nothing; its row and the pages of its promote stay fenced, whatever
     the loop does meanwhile, and come back only once it is reaped."""
     (s,) = tenv.engine("e")
-    rid, pages = promoting(tenv, s, keys("t", 3))
+    rid, fenced = promoting(tenv, s, keys("t", 3))
     tenv.link.answer(rid, ok=False, final=False, error=TierTimeout("late"))
     row = tenv.tier.companion.writer.row
     tenv.link.state = "killed"                               # SIGKILLed, not reaped: same pid
     for _ in range(3):
         tenv.pump()
     assert tenv.tier.companion.writer.row == row and row in tenv.store.fence.writers
-    assert tenv.stats()["pages_fenced"] == 3 and (tenv.store.fence.table[pages] == row).all()
+    assert tenv.stats()["pages_fenced"] == 3 and (tenv.store.fence.table[fenced] == row).all()
     (w,) = tenv.engine("w")
     tenv.put([w], 1, keys("f", 40))                          # the region fills: no store gets them
-    got = {p for e in w.engine.ns.index.values() for p in np.frombuffer(e.pages, PAGES_DTYPE).tolist()}
-    assert not got & set(pages.tolist())
+    assert not entry_pages(tenv, w) & set(fenced.tolist())
     tenv.link.die()                                          # reaped
     tenv.pump()
     assert tenv.tier.companion.writer is None and tenv.stats()["pages_fenced"] == 0
@@ -297,13 +306,12 @@ def test_a_busy_link_checks_nothing_and_promises_nothing(tenv):
 def test_clear_reaches_the_tier_and_says_how_it_went(tenv):
     (s,) = tenv.engine("e")
     tenv.put([s], 1, keys("k", 2))
-    for entry in s.engine.ns.index.values():
-        tenv.tier.copies.held[entry.slot] = True
+    tenv.tier.copies.held[tenv.store.index.slots_of(s.engine.ns)] = True
     replies = []
     tenv.store.clear_tier(s.engine.ns.id.name(), lambda tier, n: replies.append((tier, n)))
     rid, fields = tenv.link.last("clear")
     assert fields == {"ns": identity(s.engine.ns.id)} and replies == []
-    assert not any(tenv.tier.copies.held[e.slot] for e in s.engine.ns.index.values())     # their copies are going
+    assert not tenv.tier.copies.held[tenv.store.index.slots_of(s.engine.ns)].any()     # their copies are going
     tenv.link.answer(rid, removed=5)
     tenv.pump()
     assert replies == [("removed", 5)] and tenv.tier.stats()["cleared_blocks"] == 5

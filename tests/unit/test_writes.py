@@ -51,14 +51,20 @@ def handed(env, kind: WriterKind, ks: list[bytes]):
     of a replicated namespace, the first of two shards of a sharded one), the companion every shard."""
     writes = env.store.writes
     write, outcomes, _ = writes.begin(kind, next(_IDS), env.ns, ks)
-    assert outcomes == [W] * len(ks)
+    assert list(outcomes) == [W] * len(ks)
     w = writer(env)
     pages = writes.hand(write, 0, w, 0 if kind is WriterKind.RANK else None)
-    return write, w, np.frombuffer(b"".join(pages), PAGES_DTYPE)
+    return write, w, np.frombuffer(pages, PAGES_DTYPE)
 
 
-def all_pages(write) -> np.ndarray:
-    return np.frombuffer(b"".join(e.pages for e in write.entries), PAGES_DTYPE)
+def all_pages(env, write) -> np.ndarray:
+    """Every page of the write's entries, every shard."""
+    return np.frombuffer(env.store.index.pages_of(write.ns, write.slots), PAGES_DTYPE)
+
+
+def entries(env) -> np.ndarray:
+    """The slots of the namespace's live (WRITING or READY) entries."""
+    return env.store.index.slots_of(env.ns)
 
 
 def fenced_for(env, w) -> list[int]:
@@ -68,7 +74,7 @@ def fenced_for(env, w) -> list[int]:
 def fill(env) -> set[int]:
     """Another write takes every page it can get (evicting everything evictable); its pages."""
     write, outcomes, _ = env.store.writes.begin(WriterKind.RANK, next(_IDS), env.ns, keys(f"fill{next(_IDS)}-", 16))
-    got = set(all_pages(write).tolist())
+    got = set(all_pages(env, write).tolist())
     env.store.writes.complete(write)
     return got
 
@@ -83,15 +89,15 @@ def test_a_writer_s_pages_are_fenced_for_it_from_the_hand_until_it_settles(env, 
     writes.settle(write, 0)
     assert fenced_for(env, w) == [] and (env.store.fence.table == FENCE_NONE).all()
     writes.complete(write)
-    assert all(e.state is EntryState.READY for e in env.ns.index.values())
+    assert (env.store.index.states(entries(env)) == EntryState.READY).all()
 
 
 def test_an_aborted_write_keeps_its_writer_s_pages_until_its_late_final(env, kind):
     writes = env.store.writes
     write, w, pages = handed(env, kind, keys("k", 3))
-    others = sorted(set(all_pages(write).tolist()) - set(pages.tolist()))
+    others = sorted(set(all_pages(env, write).tolist()) - set(pages.tolist()))
     writes.abort(write)                                        # a timeout, a conflict, the tier's deadline...
-    assert not env.ns.index and fenced_for(env, w) == sorted(pages.tolist())
+    assert not len(entries(env)) and fenced_for(env, w) == sorted(pages.tolist())
     assert sorted(env.store.fence.parked_pages().tolist()) == sorted(pages.tolist())
     env.store.verify()
     got = fill(env)                                            # the region fills: none of its pages
@@ -120,8 +126,9 @@ def test_a_gone_writer_keeps_its_pages_without_a_proof_and_frees_them_with_one(e
 def test_a_write_that_lands_in_part_frees_the_rest_at_once(env, kind):
     writes = env.store.writes
     write, w, pages = handed(env, kind, keys("k", 4))
-    lost = [e.pages for e in write.entries[1::2]]
+    index = env.store.index
+    lost = index.pages_of(env.ns, write.slots[[1, 3]])
     writes.settle(write, 0)
     ready = writes.complete(write, b"\x01\x00\x01\x00")
-    assert [e.key for e in ready] == [b"k0", b"k2"] and sorted(env.ns.index) == [b"k0", b"k2"]
-    assert set(np.frombuffer(b"".join(lost), PAGES_DTYPE).tolist()) <= set(env.store.index.pages.free_ids().tolist())
+    assert index.keys_of(ready) == [b"k0", b"k2"] and sorted(index.keys_of(entries(env))) == [b"k0", b"k2"]
+    assert set(np.frombuffer(lost, PAGES_DTYPE).tolist()) <= set(index.pages.free_ids().tolist())

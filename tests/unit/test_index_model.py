@@ -1,4 +1,4 @@
-"""kvtierd.entries: the entry index over flat arrays, against a plain dict model under random
+"""kvtierd.index: the entry index over flat arrays, against a plain dict model under random
 operation sequences (stores, commits, aborts, lookups, loads, leases, evictions, restarts), with
 keys forced to collide in the key table; namespace reclaim; and recovery from a region that
 today's format wrote (tests/unit/data/region-v2.meta.gz: the metadata file the store of commit
@@ -8,6 +8,7 @@ sharded, WRITING records and their writer's fenced pages)."""
 from __future__ import annotations
 
 import gzip
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,9 @@ from kvtierd.contract.codes import StoreOutcome
 from kvtierd.contract.protocol import ErrorCode, PAGES_DTYPE, RequestError
 from kvtierd.contract.region_format import EntryState, Geometry, NS_SLOTS
 from kvtierd.contract.region_view import RegionView
-from kvtierd.entries import EntryIndex
 from kvtierd.fence import Fence
+from kvtierd.holds import Holds
+from kvtierd.index import Index
 from kvtierd.keytable import ALL_BITS
 from kvtierd.policy.native import NATIVE
 from kvtierd.processes import boot_id
@@ -43,12 +45,20 @@ def fresh_view(pages: int = PAGES) -> RegionView:
     return view
 
 
-def index(view: RegionView, policy: str = "slru", mask: int = ALL_BITS) -> EntryIndex:
-    return EntryIndex(view, NATIVE[policy](), Fence(view, 600.0), hash_mask=mask)
+def index(view: RegionView, policy: str = "slru", mask: int = ALL_BITS) -> Index:
+    holds = Holds(view.geometry.entry_slots, view.geometry.num_pages, NATIVE[policy]())
+    return Index(view, holds, Fence(view, 600.0), hash_mask=mask)
 
 
-def slots_of(idx: EntryIndex, ns, keys) -> list[int]:
+def slots_of(idx: Index, ns, keys) -> list[int]:
     return idx.find(ns, keys).tolist()
+
+
+class Engine:
+    """What holds count a load's pins and a lease against: an engine of a namespace."""
+
+    def __init__(self, ns):
+        self.ns = ns
 
 
 class IndexModel(RuleBasedStateMachine):
@@ -60,6 +70,7 @@ class IndexModel(RuleBasedStateMachine):
         self.view = fresh_view()
         self.idx = index(self.view, policy, mask)
         self.ns = [self.idx.namespace(layout) for layout in LAYOUTS]
+        self.engines = [Engine(ns) for ns in self.ns]
         self.model: dict[tuple[int, bytes], EntryState] = {}
         self.pins: dict[tuple[int, bytes], int] = {}
         self.leases: dict[tuple[int, bytes], int] = {}
@@ -90,10 +101,10 @@ class IndexModel(RuleBasedStateMachine):
     def store(self, n, keys):
         ns = self.ns[n]
         present = [(n, k) in self.model for k in keys]
-        outcomes, slots = self.idx.decide_store(ns, keys)
+        outcomes, slots, present_count = self.idx.place(ns, keys)
         self.forget_evicted(spared={(n, k) for k in keys})
         new = [k for k, p in zip(keys, present) if not p]
-        assert len(outcomes) == len(keys)
+        assert len(outcomes) == len(keys) and present_count == sum(present)
         written = [k for k, o in zip(keys, outcomes) if o == W]
         assert written == new[:len(written)]                 # the new keys that fit, in order
         assert all((o == P) == p for o, p in zip(outcomes, present))
@@ -131,8 +142,8 @@ class IndexModel(RuleBasedStateMachine):
     @rule(n=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), max_size=8, unique=True),
           kind=st.sampled_from(["pin", "lease"]))
     def hold(self, n, keys, kind):
-        hits = self.idx.ready_prefix(self.ns[n], keys)
-        (self.idx.pin if kind == "pin" else self.idx.lease)(hits)
+        hits = self.idx.ready(self.ns[n], keys)
+        (self.idx.pin if kind == "pin" else self.idx.lease)(hits, self.engines[n])
         counts = self.pins if kind == "pin" else self.leases
         for key in self.ready_prefix(n, keys):
             counts[(n, key)] = counts.get((n, key), 0) + 1
@@ -144,8 +155,9 @@ class IndexModel(RuleBasedStateMachine):
         if not held:
             return
         chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, unique=True))
-        slots = np.asarray([slots_of(self.idx, self.ns[n], [k])[0] for n, k in chosen], np.int32)
-        (self.idx.unpin if kind == "pin" else self.idx.unlease)(slots)
+        for n in {n for n, _ in chosen}:        # each namespace's engine lets go of its own holds
+            slots = np.asarray(slots_of(self.idx, self.ns[n], [k for m, k in chosen if m == n]), np.int32)
+            (self.idx.unpin if kind == "pin" else self.idx.unlease)(slots, self.engines[n])
         for item in chosen:
             counts[item] -= 1
 
@@ -161,6 +173,7 @@ class IndexModel(RuleBasedStateMachine):
         """A new index over the same tables: READY entries stay, WRITING ones go, holds die."""
         self.idx = index(RegionView(self.view.raw, None, self.view.geometry), self.policy, self.mask)
         self.ns = [self.idx.namespace(layout) for layout in LAYOUTS]
+        self.engines = [Engine(ns) for ns in self.ns]
         self.model = {i: s for i, s in self.model.items() if s is READY}
         self.pins.clear()
         self.leases.clear()
@@ -176,7 +189,12 @@ class IndexModel(RuleBasedStateMachine):
             assert (slots >= 0).all()
             assert [EntryState(s) for s in self.idx.states(slots)] == [self.model[(n, k)] for k in keys]
             for key, slot in zip(keys, slots.tolist()):
-                assert self.idx.holds(slot) == (self.pins.get((n, key), 0), self.leases.get((n, key), 0))
+                assert self.idx.holds.of(slot) == (self.pins.get((n, key), 0), self.leases.get((n, key), 0))
+        # Each engine's holds count its entries' pages, once per pin and per lease.
+        held = Counter()
+        for (n, key), count in (Counter(self.pins) + Counter(self.leases)).items():
+            held[self.engines[n]] += count * self.ns[n].entry_pages
+        self.idx.holds.verify_holders(held)
         stats = self.idx.stats()
         assert stats["entries_ready"] == sum(s is READY for s in self.model.values())
         assert stats["entries_writing"] == sum(s is WRITING for s in self.model.values())
@@ -197,7 +215,7 @@ def test_a_full_namespace_table_takes_over_the_least_recently_used_unused_namesp
     idx = index(fresh_view(64))
     spaces = [idx.namespace(NamespaceId(f"m{i}", "bf16", 16, 4096)) for i in range(NS_SLOTS)]
     for i in (3, 5, 7):
-        idx.make_ready(idx.decide_store(spaces[i], [b"x", b"y"])[1])
+        idx.make_ready(idx.place(spaces[i], [b"x", b"y"])[1])
     idx.access(idx.lookup(spaces[3], [b"x"]))
     idx.access(idx.lookup(spaces[5], [b"x"]))               # 5 was used after 3
     for i, ns in enumerate(spaces):
@@ -249,6 +267,6 @@ def test_a_region_written_by_todays_format_recovers(policy, same_boot):
     # (stored a0..a19, then b0..b5, looked a3..a7 up, stored c0..c2; one tick per request)
     assert idx.keys_of(walk) == a[:3] + a[8:] + b + a[3:8] + c
     # And it stores into it as into its own.
-    _, slots = idx.decide_store(one, [b"new"])
+    _, slots, _ = idx.place(one, [b"new"])
     idx.make_ready(slots)
     idx.verify()
