@@ -313,20 +313,20 @@ latency, throughput and restart targets than a quiet one: the run before issue 1
 average of 0.4-1.6, met the 4-client lookup throughput (4.7e6 keys/s) and the restart (1.45 s)
 that this one, at 3-4, missed.
 
-- **Lookup of 256 keys, p50 against the echo.** The echo server decodes the same frame and
-  answers a same-sized reply: the transport (two ZMQ hops) plus msgpack, ~4 µs of work on its
-  side for 256 keys. kvtierd must in addition validate the keys (type, length, duplicates), find
-  each in the index, check the READY prefix and touch the hits (LRU order and the persisted
-  access tick). After the optimisations every one of these is a C-level pass over the keys
-  (`map` over dict and OrderedDict methods, `bytes.lstrip` over the states, one NumPy scatter of
-  the ticks): no per-key Python loop is left. Timed in-process (`Server.handle`, thread CPU time)
-  against an index of a million entries, a 256-key lookup costs 49 µs, of which the LRU touch is
-  7 µs and the tick stamp 4 µs; the rest is decoding, validating and the index's own cache
-  misses (each key reaches a dict slot and an entry object in a heap of millions). On a ~95 µs
-  echo round trip that is ~1.4-1.6x; 1.3x would need the daemon's share near 25 µs, i.e. the index
-  in compiled code (a C extension or a NumPy hash table of fixed-width keys) — a redesign, not a
-  hot-path fix. The ratio also moves with the machine's load (the echo's round trip is its
-  denominator: the same code measured 1.18x in a quieter run).
+- **Lookup of 256 keys, p50 against the echo; store+commit of 1,024.** Since 0.3.0 the index is
+  compiled (issue 22): in-process (`Server.handle`), a 256-key lookup costs ~26 µs, of which
+  decoding and validating the frame ~9-13 (msgpack alone: 6.5), the key table's prefix pass 3, the
+  access tick 2.5 and the policy's touch 0.6; the rest is dispatch, the session, the reply and
+  the latency histogram, the same at B = 1 (10 µs against msgpack's 1.5). With the loop's turn
+  (expiry, the tier's and stream's pumps, the poll: ~6 µs) the daemon spends ~35 µs a request
+  where the echo spends ~8, fixed per request rather than per key: lookups measure 1.4-1.6x at
+  every B from 1 to 256 on a ~110-160 µs echo round trip (1,024 keys: 1.4-1.5x, met). A 1,024-key
+  store+commit is two such requests plus the per-key work of a store (the key table, the records,
+  the policy's sketch, and the eviction of as many entries in a full region: ~600 µs of handling
+  measured by the daemon's own latency histograms), 3.1-3.35x here (was 18.9x); load+release
+  (1.75x) and four clients' lookups (0.65-0.71x the echo's keys/s) meet theirs. What is left is the
+  Python around the compiled passes, per request: the next step would be the request loop itself
+  (decode, dispatch, reply of the hot ops) in compiled code.
 - **CPU store+load against memcpy, small jobs.** The copy itself runs near memcpy speed (the CPU
   copier moves a block per `memmove` on a worker thread; timed alone it matches one-thread
   memcpy within noise, and a 1 GiB job's copy reaches 0.85-0.93x). What small jobs pay is four
@@ -336,11 +336,13 @@ that this one, at 3-4, missed.
   same run), up to ~1.5 ms per store+load pair against ~7 ms of memcpy for 64 MiB. Jobs of 256 blocks and more amortise
   it. The round trips are the protocol's safety (a block is READY only after the writer's
   commit, invariant 1), so they stay.
-- **Restart with a million entries.** Quiet, a restart takes ~1.5 s: interpreter and imports
-  ~0.3 s, prefaulting the adopted 4 GiB region ~0.35 s (`Region.open` populates the daemon's page
-  tables even though an adopted tmpfs file's pages are resident already), and `Store()` ~0.8-0.9 s
-  (scan 0.3-0.5 s, then a million entry objects, dict inserts and LRU nodes). It is a few
-  samples of a few seconds each, so load from other processes during them moves it past 2 s.
+- **Restart with a million entries.** Since 0.3.0: interpreter and imports ~0.42 s, the adopted
+  region opened in ~0.05 s (an adopted, unpinned file of small pages that fallocate already
+  reserved is no longer populated in the daemon's own mapping: the daemon copies no block), and
+  `Store()` ~0.5-0.7 s (the array scan 0.38-0.49 s, the key table's rebuild 0.06 s, the policy's
+  0.13 s): 0.99 s in a quiet run, 1.14-1.22 s in the runs of this page (load from other work; it is
+  a median of three samples of about a second). With pinning (cuda, mlock) the pin's own populate
+  of the region adds its time.
 - **Ten times Redis.** Redis is credited with its faster pattern per direction (one SET/GET per
   block beats a single MSET/MGET of the whole job by up to 4x for MiB-sized values). At its best it
   moves ~2-3 GB/s over loopback (each block crosses the socket, and on load is copied again into
@@ -355,12 +357,9 @@ that this one, at 3-4, missed.
   both traces. Catching more first reuses needs more room than there is; 0.8x Belady at 10 % would
   need all later reuses plus more first reuses than LRU gets with the whole cache. slru is still
   at or above LRU in every cell (1.04-1.60x). docs/policy.md has the analysis and what was tried.
-- **slru's CPU per key against LRU's.** The difference is its sketch of past keys (a slru daemon
-  without it measured 0.99-1.05x LRU for stores in the same kind of run): four counters read and
-  written per stored key, nine NumPy calls per job (~8-44 us). Stores measured 1.05-1.52x here and
-  1.13-1.32x in other runs on this shared 2-CPU machine; the sketch is what lifts slru above LRU
-  (without it slru falls below LRU on both traces), so it stays. Closing the gap needs the sketch
-  in compiled code.
+- **slru's CPU per key against LRU's.** Met since 0.3.0 (1.05x at worst, goal 1.1 in issue 22):
+  the policies and their sketch are compiled, and the sketch's halving is applied a block at a
+  time when first touched instead of in one pass (which paused a full region's loop ~30 ms).
 - **Second tier, Mooncake, 64 KiB blocks.** Not explained yet: the cause of this miss has not
   been measured. What has been measured is its spread: over six full runs of `bench/run_all.py
   --only tier` on this machine, demote ranged 0.60-1.11x the raw put and promote 0.48-0.67x the
@@ -397,21 +396,16 @@ that this one, at 3-4, missed.
   (load 7-10; in the quiet run on this page Mooncake measured 0.44x demote and 0.33x promote at
   64 KiB, Redis 0.80x and 0.57x).
 - **KV events: store throughput with the stream on, commit to subscriber, 200,000 blocks/s.**
-  At a load average of 8-10 (other sessions kept both CPUs busy) three runs gave 0.71, 0.83 and
-  0.76x at B = 256 and 0.90, 0.83 and 1.01x at B = 1,024, commit to subscriber p99 17, 10.5 and
-  11.3 ms. Two quiet runs (load average 0.3-1.2, 2026-12-05; the second is on this page): 0.887
-  and 0.856x at B = 256, 0.832 and 0.87x at B = 1,024 — still missed —; commit to subscriber p99
-  2.44 and 2.47 ms (met); the daemon kept 174 and 141 thousand of 200,000 offered blocks/s with
-  the stream on (missed: its per-key store path, issue 22), memory flat (met); in isolation the log
-  and the stream carry 200,000 blocks/s. In-process, the daemon's own share is small: a cProfile of 600 store jobs
-  of 256 keys with the log and the stream on puts the event log's append (`_runs`) at 2 % of the
-  store path; the rest of the difference is the subscriber process and ZMQ's I/O thread taking
-  CPU from the daemon and the client on a 2-CPU machine (the daemon without a stream has neither).
-  Flushes are coalesced (`kv_events_flush_ms`, 2 ms), which a p99 of a few ms at this load also
-  reflects. 200,000 blocks/s: the daemon itself stores only 40-70 thousand one-page blocks/s here
-  at that load, with or without the stream (a full region: each store also evicts); in isolation
-  the log and the stream keep 200,000 blocks/s with memory flat, and the daemon's memory grew 11
-  MiB (goal 16) over the last two thirds of its run once its 8 MiB log was full."""
+  Since 0.3.0 (the compiled index) the daemon keeps the 200,000 offered blocks/s with the stream
+  on (it kept 141-174 thousand before), commit to subscriber p99 2.6-2.9 ms and memory stay met.
+  Store throughput with the stream on against off fell to 0.65-0.71x (from 0.83-0.89x): a store
+  got ~6x cheaper, the stream's cost per stored key did not, so its share grew: at B = 256, 225,730
+  against 328,082 keys/s is ~1.4 µs more per key, spent by the publisher in the daemon's loop
+  (reading the log, building vLLM's BlockStored events from each key's hashes and group,
+  msgpack-encoding them, sending) and by the subscriber process and ZMQ's I/O thread on the same 2
+  CPUs; the log's append is a few percent. Before 0.3.0, at a load average of 8-10, three runs gave 0.71-0.83x at B = 256 and
+  0.83-1.01x at B = 1,024; quiet, 0.856-0.887x and 0.832-0.87x. Meeting 0.95 needs the events'
+  encoding off the loop's per-key Python (compiled, or on another thread)."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
