@@ -1,6 +1,6 @@
 """Compiled passes over the region's entry records: each key's hash and each record's sum, for a
-whole table at recovery or a job's records at once (``kvtierd._native``, bound here to the record
-layout of ``region_format``).
+whole table at recovery or a job's records at once, and recovery's first judgment of every READY
+record (``kvtierd._native``, bound here to the record layout of ``region_format``).
 
 ``record_sums`` computes exactly ``region_format.entry_record_sums`` (the format's definition,
 which stays in NumPy for the client side and the offline tools: tests/unit/test_records.py checks
@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._native import judge_ready as _judge_ready
 from ._native import key_hashes as _key_hashes
 from ._native import record_sums as _record_sums
 from .contract.protocol import MAX_KEY_BYTES
-from .contract.region_format import ENTRY_DTYPE
+from .contract.region_format import CHAIN_END, ENTRY_DTYPE, TICK_LIMIT, EntryState
 from .contract.region_sums import ENTRY_SUMMED
 from .contract.region_view import RegionView
 
 _KEY_LEN_AT = ENTRY_DTYPE.fields["key_len"][1]
 _KEY_AT = ENTRY_DTYPE.fields["key"][1]
+_LAYOUT = (ENTRY_DTYPE.itemsize, *(ENTRY_DTYPE.fields[name][1] for name in (
+    "state", "key_len", "ns", "page_count", "first_page", "tick", "checksum", "key", "record_sum")))
 
 
 def key_hashes(view: RegionView, slots: np.ndarray) -> np.ndarray:
@@ -38,6 +41,25 @@ def record_sums(view: RegionView, slots: np.ndarray, chains: np.ndarray, counts:
     ids = identities if isinstance(identities, int) else np.ascontiguousarray(identities, np.uint64)
     raw = _record_sums(view.entries, slots, np.ascontiguousarray(chains, np.uint32), counts, ids, ENTRY_SUMMED)
     return np.frombuffer(raw, np.uint64)
+
+
+def judge_ready(view: RegionView, ns_pages: np.ndarray, ns_identity: np.ndarray, ns_checksums: np.ndarray,
+                require_checksums: bool) -> dict[str, np.ndarray]:
+    """Every READY record judged on its own, in slot order, in one compiled walk over the table
+    (the checks and their order: recovery.scan): its columns ``slots``, ``counts``, ``ns``,
+    ``chains`` (one uint32 row per record, padded with CHAIN_END), ``checksum``, ``fps`` (each
+    sound key's hash), ``tick`` and ``why`` (0, or recovery's reason code). ``ns_pages``,
+    ``ns_identity`` and ``ns_checksums``: per namespace slot (all 2**16), its entries' page count
+    (-1: no sound namespace), identity and whether its entries must carry a data checksum."""
+    slots, counts, ns, chains, width, checksum, fps, why, tick = _judge_ready(
+        view.entries, view.chain, _LAYOUT, np.ascontiguousarray(ns_pages, np.int64),
+        np.ascontiguousarray(ns_identity, np.uint64), np.ascontiguousarray(ns_checksums, np.uint8), ENTRY_SUMMED,
+        (int(EntryState.READY), MAX_KEY_BYTES, TICK_LIMIT, CHAIN_END, int(require_checksums)))
+    n = len(slots) // 4
+    return {"slots": np.frombuffer(slots, np.int32).astype(np.int64), "counts": np.frombuffer(counts, np.int64),
+            "ns": np.frombuffer(ns, np.int64), "chains": np.frombuffer(chains, np.uint32).reshape(n, width),
+            "checksum": np.frombuffer(checksum, np.uint64), "fps": np.frombuffer(fps, np.uint64),
+            "why": np.frombuffer(why, np.int8).copy(), "tick": np.frombuffer(tick, np.uint64)}
 
 
 def keys_of(view: RegionView, slots: np.ndarray) -> list[bytes]:

@@ -6,6 +6,9 @@ static PyMethodDef functions[] = {
      "key_hashes(records, slots, record_bytes, key_len_at, key_at, max_key) -> uint64 hash of each slot's key"},
     {"record_sums", (PyCFunction)(void (*)(void))record_sums, METH_FASTCALL,
      "record_sums(records, slots, chains, counts, identities, mask) -> uint64 record sum of each slot"},
+    {"judge_ready", (PyCFunction)(void (*)(void))judge_ready, METH_FASTCALL,
+     "judge_ready(records, chain, layout, ns_pages, ns_identity, ns_checksums, mask, limits) -> every READY "
+     "record's columns and verdict"},
     {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL,
      "hold(mine, other, slots, step) -> (changed, int32 slots that leave or re-enter the policy)"},
     {"keys_ok", (PyCFunction)(void (*)(void))keys_ok, METH_FASTCALL,

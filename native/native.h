@@ -155,6 +155,7 @@ static inline Py_ssize_t sketch_width(const Sketch *s) { return (Py_ssize_t)1 <<
 /* ---------------------------------------------------------------------------- module functions */
 PyObject *key_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *record_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *judge_ready(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 

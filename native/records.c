@@ -48,6 +48,21 @@ static inline uint64_t mixed(uint64_t word, Py_ssize_t position) {
     return x * MIX;
 }
 
+/* region_format's entry_record_sum of one record: its words ANDed with ``mask``, its namespace's
+ * identity, and its ``n`` chain links plus one, each word mixed with its position; never 0. */
+static uint64_t record_sum(const uint8_t *rec, const uint64_t *mask, Py_ssize_t rec_words, uint64_t identity,
+                           const uint32_t *links, Py_ssize_t n) {
+    uint64_t sum = 0, word;
+    for (Py_ssize_t k = 0; k < rec_words; k++) {
+        memcpy(&word, rec + 8 * k, 8);
+        sum += mixed(word & mask[k], k);
+    }
+    sum += mixed(identity, rec_words);
+    for (Py_ssize_t j = 0; j < n; j++)
+        sum += mixed((uint64_t)links[j] + 1, rec_words + 1 + j);
+    return sum ? sum : 1;
+}
+
 /* record_sums(records, slots, chains, counts, identities, mask) -> bytes: region_format's
  * entry_record_sums of each slot's record (uint64): Σ over the record's words ANDed with ``mask``
  * (one uint64 per word of a record), its namespace's identity (``identities``: one uint64 per
@@ -91,16 +106,9 @@ PyObject *record_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < n; i++) {
         if (s.v[i] >= count) { PyErr_Format(PyExc_ValueError, "slot %d out of range", s.v[i]); Py_CLEAR(out); break; }
         const uint8_t *rec = base + (Py_ssize_t)s.v[i] * rec_bytes;
-        uint64_t sum = 0, word;
-        for (Py_ssize_t k = 0; k < rec_words; k++) {
-            memcpy(&word, rec + 8 * k, 8);
-            sum += mixed(word & mask.v[k], k);
-        }
-        sum += mixed(per_slot_id ? ids.v[i] : one_id, rec_words);
         Py_ssize_t links_here = counts.v ? counts.v[i] : width;
-        for (Py_ssize_t j = 0; j < width && j < links_here; j++)
-            sum += mixed((uint64_t)links[i * width + j] + 1, rec_words + 1 + j);
-        sums[i] = sum ? sum : 1;
+        sums[i] = record_sum(rec, mask.v, rec_words, per_slot_id ? ids.v[i] : one_id, links + i * width,
+                             links_here < width ? links_here : width);
     }
 done:
     if (records.obj) PyBuffer_Release(&records);
@@ -110,4 +118,138 @@ done:
     words_release(&ids);
     words_release(&mask);
     return out;
+}
+
+/* The reasons judge_ready gives a READY record (0: sound), in kvtierd/recovery.py's _REASONS order. */
+enum { SOUND, BAD_KEY, BAD_NS, BAD_COUNT, CHAIN_OUT, CHAIN_LONG, BAD_TICK, BAD_SUM, NO_CHECKSUM };
+
+typedef struct {              /* where judge_ready reads a record's fields (region_format.ENTRY_DTYPE) */
+    Py_ssize_t bytes, state, key_len, ns, page_count, first_page, tick, checksum, key, record_sum;
+} Layout;
+
+static inline uint64_t read_u(const uint8_t *at, int width) {
+    uint64_t v = 0;
+    memcpy(&v, at, (size_t)width);          /* the format is little-endian, as is every host we build for */
+    return v;
+}
+
+static PyObject *new_bytes(Py_ssize_t n, void **at) {
+    PyObject *b = PyBytes_FromStringAndSize(NULL, n);
+    if (b) *at = PyBytes_AS_STRING(b);
+    return b;
+}
+
+/* judge_ready(records, chain, layout, ns_pages, ns_identity, ns_checksums, mask, limits) ->
+ * (slots, counts, ns, chains, width, checksum, fps, why, tick): every READY record of the entry
+ * table judged on its own, in slot order, in one walk over the table (recovery.scan's first
+ * stage; NumPy took ten gathers of a column each over the 128-byte records).
+ *
+ * ``layout``: (record bytes, then the offsets of state, key_len, ns, page_count, first_page, tick,
+ * checksum, key, record_sum); ``ns_pages`` (int64), ``ns_identity`` (uint64), ``ns_checksums``
+ * (uint8): one per namespace slot, all 2**16; ``mask``: ENTRY_SUMMED; ``limits``: (READY,
+ * MAX_KEY_BYTES, TICK_LIMIT, CHAIN_END, require_checksums). The checks, in order, each only of a
+ * record still sound: key length, page count against its namespace's (none: BAD_NS), tick, the
+ * chain walked ``count`` links (leaving the data area: CHAIN_OUT; not ending there: CHAIN_LONG),
+ * the record sum, a data checksum where one is required. ``chains``: one row of ``width`` uint32
+ * per record (the longest sound count), padded with CHAIN_END; ``fps``: each sound key's Python
+ * hash (0 for the rest). Nothing in the tables' bytes can make it read out of bounds. */
+PyObject *judge_ready(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "judge_ready(records, chain, layout, ns_pages, ns_identity, ns_checksums, "
+                                         "mask, limits)");
+        return NULL;
+    }
+    Layout L;
+    long long lim[5];
+    if (!PyArg_ParseTuple(args[2], "nnnnnnnnnn", &L.bytes, &L.state, &L.key_len, &L.ns, &L.page_count, &L.first_page,
+                          &L.tick, &L.checksum, &L.key, &L.record_sum) ||
+        !PyArg_ParseTuple(args[7], "LLLLL", &lim[0], &lim[1], &lim[2], &lim[3], &lim[4]))
+        return NULL;
+    uint8_t ready_state = (uint8_t)lim[0];
+    Py_ssize_t max_key = (Py_ssize_t)lim[1];
+    uint64_t tick_limit = (uint64_t)lim[2];
+    uint32_t chain_end = (uint32_t)lim[3];
+    bool require = lim[4] != 0;
+    Py_buffer records = {0}, chain = {0}, pages = {0}, ids = {0}, flags = {0};
+    Words mask = {0};
+    PyObject *result = NULL, *out[8] = {NULL};
+    if (PyObject_GetBuffer(args[0], &records, PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(args[1], &chain, PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(args[3], &pages, PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(args[4], &ids, PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(args[5], &flags, PyBUF_C_CONTIGUOUS) < 0 || words_get(args[6], &mask) < 0)
+        goto done;
+    Py_ssize_t fields[] = {L.state, L.key_len, L.ns + 1, L.page_count + 3, L.first_page + 3, L.tick + 7,
+                           L.checksum + 7, L.record_sum + 7, L.key + max_key - 1};
+    bool fits = L.bytes >= 1 && mask.n * 8 == L.bytes && max_key >= 0;
+    for (size_t f = 0; f < sizeof fields / sizeof fields[0]; f++)
+        fits = fits && fields[f] >= 0 && fields[f] < L.bytes;
+    if (!fits || pages.len < (1 << 16) * 8 || ids.len < (1 << 16) * 8 || flags.len < (1 << 16)) {
+        PyErr_SetString(PyExc_ValueError, "judge_ready: the layout does not fit its record, or a namespace table is "
+                                          "shorter than 2**16");
+        goto done;
+    }
+    const uint8_t *base = records.buf, *ns_flags = flags.buf;
+    const int64_t *ns_pages = pages.buf;
+    const uint64_t *ns_ids = ids.buf;
+    const uint32_t *next = chain.buf;
+    Py_ssize_t count = records.len / L.bytes, num_pages = chain.len / 4, n = 0, width = 0;
+    for (Py_ssize_t s = 0; s < count; s++)
+        n += base[s * L.bytes + L.state] == ready_state;
+    int32_t *slots;
+    int64_t *counts, *ns_of;
+    uint64_t *checksum, *fps, *tick;
+    int8_t *why;
+    if (!(out[0] = new_bytes(n * 4, (void **)&slots)) || !(out[1] = new_bytes(n * 8, (void **)&counts)) ||
+        !(out[2] = new_bytes(n * 8, (void **)&ns_of)) || !(out[4] = new_bytes(n * 8, (void **)&checksum)) ||
+        !(out[5] = new_bytes(n * 8, (void **)&fps)) || !(out[6] = new_bytes(n, (void **)&why)) ||
+        !(out[7] = new_bytes(n * 8, (void **)&tick)))
+        goto done;
+    for (Py_ssize_t s = 0, i = 0; s < count; s++) {     /* the checks before any chain walk */
+        const uint8_t *rec = base + s * L.bytes;
+        if (rec[L.state] != ready_state) continue;
+        Py_ssize_t key_len = rec[L.key_len];
+        slots[i] = (int32_t)s;
+        ns_of[i] = (int64_t)read_u(rec + L.ns, 2);
+        counts[i] = (int64_t)read_u(rec + L.page_count, 4);
+        tick[i] = read_u(rec + L.tick, 8);
+        checksum[i] = read_u(rec + L.checksum, 8);
+        if (key_len == 0 || key_len > max_key) why[i] = BAD_KEY;
+        else if (counts[i] != ns_pages[ns_of[i]]) why[i] = ns_pages[ns_of[i]] < 0 ? BAD_NS : BAD_COUNT;
+        else if (tick[i] >= tick_limit) why[i] = BAD_TICK;
+        else why[i] = SOUND;
+        if (why[i] == SOUND && counts[i] > width) width = (Py_ssize_t)counts[i];
+        i++;
+    }
+    uint32_t *rows;
+    if (!(out[3] = new_bytes(n * width * 4, (void **)&rows))) goto done;
+    for (Py_ssize_t k = 0; k < n * width; k++) rows[k] = chain_end;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *rec = base + (Py_ssize_t)slots[i] * L.bytes;
+        fps[i] = 0;
+        if (why[i] != SOUND) continue;
+        uint32_t *row = rows + i * width;
+        uint64_t cur = read_u(rec + L.first_page, 4);
+        for (Py_ssize_t step = 0; step < counts[i]; step++) {
+            if (cur >= (uint64_t)num_pages) { why[i] = CHAIN_OUT; break; }
+            row[step] = (uint32_t)cur;
+            cur = next[cur];
+        }
+        if (why[i] != SOUND) continue;
+        if (cur != chain_end) { why[i] = CHAIN_LONG; continue; }
+        if (record_sum(rec, mask.v, mask.n, ns_ids[ns_of[i]], row, counts[i]) != read_u(rec + L.record_sum, 8)) {
+            why[i] = BAD_SUM;
+            continue;
+        }
+        if (checksum[i] == 0 && (ns_flags[ns_of[i]] || require)) { why[i] = NO_CHECKSUM; continue; }
+        fps[i] = (uint64_t)_Py_HashBytes(rec + L.key, rec[L.key_len]);
+    }
+    result = Py_BuildValue("(OOOOnOOOO)", out[0], out[1], out[2], out[3], width, out[4], out[5], out[6], out[7]);
+done:
+    for (int k = 0; k < 8; k++) Py_XDECREF(out[k]);
+    Py_buffer *held[] = {&records, &chain, &pages, &ids, &flags};
+    for (int k = 0; k < 5; k++)
+        if (held[k]->obj) PyBuffer_Release(held[k]);
+    words_release(&mask);
+    return result;
 }
