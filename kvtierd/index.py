@@ -48,7 +48,7 @@ import numpy as np
 from .contract.codes import ErrorCode, RequestError, StoreOutcome
 from .contract.namespace import NamespaceId
 from .contract.protocol import PAGES_DTYPE
-from .contract.region_format import ENTRY_DTYPE, NS_SLOTS, TICK_LIMIT, EntryState
+from .contract.region_format import NS_SLOTS, TICK_LIMIT, EntryState
 from .contract.region_sums import entry_checksum
 from .contract.region_view import RegionView
 from .events import EntryEvents, Events, Gone
@@ -57,7 +57,7 @@ from .holds import Holder, Holds
 from .keytable import ALL_BITS, key_table
 from .namespaces import Namespace, Namespaces
 from .pages import FreeIds
-from .records import keys_of, record_sums
+from .records import fill, keys_of, new_records, record_sums
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -97,12 +97,11 @@ class Index:
         self.checksums = verify_checksums         # entries carry data checksums (their namespaces' flag)
         self.tick = 0                             # the access clock (recovery orders by it)
         self.counters: Counter = Counter()
-        entries = view.entries                    # columns of the entry table, for vectorised writes
+        # Columns of the entry table, read vectorised; a job's writes go through records.fill and
+        # records.new_records (one compiled pass each: NumPy scatters into 128-byte records slowly).
+        entries = view.entries
         self._states, self._ticks, self._sums = entries["state"], entries["tick"], entries["record_sum"]
         self._ns_col, self._page_counts = entries["ns"], entries["page_count"]
-        # The entry table as rows of bytes: NumPy scatters whole structured records ~100x slower
-        # than the same bytes as uint8 rows.
-        self._records = entries.view(np.uint8).reshape(len(entries), ENTRY_DTYPE.itemsize)
         self.recovered = self._recover(verify_checksums)
 
     @property
@@ -244,7 +243,7 @@ class Index:
     def stamp(self, slots: np.ndarray) -> None:
         """A new access tick for these entries in the table (recovery rebuilds the policy's order from it)."""
         self.tick += 1
-        self._ticks[slots] = self.tick
+        fill(self.view, slots, "tick", self.tick)
 
     def ticks_of(self, slots: np.ndarray) -> np.ndarray:
         """The entries' last-access ticks (a later access gives an entry a new one)."""
@@ -310,13 +309,10 @@ class Index:
             return NO_SLOTS
         pages = self.pages.alloc(n * ns.entry_pages).view(PAGES_DTYPE).reshape(n, -1)
         slots = self.slots.alloc(n)
-        # The records are built in a fresh array and written with one scatter; the key table writes
+        # The records are written from the namespace's template in one pass; the key table writes
         # each key into its record as it indexes it. A torn write is harmless: recovery discards
         # WRITING records.
-        rec = np.repeat(ns.record, n)
-        rec["first_page"] = pages[:, 0]
-        rec["tick"] = self.tick
-        self._records[slots] = rec.view(np.uint8).reshape(n, -1)
+        new_records(self.view, slots, ns.record, pages, self.tick)
         self.view.write_chain(pages)
         self.keys.insert(ns.slot, keys, slots)
         self.entry_count[WRITING] += n
@@ -332,14 +328,14 @@ class Index:
         n = len(slots)
         if n == 0:
             return
-        self._ticks[slots] = self.tick
+        fill(self.view, slots, "tick", self.tick)
         if shard_sums:              # else the records' checksums stay 0, as _new_entries wrote them
             self.view.entries["checksum"][slots] = [entry_checksum([sums[i] for sums in shard_sums])
                                                     for i in range(n)]
         ns = self.ns.at(int(self._ns_col[slots[0]]))
         chains = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE).reshape(n, ns.entry_pages)
         self._sums[slots] = record_sums(self.view, slots, chains, None, ns.identity)
-        self._states[slots] = READY    # last: the records are complete before they say READY
+        fill(self.view, slots, "state", READY)    # last: the records are complete before they say READY
         self.policy.inserted(slots, np.frombuffer(self.keys.fingerprints(slots), np.uint64), chain, cold)
         self.entry_count[WRITING] -= n
         self.entry_count[READY] += n
@@ -438,8 +434,8 @@ class Index:
             return
         self.events.leaving(cause, slots, self._ns_col[slots].astype(np.intp))
         ready = int(np.count_nonzero(self._states[slots] == READY))
-        self._states[slots] = FREE
-        self._sums[slots] = 0       # a stale record whose state byte came back to READY is no entry
+        fill(self.view, slots, "state", FREE)
+        fill(self.view, slots, "record_sum", 0)   # a stale record whose state byte came back to READY is no entry
         self.keys.remove(slots)
         self.entry_count[READY] -= ready
         self.entry_count[WRITING] -= len(slots) - ready

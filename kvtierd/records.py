@@ -1,6 +1,7 @@
 """Compiled passes over the region's entry records: each key's hash and each record's sum, for a
-whole table at recovery or a job's records at once, and recovery's first judgment of every READY
-record (``kvtierd._native``, bound here to the record layout of ``region_format``).
+whole table at recovery or a job's records at once; recovery's first judgment of every READY
+record; a job's new records and its column writes (``kvtierd._native``, bound here to the record
+layout of ``region_format``).
 
 ``record_sums`` computes exactly ``region_format.entry_record_sums`` (the format's definition,
 which stays in NumPy for the client side and the offline tools: tests/unit/test_records.py checks
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._native import fill as _fill
 from ._native import judge_ready as _judge_ready
 from ._native import key_hashes as _key_hashes
+from ._native import new_records as _new_records
 from ._native import record_sums as _record_sums
 from .contract.protocol import MAX_KEY_BYTES
 from .contract.region_format import CHAIN_END, ENTRY_DTYPE, TICK_LIMIT, EntryState
@@ -22,6 +25,8 @@ from .contract.region_view import RegionView
 
 _KEY_LEN_AT = ENTRY_DTYPE.fields["key_len"][1]
 _KEY_AT = ENTRY_DTYPE.fields["key"][1]
+_FIRST_PAGE_AT = ENTRY_DTYPE.fields["first_page"][1]
+_TICK_AT = ENTRY_DTYPE.fields["tick"][1]
 _LAYOUT = (ENTRY_DTYPE.itemsize, *(ENTRY_DTYPE.fields[name][1] for name in (
     "state", "key_len", "ns", "page_count", "first_page", "tick", "checksum", "key", "record_sum")))
 
@@ -41,6 +46,19 @@ def record_sums(view: RegionView, slots: np.ndarray, chains: np.ndarray, counts:
     ids = identities if isinstance(identities, int) else np.ascontiguousarray(identities, np.uint64)
     raw = _record_sums(view.entries, slots, np.ascontiguousarray(chains, np.uint32), counts, ids, ENTRY_SUMMED)
     return np.frombuffer(raw, np.uint64)
+
+
+def fill(view: RegionView, slots: np.ndarray, name: str, value: int) -> None:
+    """Field ``name`` of the records at ``slots`` set to ``value`` (``entries[name][slots] = value``
+    without NumPy's strided scatter)."""
+    dtype, at = ENTRY_DTYPE.fields[name][:2]
+    _fill(view.entries, ENTRY_DTYPE.itemsize, slots, at, dtype.itemsize, int(value))
+
+
+def new_records(view: RegionView, slots: np.ndarray, template: np.ndarray, pages: np.ndarray, tick: int) -> None:
+    """Each slot's record becomes ``template`` (one ENTRY_DTYPE record) with its first page (row i
+    of ``pages``, one uint32 row per slot) and ``tick``."""
+    _new_records(view.entries, slots, template, pages, _FIRST_PAGE_AT, _TICK_AT, tick)
 
 
 def judge_ready(view: RegionView, ns_pages: np.ndarray, ns_identity: np.ndarray, ns_checksums: np.ndarray,

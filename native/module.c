@@ -9,6 +9,10 @@ static PyMethodDef functions[] = {
     {"judge_ready", (PyCFunction)(void (*)(void))judge_ready, METH_FASTCALL,
      "judge_ready(records, chain, layout, ns_pages, ns_identity, ns_checksums, mask, limits) -> every READY "
      "record's columns and verdict"},
+    {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
+     "fill(records, record_bytes, slots, offset, width, value): one field of each slot's record set"},
+    {"new_records", (PyCFunction)(void (*)(void))new_records, METH_FASTCALL,
+     "new_records(records, slots, template, pages, first_page_at, tick_at, tick): fresh records at slots"},
     {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL,
      "hold(mine, other, slots, step) -> (changed, int32 slots that leave or re-enter the policy)"},
     {"keys_ok", (PyCFunction)(void (*)(void))keys_ok, METH_FASTCALL,

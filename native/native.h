@@ -156,6 +156,8 @@ static inline Py_ssize_t sketch_width(const Sketch *s) { return (Py_ssize_t)1 <<
 PyObject *key_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *record_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *judge_ready(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *new_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 

@@ -253,3 +253,84 @@ done:
     words_release(&mask);
     return result;
 }
+
+/* The records at ``slots`` of a writable table of ``rec_bytes``-byte records, checked in range. */
+static int rows_get(PyObject *records_obj, PyObject *slots_obj, Py_ssize_t rec_bytes, Py_buffer *records, Slots *s) {
+    if (rec_bytes < 1) { PyErr_SetString(PyExc_ValueError, "record size must be positive"); return -1; }
+    if (PyObject_GetBuffer(records_obj, records, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return -1;
+    if (slots_get(slots_obj, s) < 0) { PyBuffer_Release(records); return -1; }
+    Py_ssize_t count = records->len / rec_bytes;
+    for (Py_ssize_t i = 0; i < s->n; i++)
+        if (s->v[i] < 0 || s->v[i] >= count) {
+            PyErr_Format(PyExc_ValueError, "slot %d out of range", s->v[i]);
+            slots_release(s);
+            PyBuffer_Release(records);
+            return -1;
+        }
+    return 0;
+}
+
+/* fill(records, record_bytes, slots, offset, width, value): the field of ``width`` bytes (1, 2, 4
+ * or 8) at ``offset`` of each slot's record set to ``value`` (a column write that NumPy does as a
+ * strided scatter: ~4x the time for a job's 1,024 records). */
+PyObject *fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "fill(records, record_bytes, slots, offset, width, value)"); return NULL; }
+    Py_ssize_t rec_bytes = PyLong_AsSsize_t(args[1]), offset = PyLong_AsSsize_t(args[3]), width = PyLong_AsSsize_t(args[4]);
+    uint64_t value = PyLong_AsUnsignedLongLongMask(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if ((width != 1 && width != 2 && width != 4 && width != 8) || offset < 0 || offset + width > rec_bytes) {
+        PyErr_SetString(PyExc_ValueError, "fill: the field does not fit its record");
+        return NULL;
+    }
+    Py_buffer records;
+    Slots s;
+    if (rows_get(args[0], args[2], rec_bytes, &records, &s) < 0) return NULL;
+    uint8_t *base = records.buf;
+    for (Py_ssize_t i = 0; i < s.n; i++)
+        memcpy(base + (Py_ssize_t)s.v[i] * rec_bytes + offset, &value, (size_t)width);   /* little-endian */
+    slots_release(&s);
+    PyBuffer_Release(&records);
+    Py_RETURN_NONE;
+}
+
+/* new_records(records, slots, template, pages, first_page_at, tick_at, tick): each slot's record
+ * becomes ``template`` (one record's bytes) with its first page (row i of ``pages``: uint32, one
+ * row per slot, its first link) and ``tick`` written in (one pass instead of NumPy's repeat,
+ * field writes and row scatter: ~1/4 of a 1,024-key store's index work). */
+PyObject *new_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "new_records(records, slots, template, pages, first_page_at, tick_at, tick)");
+        return NULL;
+    }
+    Py_ssize_t first_at = PyLong_AsSsize_t(args[4]), tick_at = PyLong_AsSsize_t(args[5]);
+    uint64_t tick = PyLong_AsUnsignedLongLongMask(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer template = {0}, pages = {0}, records = {0};
+    Slots s = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(args[2], &template, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t rec_bytes = template.len;
+    if (PyObject_GetBuffer(args[3], &pages, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (rows_get(args[0], args[1], rec_bytes, &records, &s) < 0) goto done;
+    Py_ssize_t width = s.n ? pages.len / 4 / s.n : 0;
+    if ((s.n && (width < 1 || pages.len != s.n * width * 4)) || first_at < 0 || first_at + 4 > rec_bytes ||
+        tick_at < 0 || tick_at + 8 > rec_bytes) {
+        PyErr_SetString(PyExc_ValueError, "new_records: one uint32 row of pages per slot, fields within the record");
+        goto done;
+    }
+    const uint32_t *rows = pages.buf;
+    uint8_t *base = records.buf;
+    for (Py_ssize_t i = 0; i < s.n; i++) {
+        uint8_t *rec = base + (Py_ssize_t)s.v[i] * rec_bytes;
+        memcpy(rec, template.buf, (size_t)rec_bytes);
+        memcpy(rec + first_at, &rows[i * width], 4);
+        memcpy(rec + tick_at, &tick, 8);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (records.obj) { slots_release(&s); PyBuffer_Release(&records); }
+    if (pages.obj) PyBuffer_Release(&pages);
+    PyBuffer_Release(&template);
+    return result;
+}

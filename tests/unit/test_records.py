@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,7 +12,7 @@ from kvtierd.contract.protocol import MAX_KEY_BYTES
 from kvtierd.contract.region_format import ENTRY_DTYPE, Geometry
 from kvtierd.contract.region_sums import entry_record_sums
 from kvtierd.contract.region_view import RegionView
-from kvtierd.records import key_hashes, keys_of, record_sums
+from kvtierd.records import fill, key_hashes, keys_of, new_records, record_sums
 
 
 def random_view(seed: int, slots: int) -> RegionView:
@@ -50,3 +51,43 @@ def test_key_hashes_are_pythons_hash_of_each_key():
             assert got[slot] == hash(key) and keys_of(view, slots[slot:slot + 1]) == [key]
         else:
             assert got[slot] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), name=st.sampled_from(["state", "ns", "page_count", "tick", "record_sum"]),
+       value=st.integers(0, 2**64 - 1))
+def test_fill_writes_one_field_of_each_slot_as_numpy_would(seed, name, value):
+    view = random_view(seed, 40)
+    want = view.entries.copy()
+    slots = np.random.default_rng(seed).choice(40, 25, replace=True).astype(np.int32)
+    kind = want.dtype.fields[name][0]
+    want[name][slots] = value & ((1 << (8 * kind.itemsize)) - 1)
+    fill(view, slots, name, value)
+    assert view.entries.tobytes() == want.tobytes()          # that field of those records, nothing else
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), width=st.integers(1, 5), tick=st.integers(0, 2**62))
+def test_new_records_are_the_template_with_first_page_and_tick(seed, width, tick):
+    view = random_view(seed, 40)
+    rng = np.random.default_rng(seed + 1)
+    slots = rng.choice(40, 20, replace=False).astype(np.int32)
+    template = random_view(seed + 2, 1).entries[:1].copy()
+    pages = rng.integers(0, 2**32, (20, width), dtype=np.uint64).astype(np.uint32)
+    want = view.entries.copy()
+    rows = np.repeat(template, 20)
+    rows["first_page"], rows["tick"] = pages[:, 0], tick
+    want[slots] = rows
+    new_records(view, slots, template, pages, tick)
+    assert view.entries.tobytes() == want.tobytes()
+
+
+def test_a_slot_out_of_range_writes_nothing():
+    view = random_view(7, 40)
+    before = view.entries.tobytes()
+    for write in (lambda: fill(view, np.array([3, 40], np.int32), "state", 1),
+                  lambda: new_records(view, np.array([3, -1], np.int32), view.entries[:1].copy(),
+                                      np.zeros((2, 1), np.uint32), 5)):
+        with pytest.raises(ValueError, match="out of range"):
+            write()
+    assert view.entries.tobytes() == before
