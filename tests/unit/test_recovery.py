@@ -4,10 +4,13 @@ byte. (What a restarted index then keeps is tested in test_index.py.)"""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import numpy as np
 
 from kvtierd.contract.protocol import PAGES_DTYPE
+from kvtierd.contract.region_format import EntryState
 from kvtierd.contract.region_sums import shard_checksum
 from kvtierd.recovery import scan
 
@@ -122,3 +125,29 @@ def test_an_entry_moved_to_another_namespace_or_its_checksum_zeroed_is_caught():
     ents["checksum"][zeroed] = 0
     found = scan(env.view, verify_checksums=True)
     assert sorted(found.problems) == sorted([(moved, "record checksum mismatch"), (zeroed, "record checksum mismatch")])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scribbles=st.lists(st.tuples(st.sampled_from(["entries", "chain"]), st.integers(0, 1 << 20), st.binary(min_size=1, max_size=12)),
+                          min_size=1, max_size=12))
+def test_scribbled_tables_never_raise_and_what_is_kept_is_whole(scribbles):
+    """Random bytes over entry records and chain links (the compiled walk reads whatever is there):
+    scan never raises, and every entry it keeps is READY, of a sound namespace, with a chain of its
+    namespace's length inside the data area, sharing no page and no key with another kept one."""
+    env, na, nb = region()
+    for table, at, junk in scribbles:
+        raw = getattr(env.view, table).view(np.uint8)
+        at %= len(raw)
+        raw[at:at + len(junk)] = np.frombuffer(junk, np.uint8)[: len(raw) - at]
+    found = scan(env.view)
+    num_pages = env.view.geometry.num_pages
+    kept_pages, kept_keys = [], set()
+    for slot, ns_slot, key, chain in found.ready:
+        ns_id = found.namespaces[ns_slot]
+        assert env.view.entries["state"][slot] == EntryState.READY
+        assert len(chain) == ns_id.entry_pages(PAGE) and ((chain >= 0) & (chain < num_pages)).all()
+        assert (ns_slot, key) not in kept_keys
+        kept_keys.add((ns_slot, key))
+        kept_pages += chain.tolist()
+    assert len(kept_pages) == len(set(kept_pages))
+    assert set(found.ready_slots.tolist()).isdisjoint(slot for slot, _ in found.problems)
