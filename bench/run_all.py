@@ -467,9 +467,14 @@ one key and check every promoted block's seal (docs/tier.md, "Seals").
 the temporary directory: the note says which filesystem): one node (a disk tier is one node's)
 demotes its N blocks X as node A above and promotes them back (the store's blocks evicted locally
 first, so nothing else is written meanwhile), against the same N blocks of S written with O_DIRECT
-into a preallocated file in the same directory from one page-aligned buffer and one fdatasync,
-then read back, as one stream and as `io_threads` (4) streams, the faster of the two per
-direction. "disk lookup": the first lookup of X while it is held only on disk (pending N)
+into a preallocated file in the same directory and one fdatasync, then read back, as one stream
+and as `io_threads` (4) streams, the faster of the two per direction — from and into the very
+pages of the region the promote just filled (X pinned by a load job; the read lands the bytes the
+write took, checked). On this VM an O_DIRECT read's speed depends on which memory it lands in
+(0.8 GB/s into one part of a 1 GiB buffer, 2.8 into another, the same parts every time; writes
+do not vary), so a floor read into other memory than the region's measured that memory: the
+floor in one page-aligned buffer of the bench's own is kept as `raw_anon_*` in the JSON, taking
+turns with the node at going first. "disk lookup": the first lookup of X while it is held only on disk (pending N)
 against a lookup of the same keys READY, and one key at a time (p50 over the N keys). "disk
 restart": a directory holding 1,000,000 blocks (64-byte blocks, a 4 KiB slot each; the slots a
 sparse file, the records written as the tier writes them and dropped from the page cache), a fresh
