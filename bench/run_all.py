@@ -405,10 +405,10 @@ that this one, at 3-4, missed.
   daemon, the bench's rank and other sessions. In-process (no daemon, no rank) get and put run at
   the floor: 85-95 ms against a raw read of 81-94 ms, 256-275 against a raw write of 264-273 ms
   (slots written before). Alternating `python -m kvtierbench.tier --engine disk`, main (be72398)
-  and this change, at load averages of 2.4-3.9 (2026-12-05) — before: demote 0.45, 0.56x (64 KiB)
-  and 0.64, 0.60x (1 MiB), promote 0.36, 0.44x and 0.38, 0.35x; after: demote 0.82, 0.75x and
-  0.77, 0.77x, promote 0.68, 0.67x and 0.49, 0.68x (against the bench's own buffer as before:
-  0.99, 0.47x and 1.14, 0.79x). Still missed; meeting 0.8 on 2 shared CPUs needs a cheaper seal
+  and this change, at load averages of 2.4-5.7 (2026-12-05) — before: demote 0.45, 0.56, 0.67x
+  (64 KiB) and 0.64, 0.60, 0.65x (1 MiB), promote 0.36, 0.44, 0.52x and 0.38, 0.35, 0.32x; after:
+  demote 0.82, 0.75, 0.84x and 0.77, 0.77, 0.77x, promote 0.68, 0.67, 0.56x and 0.49, 0.68, 0.51x
+  (against the bench's own buffer as before: 0.99, 0.47, 0.75x and 1.14, 0.79, 0.30x). Still missed; meeting 0.8 on 2 shared CPUs needs a cheaper seal
   check (a MAC faster than BLAKE3 here is not in the environment, and a checksum that is not a MAC
   would give up what seals promise: docs/tier.md, "Seals").
 - **Second tier with seals.** Every block is hashed on demote and on promote: the cost is in the
