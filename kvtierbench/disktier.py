@@ -8,10 +8,17 @@ tmpfs (the bench says which filesystem it measured). Per block size S, N blocks 
 median of the repetitions after a warm-up, the floor and the node taking turns at going first:
 
 ``raw``      the same N blocks of S written with O_DIRECT into a preallocated file in that
-             directory from one page-aligned buffer, one fdatasync at the end (the tier syncs each
-             batch), then read back the same way: as one sequential stream, and as ``io_threads``
-             streams each over a contiguous share (what the tier's thread pool does); the faster
-             of the two in each direction is the floor
+             directory, one fdatasync at the end (the tier syncs each batch), then read back the
+             same way: as one sequential stream, and as ``io_threads`` streams each over a
+             contiguous share (what the tier's thread pool does); the faster of the two in each
+             direction is the floor. From and into the very pages of the region that the
+             promote just filled (X pinned by a load job; the read lands the bytes the write took
+             from them, so X is unchanged, and checked): on a VM an O_DIRECT read's speed depends
+             on which memory it lands in — here 0.8 GB/s into one part of a buffer and 2.8 GB/s
+             into another, the same parts every time — so a floor read into other memory than
+             the tier's measures that memory, not the tier. The same floor from and into one
+             buffer of the bench's own (``raw_anon_*``) is measured too, taking turns with the
+             node at going first, for comparison
 ``demote``   node A (a kvtierd whose region holds 2N blocks, ``tier_low_watermark`` 0.5) demotes
              its N blocks X in one put, timed by the daemon (``kvtierbench.tiernode.demote_x``)
 ``promote``  the store's blocks evicted locally (nothing else is written while X comes back), the
@@ -36,10 +43,13 @@ import shutil
 import tempfile
 import threading
 import time
+import zlib
 
 import numpy as np
 
-from kvtierd.tier.backend import Owner
+from kvtierd.contract.protocol import PAGES_DTYPE
+from kvtierd.contract.replies import LoadReply
+from kvtierd.tier.backend import Owner, page_extents
 from kvtierd.tier.diskformat import ALIGN, block_records, claim
 from kvtierd.tier.keys import Keyspace
 from kvtierd.tier.seal import SealKey, Sealer
@@ -73,7 +83,8 @@ def filesystem(path: str) -> str:
 
 # ------------------------------------------------------------------------------------------ raw
 class RawDirect:
-    """O_DIRECT writes and reads of N blocks of S in a preallocated file, from one aligned buffer."""
+    """O_DIRECT writes and reads of N blocks of S in a preallocated file: from and into one aligned
+    buffer of its own, or from and into given blocks of memory (each block its iovec)."""
 
     def __init__(self, directory: str, n: int, size: int):
         self.n, self.size = n, size
@@ -82,14 +93,15 @@ class RawDirect:
         os.posix_fallocate(self.fd, 0, n * size)
         self.buf = mmap.mmap(-1, n * size)
         np.frombuffer(self.buf, np.uint8)[:] = np.random.default_rng(2).integers(0, 256, n * size, dtype=np.uint8)
-
-    def _streams(self, call, streams: int) -> float:
         view = memoryview(self.buf)
+        self.own = [[view[i * size:(i + 1) * size]] for i in range(n)]
+
+    def _streams(self, call, streams: int, blocks: list[list[memoryview]]) -> float:
         share = -(-self.n // streams)
 
         def run(first: int) -> None:
             for i in range(first, min(first + share, self.n)):
-                if call(self.fd, [view[i * self.size:(i + 1) * self.size]], i * self.size) != self.size:
+                if call(self.fd, blocks[i], i * self.size) != self.size:
                     raise RuntimeError("a short O_DIRECT transfer in the raw floor")
         t0 = time.perf_counter()
         threads = [threading.Thread(target=run, args=(s * share,)) for s in range(streams)]
@@ -101,15 +113,49 @@ class RawDirect:
             os.fdatasync(self.fd)
         return time.perf_counter() - t0
 
-    def put_get(self) -> tuple[float, float, dict]:
-        """(write s, read s): the faster of one stream and IO_THREADS streams, each; and all four."""
-        got = {f"{op}_{streams}": self._streams(call, streams)
+    def put_get(self, blocks: list[list[memoryview]] | None = None) -> tuple[float, float, dict]:
+        """(write s, read s): the faster of one stream and IO_THREADS streams, each; and all four.
+        Each read follows a write of the same blocks: it lands the bytes they held."""
+        blocks = blocks or self.own
+        got = {f"{op}_{streams}": self._streams(call, streams, blocks)
                for streams in (1, IO_THREADS) for op, call in (("write", os.pwritev), ("read", os.preadv))}
         return min(got["write_1"], got[f"write_{IO_THREADS}"]), min(got["read_1"], got[f"read_{IO_THREADS}"]), got
 
     def close(self) -> None:
         os.close(self.fd)
         os.unlink(self.path)
+
+
+def crcs(blocks: list[list[memoryview]]) -> list[int]:
+    out = []
+    for block in blocks:
+        crc = 0
+        for extent in block:
+            crc = zlib.crc32(extent, crc)
+        out.append(crc)
+    return out
+
+
+def floor_in_region(raw: RawDirect, bench: BlockBench, x: list[bytes]) -> tuple[float, float, dict]:
+    """``raw.put_get`` from and into the pages of the region that hold X (pinned by a load job
+    meanwhile, released after); raises if X's bytes there are not the same afterwards."""
+    client = bench.client
+    job = next(bench.jobs)
+    reply = LoadReply.from_wire(client.channel.call("load", job=job, keys=x))
+    try:
+        if reply.hits != len(x):
+            raise RuntimeError(f"only {reply.hits} of the {len(x)} promoted blocks could be pinned for the floor")
+        pages = np.frombuffer(reply.pages, PAGES_DTYPE).reshape(reply.hits, client.pages_per_shard)
+        region = memoryview(client.region_bytes)
+        blocks = [[region[off:off + n] for off, n in block]
+                  for block in page_extents(pages, client.page_size, raw.size)]
+        before = crcs(blocks)
+        got = raw.put_get(blocks)
+        if crcs(blocks) != before:
+            raise RuntimeError("the raw floor changed the bytes of the region's blocks it read into")
+        return got
+    finally:
+        client.channel.call("release", job=job)
 
 
 # ------------------------------------------------------------------------------------------ the node
@@ -121,13 +167,15 @@ def wait_ready(daemon, timeout: float = 120.0) -> None:
         time.sleep(0.001)
 
 
-def rep(a, bench: BlockBench, n: int, seed: int, ns_name: str) -> dict:
+def rep(a, bench: BlockBench, raw: RawDirect, n: int, seed: int, ns_name: str) -> dict:
     """One repetition: X demoted (timed by the daemon), looked up while only on disk, promoted
-    (timed), looked up READY, loaded and checked."""
+    (timed), looked up READY, loaded and checked; then the raw floor in the pages X landed in."""
     x, ids, demote = demote_x(a, bench, n, seed, ns_name)
     a.call("evict", admin=True, namespace=ns_name, count=n)      # the trigger's blocks: local only
     got = promote_x(a, bench, x, ids, IDLE)
-    return {"demote": demote, "promote": got["promote"], "pending_n": got["pending"], "local_n": got["local"], "x": x}
+    write, read, floors = floor_in_region(raw, bench, x)
+    return {"demote": demote, "promote": got["promote"], "pending_n": got["pending"], "local_n": got["local"], "x": x,
+            "raw": (write, read), "floors": floors}
 
 
 def single_key_lookups(a, bench: BlockBench, keys: list[bytes], ns_name: str) -> tuple[list, list]:
@@ -148,6 +196,27 @@ def single_key_lookups(a, bench: BlockBench, keys: list[bytes], ns_name: str) ->
     return pending, local
 
 
+def size_figures(n: int, size: int, node: list[dict], anon: list[tuple]) -> dict:
+    """One block size's row from its measured repetitions: medians, GB/s and ratios; ``raw`` the
+    floor in the region's pages (the targets' floor), ``raw_anon`` the one in the bench's buffer."""
+    med = {k: float(np.median([x[k] for x in node])) for k in ("demote", "promote", "pending_n", "local_n")}
+    write, read = np.median(np.array([x["raw"] for x in node]), axis=0)
+    anon_write, anon_read = np.median(np.array([a[:2] for a in anon]), axis=0)
+    floors = {k: float(np.median([x["floors"][k] for x in node])) for k in node[0]["floors"]}
+    gbps = n * size / 1e9
+    return {"engine": "disk", "blocks": n, "block_bytes": size,
+            "raw_put_gbps": gbps / write, "raw_get_gbps": gbps / read,
+            "raw_anon_put_gbps": gbps / anon_write, "raw_anon_get_gbps": gbps / anon_read,
+            "demote_gbps": gbps / med["demote"], "promote_gbps": gbps / med["promote"],
+            "raw_put_blocks_per_s": n / write, "raw_get_blocks_per_s": n / read,
+            "demote_blocks_per_s": n / med["demote"], "promote_blocks_per_s": n / med["promote"],
+            "demote_vs_raw_put": write / med["demote"], "promote_vs_raw_get": read / med["promote"],
+            "demote_vs_raw_anon_put": anon_write / med["demote"], "promote_vs_raw_anon_get": anon_read / med["promote"],
+            **{f"raw_{k}_streams_gbps": gbps / v for k, v in floors.items()},
+            "lookup_pending_us": med["pending_n"] * 1e6, "lookup_local_us": med["local_n"] * 1e6,
+            "lookup_pending_vs_local": med["pending_n"] / med["local_n"]}
+
+
 def size_row(ctx: Context, root: str, n: int, size: int) -> dict:
     per = -(-size // DATA_PAGE)
     name = f"tier-disk-{size}"
@@ -162,36 +231,25 @@ def size_row(ctx: Context, root: str, n: int, size: int) -> dict:
         wait_ready(a)
         bench = BlockBench(a, size, n, name)
         ns_name = bench_namespace(name, size).name()
-        runs: dict[str, list] = {"raw": [], "node": [], "floors": []}
+        anon: list[tuple] = []
+        node: list[dict] = []
         for r in range(ctx.plan.tier_reps + 1):
             def floor():
-                w, rd, detail = raw.put_get()
-                runs["raw"].append((w, rd))
-                runs["floors"].append(detail)
+                anon.append(raw.put_get())
 
             def ours():
-                runs["node"].append(rep(a, bench, n, 1_000_000 * (r + 1) + size, ns_name))
+                node.append(rep(a, bench, raw, n, 1_000_000 * (r + 1) + size, ns_name))
             for step in ((floor, ours) if r % 2 else (ours, floor)):
                 step()
-        pending1, local1 = single_key_lookups(a, bench, runs["node"][-1]["x"], ns_name)
-        write, read = np.median(np.array(runs["raw"][1:]), axis=0)
-        med = {k: float(np.median([x[k] for x in runs["node"][1:]])) for k in ("demote", "promote", "pending_n",
-                                                                              "local_n")}
-        floors = {k: float(np.median([f[k] for f in runs["floors"][1:]])) for k in runs["floors"][0]}
-        row = {"engine": "disk", "blocks": n, "block_bytes": size,
-               "raw_put_gbps": n * size / write / 1e9, "raw_get_gbps": n * size / read / 1e9,
-               "demote_gbps": n * size / med["demote"] / 1e9, "promote_gbps": n * size / med["promote"] / 1e9,
-               "raw_put_blocks_per_s": n / write, "raw_get_blocks_per_s": n / read,
-               "demote_blocks_per_s": n / med["demote"], "promote_blocks_per_s": n / med["promote"],
-               "demote_vs_raw_put": write / med["demote"], "promote_vs_raw_get": read / med["promote"],
-               **{f"raw_{k}_streams_gbps": n * size / v / 1e9 for k, v in floors.items()},
-               "lookup_pending_us": med["pending_n"] * 1e6, "lookup_local_us": med["local_n"] * 1e6,
-               "lookup_pending_vs_local": med["pending_n"] / med["local_n"],
-               "lookup1_pending_p50_us": pct(np.array(pending1) * 1e6, 50),
-               "lookup1_local_p50_us": pct(np.array(local1) * 1e6, 50)}
+        pending1, local1 = single_key_lookups(a, bench, node[-1]["x"], ns_name)
+        row = size_figures(n, size, node[1:], anon[1:])
+        row["lookup1_pending_p50_us"] = pct(np.array(pending1) * 1e6, 50)
+        row["lookup1_local_p50_us"] = pct(np.array(local1) * 1e6, 50)
         row["lookup1_pending_vs_local"] = row["lookup1_pending_p50_us"] / row["lookup1_local_p50_us"]
         say(f"tier disk {n} x {size >> 10} KiB: raw write {row['raw_put_gbps']:.2f} read {row['raw_get_gbps']:.2f} "
-            f"GB/s; demote x{row['demote_vs_raw_put']:.2f}, promote x{row['promote_vs_raw_get']:.2f} of raw; "
+            f"GB/s; demote x{row['demote_vs_raw_put']:.2f}, promote x{row['promote_vs_raw_get']:.2f} of raw "
+            f"(of raw in the bench's own buffer, {row['raw_anon_put_gbps']:.2f} and {row['raw_anon_get_gbps']:.2f} "
+            f"GB/s: x{row['demote_vs_raw_anon_put']:.2f}, x{row['promote_vs_raw_anon_get']:.2f}); "
             f"disk-only lookup x{row['lookup_pending_vs_local']:.2f} ({n} keys), "
             f"x{row['lookup1_pending_vs_local']:.2f} (1 key) of local")
         return row

@@ -376,7 +376,8 @@ def run(ctx: Context, engines: tuple[str, ...] = ENGINES) -> dict:
     if disk:
         notes.append("disk: one node demotes N blocks X to its disk tier and promotes them back, against the same "
                      "blocks written and read with O_DIRECT in the same directory (the faster of one stream and "
-                     f"{disktier.IO_THREADS}); lookups of keys held only on disk against the same keys READY; a "
+                     f"{disktier.IO_THREADS}), from and into the region's pages the promote filled (raw_anon: from "
+                     "and into a buffer of the bench's own); lookups of keys held only on disk against the same keys READY; a "
                      "restart on a directory of R blocks to the first disk block READY (kvtierbench/disktier.py)")
     return {"rows": rows, "more": {"lookup": lookups, "disk lookup": disk, "disk restart": restart}, "ratios": ratios,
             "targets": targets, "notes": notes}

@@ -90,10 +90,15 @@ class Writes:
             self._of_slot[write.slots] = write.tag
         return write, outcomes, present
 
-    def kind_of(self, slot: int) -> WriterKind | None:
-        """The kind of the write writing the entry of ``slot`` (None: the entry is not WRITING)."""
-        write = self._open.get(int(self._of_slot[slot]))
-        return None if write is None else write.kind
+    def written_by(self, slots: np.ndarray, kind: WriterKind) -> np.ndarray:
+        """Per slot, whether an open write of ``kind`` is writing its entry: one look per write,
+        not per slot (a lookup asks this of every key it reports pending)."""
+        tags = self._of_slot[slots]
+        out = np.zeros(len(tags), bool)
+        for tag in np.unique(tags[tags != 0]).tolist():
+            if self._open[tag].kind is kind:
+                out |= tags == tag
+        return out
 
     def hand(self, write: Write, key: int, writer: Writer, rank: int | None = None) -> bytes:
         """The pages ``writer`` (``key``: its rank, or 0) copies of each entry — rank ``rank``'s

@@ -132,3 +132,19 @@ def test_a_write_that_lands_in_part_frees_the_rest_at_once(env, kind):
     ready = writes.complete(write, b"\x01\x00\x01\x00")
     assert index.keys_of(ready) == [b"k0", b"k2"] and sorted(index.keys_of(entries(env))) == [b"k0", b"k2"]
     assert set(np.frombuffer(lost, PAGES_DTYPE).tolist()) <= set(index.pages.free_ids().tolist())
+
+
+def test_written_by_names_the_entries_each_open_write_of_a_kind_writes(env):
+    """``written_by`` (what a lookup asks of every key it reports pending): True exactly for the
+    WRITING entries of open writes of that kind — not another kind's, not once a write completed."""
+    writes = env.store.writes
+    tier, _, _ = writes.begin(WriterKind.TIER, next(_IDS), env.ns, keys("t", 3))
+    rank, _, _ = writes.begin(WriterKind.RANK, next(_IDS), env.ns, keys("r", 2))
+    unused = np.setdiff1d(np.arange(16), np.concatenate((tier.slots, rank.slots)))[:1]     # no entry's
+    slots = np.concatenate((tier.slots, rank.slots, unused))
+    assert writes.written_by(slots, WriterKind.TIER).tolist() == [True] * 3 + [False] * 3
+    assert writes.written_by(slots, WriterKind.RANK).tolist() == [False] * 3 + [True] * 2 + [False]
+    writes.complete(tier)
+    assert not writes.written_by(tier.slots, WriterKind.TIER).any()       # READY now: no write's
+    assert writes.written_by(rank.slots, WriterKind.RANK).all()
+    writes.complete(rank)
