@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._native import key_blob as _key_blob
 from ._native import key_hashes as _key_hashes
 from ._native import record_sums as _record_sums
 from .contract.protocol import MAX_KEY_BYTES
@@ -45,6 +46,20 @@ def keys_of(view: RegionView, slots: np.ndarray) -> list[bytes]:
     objects: the records judged one by one, kvtierctl's listings, a demote's keys)."""
     records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
     return rows_as_bytes(records[slots, _KEY_AT:_KEY_AT + MAX_KEY_BYTES], view.entries["key_len"][slots].astype(np.int64))
+
+
+def key_runs(view: RegionView, slots: np.ndarray) -> list[tuple[int, bytes]]:
+    """The keys of the records at ``slots`` as (key length, blob) runs, one per distinct length,
+    in slot order within a length: no bytes object per key (the event log keeps blobs; for 256
+    keys ``keys_of`` took ~50 µs, NumPy's gather of the column ~15 µs, the compiled one ~1 µs)."""
+    if not len(slots):
+        return []
+    one = _key_blob(view.entries, slots, ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES)
+    if one is not None:                                 # the usual case: one engine's keys, one length
+        return [one]
+    records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
+    return [(n, records[slots[at], _KEY_AT:_KEY_AT + n].tobytes())
+            for n, at in _by_length(view.entries["key_len"][slots])]
 
 
 def rows_as_bytes(rows: np.ndarray, lengths: np.ndarray) -> list[bytes]:

@@ -157,6 +157,9 @@ PyObject *key_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *record_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs);   /* kvevents.c */
+PyObject *kv_groups(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* ---------------------------------------------------------------------------- types */
 extern PyTypeObject KeyTableType;
