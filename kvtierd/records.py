@@ -49,17 +49,20 @@ def keys_of(view: RegionView, slots: np.ndarray) -> list[bytes]:
 
 
 def key_runs(view: RegionView, slots: np.ndarray) -> list[tuple[int, bytes]]:
-    """The keys of the records at ``slots`` as (key length, blob) runs, one per distinct length,
-    in slot order within a length: no bytes object per key (the event log keeps blobs; for 256
-    keys ``keys_of`` took ~50 µs, NumPy's gather of the column ~15 µs, the compiled one ~1 µs)."""
+    """The keys of the records at ``slots`` as (key length, blob) runs, one per distinct length in
+    the order the lengths first come, in slot order within a length: no bytes object per key (the
+    event log keeps blobs; for 256 keys ``keys_of`` took ~50 µs, NumPy's gather of the column
+    ~15 µs, the compiled ``key_blob`` ~3 µs)."""
     if not len(slots):
         return []
     one = _key_blob(view.entries, slots, ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES)
     if one is not None:                                 # the usual case: one engine's keys, one length
         return [one]
     records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
-    return [(n, records[slots[at], _KEY_AT:_KEY_AT + n].tobytes())
-            for n, at in _by_length(view.entries["key_len"][slots])]
+    lengths = view.entries["key_len"][slots]
+    distinct, first = np.unique(lengths, return_index=True)
+    return [(int(n), records[slots[lengths == n], _KEY_AT:_KEY_AT + int(n)].tobytes())
+            for n in distinct[np.argsort(first)]]              # runs in the order their lengths first come
 
 
 def rows_as_bytes(rows: np.ndarray, lengths: np.ndarray) -> list[bytes]:
