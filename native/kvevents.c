@@ -136,8 +136,27 @@ static uint8_t *put_part(const Form *f, uint8_t *p, const Part *part, uint64_t *
     }
     if (part->kind == 0) {
         const Template *t = &f->stored;
+        /* The common key (an int hash from 2**32 up, a group below 128: every event the same width)
+         * is one whole-row copy and two stores: half the time of the general path. */
+        uint8_t row[512];
+        Py_ssize_t row_n = t->before_n + 9 + t->middle_n + 1 + t->after_n;
+        bool rows = f->int_hash && hash_len >= 8 && row_n <= (Py_ssize_t)sizeof(row);
+        if (rows) {
+            memcpy(row, t->before, (size_t)t->before_n);
+            row[t->before_n] = 0xcf;
+            memcpy(row + t->before_n + 9, t->middle, (size_t)t->middle_n);
+            memcpy(row + row_n - t->after_n, t->after, (size_t)t->after_n);
+        }
         for (Py_ssize_t i = 0; i < part->n; i++) {
             const uint8_t *key = blob + i * part->key_len;
+            uint64_t h = rows ? int_hash(key, hash_len) : 0, g = rows ? group_of(key, part->key_len) : 0;
+            if (rows && h >> 32 && g < 128) {
+                memcpy(p, row, (size_t)row_n);
+                put_be(p + t->before_n + 1, h, 8);
+                p[t->before_n + 9 + t->middle_n] = (uint8_t)g;
+                p += row_n;
+                continue;
+            }
             memcpy(p, t->before, (size_t)t->before_n);
             p = put_hash(f, p + t->before_n, key, hash_len);
             memcpy(p, t->middle, (size_t)t->middle_n);
