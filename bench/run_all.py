@@ -396,7 +396,8 @@ that this one, at 3-4, missed.
   (load 7-10; in the quiet run on this page Mooncake measured 0.44x demote and 0.33x promote at
   64 KiB, Redis 0.80x and 0.57x).
 - **KV events: store throughput with the stream on against off.** Commit to subscriber (p99
-  2.7-4.8 ms) and 200,000 blocks/s with memory flat are met. On 0.3.0 the stream cost the daemon's
+  2.7-7.1 ms; 0.3.0 in the same runs 5.4-6.4) and 200,000 blocks/s with memory flat are met (the
+  daemon's RssAnon in that run 110-116 MiB, 0.3.0's 154-165: no bytes object per logged key). On 0.3.0 the stream cost the daemon's
   loop ~0.6-1.4 µs per stored key (CPU of the daemon on against off, B = 1,024 and 256): a bytes
   object per key for the log (~50 µs a job of 256), NumPy's event rows and per-record arrays
   (~45 µs a BlockRemoved), `send_multipart` (17 µs a batch); the bench's subscriber decoded every
