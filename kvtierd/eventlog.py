@@ -184,13 +184,21 @@ class EventLog:
     # ------------------------------------------------------------------ the observer's side
     def stored(self, ns: Hashable, keys: Sequence[bytes]) -> None:
         """``keys`` (of namespace ``ns``) became READY, in this order."""
-        self._append(ns, Kind.STORED, None, keys)
+        self.stored_runs(ns, _runs(keys))
 
     def removed(self, ns: Hashable, keys: Sequence[bytes], cause: Cause) -> None:
         """READY ``keys`` of ``ns`` left, for ``cause``."""
+        self.removed_runs(ns, _runs(keys), cause)
+
+    def stored_runs(self, ns: Hashable, runs: Sequence[tuple[int, bytes]]) -> None:
+        """``stored`` of keys given as (key length, blob) runs (``Index.key_runs``): no bytes
+        object per key on the daemon's path."""
+        self._append(ns, Kind.STORED, None, runs)
+
+    def removed_runs(self, ns: Hashable, runs: Sequence[tuple[int, bytes]], cause: Cause) -> None:
+        """``removed`` of keys given as (key length, blob) runs."""
         cause = Cause(cause).value
-        self._append(ns, Kind.REMOVED, cause, keys)
-        self.removed_by_cause[cause] += len(keys)
+        self.removed_by_cause[cause] += self._append(ns, Kind.REMOVED, cause, runs)
 
     def forget(self, ns: Hashable) -> None:
         """The namespace is gone (its slot reclaimed for another): its log ends; a reader of it
@@ -203,22 +211,28 @@ class EventLog:
             held = log.records[log.head:]
             self.bytes -= sum(len(r.keys) + RECORD_OVERHEAD for r in held)
 
-    def _append(self, ns: Hashable, kind: Kind, cause: str | None, keys: Sequence[bytes]) -> None:
-        if not keys:
-            return
-        log = self._log(ns)
-        for key_len, blob in _runs(keys):
+    def _append(self, ns: Hashable, kind: Kind, cause: str | None, runs: Sequence[tuple[int, bytes]]) -> int:
+        """Append the runs as records; returns how many keys they held."""
+        added = 0
+        for key_len, blob in runs:
+            if not blob:
+                continue
+            log = self._log(ns)
             step = key_len * RECORD_KEYS
             for begin in range(0, len(blob), step):
-                part = blob[begin:begin + step]
+                part = blob[begin:begin + step] if len(blob) > step else blob
+                count = len(part) // key_len
                 log.seq += 1
-                log.keys += len(part) // key_len
+                log.keys += count
                 record = Record(log.seq, kind, cause, key_len, part, log.keys)
                 log.records.append(record)
                 self._fifo.append((log, record))
                 self.bytes += len(part) + RECORD_OVERHEAD
-        self.appended[kind] += len(keys)
-        self._trim()
+                added += count
+        if added:
+            self.appended[kind] += added
+            self._trim()
+        return added
 
     def _trim(self) -> None:
         """Drop the oldest records (of any namespace) until the log is within its budget."""
@@ -293,11 +307,12 @@ class Recorder(EntryEvents):
     """The index's events into the event log, for the namespaces someone follows (see the module
     docstring). ``follow_all``: every namespace (the daemon's own KV events stream is on)."""
 
-    def __init__(self, log: EventLog, keys_of: Callable[[np.ndarray], list[bytes]], follow_all: bool = False):
-        """``keys_of``: the keys of entry slots (``Index.keys_of``), asked only for a namespace
-        someone follows."""
+    def __init__(self, log: EventLog, key_runs: Callable[[np.ndarray], list[tuple[int, bytes]]],
+                 follow_all: bool = False):
+        """``key_runs``: the keys of entry slots as (key length, blob) runs (``Index.key_runs``),
+        asked only for a namespace someone follows."""
         self.log = log
-        self.keys_of = keys_of
+        self.key_runs = key_runs
         self.follow_all = follow_all
         self._followed: dict[int, object] = {}      # table slot → the namespace whose log it holds
 
@@ -312,15 +327,18 @@ class Recorder(EntryEvents):
 
     def ready(self, ns, slots: np.ndarray) -> None:
         if self.follow_all or self._followed.get(ns.slot) is ns:
-            self.log.stored(self.follow(ns), self.keys_of(slots))
+            self.log.stored_runs(self.follow(ns), self.key_runs(slots))
 
     def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
-        if cause is Gone.ABORTED or not self._followed:
+        if cause is Gone.ABORTED or not self._followed or not len(slots):
             return
-        followed = [n for n in np.unique(namespaces).tolist() if n in self._followed]
-        for n in followed:
-            mine = slots if len(followed) == 1 and (namespaces == n).all() else slots[namespaces == n]
-            self.log.removed(n, self.keys_of(mine), CAUSES[cause])
+        first = int(namespaces[0])
+        if (namespaces == first).all():               # the usual case: one namespace's entries
+            followed = [(first, slots)] if first in self._followed else []
+        else:
+            followed = [(n, slots[namespaces == n]) for n in np.unique(namespaces).tolist() if n in self._followed]
+        for n, mine in followed:
+            self.log.removed_runs(n, self.key_runs(mine), CAUSES[cause])
             if cause is Gone.RECLAIMED:
                 self.log.forget(n)
                 del self._followed[n]

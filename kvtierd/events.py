@@ -8,8 +8,9 @@ eviction for room cost it), and later a per-namespace log of KV events for route
 
 Calls are batch-shaped: a job's or an eviction's entries in one call, as an array of slots —
 never a call per key (jobs carry thousands of keys, and the index's per-key work is what bounds
-the daemon's keys/s). A listener that needs the keys asks the index for them (``Index.keys_of``:
-the records are whole until the hook returns); most never need them.
+the daemon's keys/s). A listener that needs the keys asks the index for them (``Index.keys_of``,
+or ``Index.key_runs`` for one blob per key length: the records are whole until the hook
+returns); most never need them.
 """
 
 from __future__ import annotations

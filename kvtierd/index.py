@@ -57,7 +57,7 @@ from .holds import Holder, Holds
 from .keytable import ALL_BITS, key_table
 from .namespaces import Namespace, Namespaces
 from .pages import FreeIds
-from .records import fill, keys_of, new_records, record_sums
+from .records import fill, key_runs, keys_of, new_records, record_sums
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -376,6 +376,11 @@ class Index:
         """The entries' keys, a bytes object each (for those who name them: the second tier, the
         KV events log)."""
         return keys_of(self.view, slots)
+
+    def key_runs(self, slots: np.ndarray) -> list[tuple[int, bytes]]:
+        """The entries' keys as (key length, blob) runs, one per distinct length (the KV events
+        log keeps blobs, not a bytes object per key)."""
+        return key_runs(self.view, slots)
 
     # ------------------------------------------------------------------ eviction and freeing
     def victims(self, need: int = -1, exclude: np.ndarray = NO_SLOTS) -> np.ndarray:

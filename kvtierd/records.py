@@ -1,7 +1,7 @@
 """Compiled passes over the region's entry records: each key's hash and each record's sum, for a
 whole table at recovery or a job's records at once; recovery's first judgment of every READY
-record; a job's new records and its column writes (``kvtierd._native``, bound here to the record
-layout of ``region_format``).
+record; a job's new records and its column writes; entries' keys as blobs for the KV events log
+(``kvtierd._native``, bound here to the record layout of ``region_format``).
 
 ``record_sums`` computes exactly ``region_format.entry_record_sums`` (the format's definition,
 which stays in NumPy for the client side and the offline tools: tests/unit/test_records.py checks
@@ -15,6 +15,7 @@ import numpy as np
 
 from ._native import fill as _fill
 from ._native import judge_ready as _judge_ready
+from ._native import key_blob as _key_blob
 from ._native import key_hashes as _key_hashes
 from ._native import new_records as _new_records
 from ._native import record_sums as _record_sums
@@ -85,6 +86,23 @@ def keys_of(view: RegionView, slots: np.ndarray) -> list[bytes]:
     objects: the records judged one by one, kvtierctl's listings, a demote's keys)."""
     records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
     return rows_as_bytes(records[slots, _KEY_AT:_KEY_AT + MAX_KEY_BYTES], view.entries["key_len"][slots].astype(np.int64))
+
+
+def key_runs(view: RegionView, slots: np.ndarray) -> list[tuple[int, bytes]]:
+    """The keys of the records at ``slots`` as (key length, blob) runs, one per distinct length in
+    the order the lengths first come, in slot order within a length: no bytes object per key (the
+    event log keeps blobs; for 256 keys ``keys_of`` took ~50 µs, NumPy's gather of the column
+    ~15 µs, the compiled ``key_blob`` ~3 µs)."""
+    if not len(slots):
+        return []
+    one = _key_blob(view.entries, slots, ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES)
+    if one is not None:                                 # the usual case: one engine's keys, one length
+        return [one]
+    records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
+    lengths = view.entries["key_len"][slots]
+    distinct, first = np.unique(lengths, return_index=True)
+    return [(int(n), records[slots[lengths == n], _KEY_AT:_KEY_AT + int(n)].tobytes())
+            for n in distinct[np.argsort(first)]]              # runs in the order their lengths first come
 
 
 def rows_as_bytes(rows: np.ndarray, lengths: np.ndarray) -> list[bytes]:

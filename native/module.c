@@ -17,6 +17,12 @@ static PyMethodDef functions[] = {
      "hold(mine, other, slots, step) -> (changed, int32 slots that leave or re-enter the policy)"},
     {"keys_ok", (PyCFunction)(void (*)(void))keys_ok, METH_FASTCALL,
      "keys_ok(keys, max_len, max_count) -> whether keys are distinct bytes of 1..max_len, at most max_count"},
+    {"kv_events", (PyCFunction)(void (*)(void))kv_events, METH_FASTCALL,
+     "kv_events(head, parts, tail, int_hash, stored, removed) -> vLLM KV cache events of key blobs"},
+    {"kv_groups", (PyCFunction)(void (*)(void))kv_groups, METH_FASTCALL,
+     "kv_groups(blob, key_len) -> distinct KV-cache groups of the blob's keys"},
+    {"key_blob", (PyCFunction)(void (*)(void))key_blob, METH_FASTCALL,
+     "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key) -> (key_len, keys) or None"},
     {NULL},
 };
 

@@ -160,6 +160,9 @@ PyObject *fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *new_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs);   /* kvevents.c */
+PyObject *kv_groups(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* ---------------------------------------------------------------------------- types */
 extern PyTypeObject KeyTableType;

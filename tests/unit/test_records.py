@@ -12,7 +12,7 @@ from kvtierd.contract.protocol import MAX_KEY_BYTES
 from kvtierd.contract.region_format import ENTRY_DTYPE, Geometry
 from kvtierd.contract.region_sums import entry_record_sums
 from kvtierd.contract.region_view import RegionView
-from kvtierd.records import fill, key_hashes, keys_of, new_records, record_sums
+from kvtierd.records import fill, key_hashes, key_runs, keys_of, new_records, record_sums
 
 
 def random_view(seed: int, slots: int) -> RegionView:
@@ -91,3 +91,22 @@ def test_a_slot_out_of_range_writes_nothing():
         with pytest.raises(ValueError, match="out of range"):
             write()
     assert view.entries.tobytes() == before
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), lengths=st.lists(st.integers(1, MAX_KEY_BYTES), min_size=1, max_size=3),
+       count=st.integers(0, 30))
+def test_key_runs_are_the_keys_by_length_in_slot_order(seed, lengths, count):
+    """One (length, blob) run per distinct key length (the event log's records) in the order the
+    lengths first come, each the keys of that length in the order of ``slots`` (repeats too): the
+    keys ``keys_of`` gives, as blobs."""
+    view = random_view(seed, 40)
+    rng = np.random.default_rng(seed)
+    view.entries["key_len"][:] = rng.choice(lengths, 40)
+    slots = rng.choice(40, count, replace=True).astype(np.int32)
+    keys = keys_of(view, slots)
+    want: dict[int, bytes] = {}
+    for key in keys:
+        want[len(key)] = want.get(len(key), b"") + key
+    assert key_runs(view, slots) == list(want.items())
+    assert key_runs(view, slots.astype(np.int64)) == key_runs(view, slots)

@@ -1,0 +1,338 @@
+/* vLLM's KV cache events written from key blobs (kvtierd/kvevents_wire.py binds them to the wire
+ * format): a KVEventBatch's BlockStored and BlockRemoved events in one pass over a batch's keys,
+ * and a job's keys gathered from the entry records as one blob. The msgpack around each hash and
+ * group comes from Python as templates (msgpack's own bytes for the same maps); here each hash and
+ * group is written in msgpack's shortest form, as msgpack-python packs it. */
+#include "native.h"
+
+#include <string.h>
+
+#define GROUP_BYTES 4
+
+typedef struct {
+    const uint8_t *before, *middle, *after;       /* around the hash (or hash array), then the group */
+    Py_ssize_t before_n, middle_n, after_n;
+} Template;
+
+typedef struct {
+    Template stored, removed;
+    bool int_hash;                                /* the hash's last 8 bytes as an unsigned int */
+} Form;
+
+static inline Py_ssize_t uint_size(uint64_t v) {
+    return v < 128 ? 1 : v < 1ULL << 8 ? 2 : v < 1ULL << 16 ? 3 : v < 1ULL << 32 ? 5 : 9;
+}
+
+static inline uint8_t *put_be(uint8_t *p, uint64_t v, int bytes) {
+    for (int i = bytes - 1; i >= 0; i--) *p++ = (uint8_t)(v >> (8 * i));
+    return p;
+}
+
+static inline uint8_t *put_uint(uint8_t *p, uint64_t v) {
+    switch (uint_size(v)) {
+    case 1: *p++ = (uint8_t)v; return p;
+    case 2: *p++ = 0xcc; return put_be(p, v, 1);
+    case 3: *p++ = 0xcd; return put_be(p, v, 2);
+    case 5: *p++ = 0xce; return put_be(p, v, 4);
+    default: *p++ = 0xcf; return put_be(p, v, 8);
+    }
+}
+
+static inline uint64_t be_value(const uint8_t *p, Py_ssize_t n) {
+    uint64_t v = 0;
+    for (Py_ssize_t i = 0; i < n; i++) v = v << 8 | p[i];
+    return v;
+}
+
+static inline uint64_t int_hash(const uint8_t *key, Py_ssize_t hash_len) {
+    if (hash_len >= 8) {
+        uint64_t v;
+        memcpy(&v, key + hash_len - 8, 8);
+        return __builtin_bswap64(v);
+    }
+    return be_value(key, hash_len);
+}
+
+static inline Py_ssize_t hash_size(const Form *f, const uint8_t *key, Py_ssize_t hash_len) {
+    if (f->int_hash) return uint_size(int_hash(key, hash_len));
+    return (hash_len < 256 ? 2 : 3) + hash_len;
+}
+
+static inline uint8_t *put_hash(const Form *f, uint8_t *p, const uint8_t *key, Py_ssize_t hash_len) {
+    if (f->int_hash) return put_uint(p, int_hash(key, hash_len));
+    if (hash_len < 256) { *p++ = 0xc4; *p++ = (uint8_t)hash_len; }
+    else { *p++ = 0xc5; p = put_be(p, (uint64_t)hash_len, 2); }
+    memcpy(p, key, (size_t)hash_len);
+    return p + hash_len;
+}
+
+static inline Py_ssize_t array_header_size(Py_ssize_t n) { return n < 16 ? 1 : n < 1 << 16 ? 3 : 5; }
+
+static inline uint8_t *put_array_header(uint8_t *p, Py_ssize_t n) {
+    if (n < 16) { *p++ = (uint8_t)(0x90 | n); return p; }
+    if (n < 1 << 16) { *p++ = 0xdc; return put_be(p, (uint64_t)n, 2); }
+    *p++ = 0xdd;
+    return put_be(p, (uint64_t)n, 4);
+}
+
+static inline uint64_t group_of(const uint8_t *key, Py_ssize_t key_len) {
+    uint32_t v;
+    memcpy(&v, key + key_len - GROUP_BYTES, GROUP_BYTES);
+    return __builtin_bswap32(v);
+}
+
+/* The distinct groups of a blob's keys in the order they first come, and each key's position in
+ * its group's run: ``order`` lists the keys group by group (each group's keys in blob order).
+ * A small open-addressing map of groups keeps it one pass whatever the keys (a namespace's keys
+ * need not be vLLM's: every key may have a group of its own). Returns the group count, -1 on no
+ * memory. ``groups``, ``counts`` and ``order`` hold n entries each. */
+static Py_ssize_t group_runs(const uint8_t *blob, Py_ssize_t key_len, Py_ssize_t n, uint64_t *groups,
+                             Py_ssize_t *counts, Py_ssize_t *order) {
+    Py_ssize_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    Py_ssize_t *table = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)cap), *which = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    if (table == NULL || which == NULL) { PyMem_Free(table); PyMem_Free(which); return -1; }
+    memset(table, 0xff, sizeof(Py_ssize_t) * (size_t)cap);
+    Py_ssize_t distinct = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t g = group_of(blob + i * key_len, key_len);
+        Py_ssize_t at = (Py_ssize_t)((g * 0x9E3779B97F4A7C15ULL) >> 40) & (cap - 1);
+        while (table[at] >= 0 && groups[table[at]] != g) at = (at + 1) & (cap - 1);
+        if (table[at] < 0) { table[at] = distinct; groups[distinct] = g; counts[distinct++] = 0; }
+        which[i] = table[at];
+        counts[which[i]]++;
+    }
+    /* counts → start of each group's run in ``order`` (table reused as the running position) */
+    for (Py_ssize_t g = 0, start = 0; g < distinct; g++) { table[g] = start; start += counts[g]; }
+    for (Py_ssize_t i = 0; i < n; i++) order[table[which[i]]++] = i;
+    PyMem_Free(table);
+    PyMem_Free(which);
+    return distinct;
+}
+
+typedef struct {
+    int kind;                 /* 0: BlockStored per key; 1: BlockRemoved per group; 2: bytes as they are */
+    Py_ssize_t key_len, n;
+    Py_ssize_t events;        /* kind 1: its groups, as kv_groups counted them (a bound: never fewer) */
+    Py_buffer blob;
+} Part;
+
+/* At most how many bytes a part's events take (written, the bytes object is cut to its length). */
+static Py_ssize_t part_bound(const Form *f, const Part *part) {
+    if (part->kind == 2) return part->blob.len;
+    const Template *t = part->kind == 0 ? &f->stored : &f->removed;
+    Py_ssize_t hash_most = f->int_hash ? 9 : part->key_len - GROUP_BYTES + 3;
+    /* per key its hash; per event the template, an array header and a group */
+    return part->n * hash_most + (part->kind == 0 ? part->n : part->events) * (t->before_n + t->middle_n + t->after_n + 10);
+}
+
+static uint8_t *put_part(const Form *f, uint8_t *p, const Part *part, uint64_t *groups, Py_ssize_t *counts,
+                         Py_ssize_t *order) {
+    const uint8_t *blob = part->blob.buf;
+    Py_ssize_t hash_len = part->key_len - GROUP_BYTES;
+    if (part->kind == 2) {
+        memcpy(p, blob, (size_t)part->blob.len);
+        return p + part->blob.len;
+    }
+    if (part->kind == 0) {
+        const Template *t = &f->stored;
+        /* The common key (an int hash from 2**32 up, a group below 128: every event the same width)
+         * is one whole-row copy and two stores: half the time of the general path. */
+        uint8_t row[512];
+        Py_ssize_t row_n = t->before_n + 9 + t->middle_n + 1 + t->after_n;
+        bool rows = f->int_hash && hash_len >= 8 && row_n <= (Py_ssize_t)sizeof(row);
+        if (rows) {
+            memcpy(row, t->before, (size_t)t->before_n);
+            row[t->before_n] = 0xcf;
+            memcpy(row + t->before_n + 9, t->middle, (size_t)t->middle_n);
+            memcpy(row + row_n - t->after_n, t->after, (size_t)t->after_n);
+        }
+        for (Py_ssize_t i = 0; i < part->n; i++) {
+            const uint8_t *key = blob + i * part->key_len;
+            uint64_t h = rows ? int_hash(key, hash_len) : 0, g = rows ? group_of(key, part->key_len) : 0;
+            if (rows && h >> 32 && g < 128) {
+                memcpy(p, row, (size_t)row_n);
+                put_be(p + t->before_n + 1, h, 8);
+                p[t->before_n + 9 + t->middle_n] = (uint8_t)g;
+                p += row_n;
+                continue;
+            }
+            memcpy(p, t->before, (size_t)t->before_n);
+            p = put_hash(f, p + t->before_n, key, hash_len);
+            memcpy(p, t->middle, (size_t)t->middle_n);
+            p = put_uint(p + t->middle_n, group_of(key, part->key_len));
+            memcpy(p, t->after, (size_t)t->after_n);
+            p += t->after_n;
+        }
+        return p;
+    }
+    const Template *t = &f->removed;
+    Py_ssize_t groups_n = group_runs(blob, part->key_len, part->n, groups, counts, order);
+    if (groups_n < 0) { PyErr_NoMemory(); return NULL; }
+    if (groups_n > part->events) return NULL;
+    for (Py_ssize_t g = 0, at = 0; g < groups_n; g++) {
+        memcpy(p, t->before, (size_t)t->before_n);
+        p = put_array_header(p + t->before_n, counts[g]);
+        for (Py_ssize_t j = 0; j < counts[g]; j++, at++) p = put_hash(f, p, blob + order[at] * part->key_len, hash_len);
+        memcpy(p, t->middle, (size_t)t->middle_n);
+        p = put_uint(p + t->middle_n, groups[g]);
+        memcpy(p, t->after, (size_t)t->after_n);
+        p += t->after_n;
+    }
+    return p;
+}
+
+static int template_get(PyObject *obj, Template *t) {
+    PyObject *b, *m, *a;
+    if (!PyArg_ParseTuple(obj, "SSS", &b, &m, &a)) return -1;
+    t->before = (const uint8_t *)PyBytes_AS_STRING(b);
+    t->before_n = PyBytes_GET_SIZE(b);
+    t->middle = (const uint8_t *)PyBytes_AS_STRING(m);
+    t->middle_n = PyBytes_GET_SIZE(m);
+    t->after = (const uint8_t *)PyBytes_AS_STRING(a);
+    t->after_n = PyBytes_GET_SIZE(a);
+    return 0;
+}
+
+/* kv_events(head, parts, tail, int_hash, stored, removed) -> bytes: head, then each part's events,
+ * then tail. A part is bytes (written as they are) or (kind, key_len, blob, events): kind 0 one
+ * BlockStored per key, kind 1 one BlockRemoved per group of the keys (groups in the order they
+ * first come; ``events``: how many, from kv_groups).
+ * ``stored``/``removed``: (before, middle, after) templates around the hash (removed: the hash
+ * array) and the group. Keys are longer than their 4-byte group (the caller skips others). */
+PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "kv_events(head, parts, tail, int_hash, stored, removed)");
+        return NULL;
+    }
+    Form f;
+    if (!PyBytes_Check(args[0]) || !PyList_Check(args[1]) || !PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "kv_events: head and tail must be bytes, parts a list");
+        return NULL;
+    }
+    f.int_hash = PyObject_IsTrue(args[3]);
+    if (template_get(args[4], &f.stored) < 0 || template_get(args[5], &f.removed) < 0) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, most = 0, size = PyBytes_GET_SIZE(args[0]) + PyBytes_GET_SIZE(args[2]);
+    Part *parts = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Part));
+    PyObject *out = NULL;
+    uint64_t *groups = NULL;
+    Py_ssize_t *counts = NULL, *order = NULL;
+    if (parts == NULL) return PyErr_NoMemory();
+    for (; held < count; held++) {
+        PyObject *item = PyList_GET_ITEM(args[1], held), *blob;
+        Part *part = &parts[held];
+        if (PyBytes_Check(item)) {
+            part->kind = 2;
+            blob = item;
+        } else if (!PyArg_ParseTuple(item, "inOn", &part->kind, &part->key_len, &blob, &part->events)) {
+            goto done;
+        }
+        if (PyObject_GetBuffer(blob, &part->blob, PyBUF_SIMPLE) < 0) goto done;
+        if (part->kind != 2) {
+            if ((part->kind != 0 && part->kind != 1) || part->key_len <= GROUP_BYTES || part->blob.len % part->key_len) {
+                PyBuffer_Release(&part->blob);
+                PyErr_SetString(PyExc_ValueError, "kv_events: a part is (0 or 1, key length > 4, whole keys)");
+                goto done;
+            }
+            part->n = part->blob.len / part->key_len;
+            if (part->kind == 1 && part->n > most) most = part->n;
+        }
+    }
+    groups = PyMem_Malloc(sizeof(uint64_t) * (size_t)(most ? most : 1));
+    counts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(most ? most : 1));
+    order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(most ? most : 1));
+    if (!groups || !counts || !order) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < count; i++) size += part_bound(&f, &parts[i]);
+    out = PyBytes_FromStringAndSize(NULL, size);
+    if (out == NULL) goto done;
+    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(out), *p = start;
+    memcpy(p, PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]));
+    p += PyBytes_GET_SIZE(args[0]);
+    for (Py_ssize_t i = 0; i < count && p != NULL; i++) p = put_part(&f, p, &parts[i], groups, counts, order);
+    if (p == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "kv_events: a removed part has more groups than it says");
+        Py_CLEAR(out);
+        goto done;
+    }
+    memcpy(p, PyBytes_AS_STRING(args[2]), (size_t)PyBytes_GET_SIZE(args[2]));
+    p += PyBytes_GET_SIZE(args[2]);
+    _PyBytes_Resize(&out, p - start);          /* shrinks in place; on failure out is NULL, the error set */
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&parts[i].blob);
+    PyMem_Free(parts);
+    PyMem_Free(groups);
+    PyMem_Free(counts);
+    PyMem_Free(order);
+    return out;
+}
+
+/* kv_groups(blob, key_len) -> int: how many distinct groups (a key's last 4 bytes) the blob's keys
+ * have: the BlockRemoved events its removal makes. */
+PyObject *kv_groups(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer blob;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "kv_groups(blob, key_len)");
+        return NULL;
+    }
+    Py_ssize_t key_len = PyLong_AsSsize_t(args[1]);
+    if (key_len == -1 && PyErr_Occurred()) return NULL;
+    if (PyObject_GetBuffer(args[0], &blob, PyBUF_SIMPLE) < 0) return NULL;
+    if (key_len <= GROUP_BYTES || blob.len % key_len) {
+        PyBuffer_Release(&blob);
+        PyErr_SetString(PyExc_ValueError, "kv_groups: whole keys longer than their group");
+        return NULL;
+    }
+    Py_ssize_t n = blob.len / key_len, distinct;
+    uint64_t *groups = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    Py_ssize_t *counts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1)),
+               *order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    distinct = groups && counts && order ? group_runs(blob.buf, key_len, n, groups, counts, order) : -1;
+    PyMem_Free(groups);
+    PyMem_Free(counts);
+    PyMem_Free(order);
+    PyBuffer_Release(&blob);
+    if (distinct < 0) return PyErr_NoMemory();
+    return PyLong_FromSsize_t(distinct);
+}
+
+/* key_blob(records, slots, record_bytes, key_len_at, key_at, max_key) -> (key_len, bytes) | None:
+ * the keys of the records at ``slots``, one after another, when they all have one length (a vLLM
+ * namespace's keys do); None when they do not (the caller splits them by length). One pass and
+ * one bytes object: the event log keeps a job's keys as one blob. */
+PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key)");
+        return NULL;
+    }
+    Py_ssize_t rec_bytes = PyLong_AsSsize_t(args[2]), at_len = PyLong_AsSsize_t(args[3]),
+               at_key = PyLong_AsSsize_t(args[4]), max_key = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (rec_bytes < 1 || at_len < 0 || at_len >= rec_bytes || at_key < 0 || max_key < 0 || at_key + max_key > rec_bytes) {
+        PyErr_SetString(PyExc_ValueError, "record layout does not fit its record size");
+        return NULL;
+    }
+    Py_buffer records;
+    Slots s;
+    if (PyObject_GetBuffer(args[0], &records, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (slots_get(args[1], &s) < 0) { PyBuffer_Release(&records); return NULL; }
+    Py_ssize_t count = records.len / rec_bytes, len = -1;
+    const uint8_t *base = records.buf;
+    PyObject *out = NULL, *blob = NULL;
+    for (Py_ssize_t i = 0; i < s.n; i++) {
+        if (s.v[i] < 0 || s.v[i] >= count) { PyErr_Format(PyExc_ValueError, "slot %d out of range", s.v[i]); goto done; }
+        Py_ssize_t n = base[(Py_ssize_t)s.v[i] * rec_bytes + at_len];
+        if (n > max_key) { PyErr_Format(PyExc_ValueError, "slot %d: key length %zd out of range", s.v[i], n); goto done; }
+        if (len >= 0 && n != len) { out = Py_NewRef(Py_None); goto done; }
+        len = n;
+    }
+    if (len < 0) len = 0;
+    blob = PyBytes_FromStringAndSize(NULL, s.n * len);
+    if (blob == NULL) goto done;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(blob);
+    for (Py_ssize_t i = 0; i < s.n; i++, p += len) memcpy(p, base + (Py_ssize_t)s.v[i] * rec_bytes + at_key, (size_t)len);
+    out = Py_BuildValue("nN", len, blob);
+done:
+    slots_release(&s);
+    PyBuffer_Release(&records);
+    return out;
+}
