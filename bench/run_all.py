@@ -314,19 +314,19 @@ average of 0.4-1.6, met the 4-client lookup throughput (4.7e6 keys/s) and the re
 that this one, at 3-4, missed.
 
 - **Lookup of 256 keys, p50 against the echo; store+commit of 1,024.** Since 0.3.0 the index is
-  compiled (issue 22): in-process (`Server.handle`), a 256-key lookup costs ~26 µs, of which
-  decoding and validating the frame ~9-13 (msgpack alone: 6.5), the key table's prefix pass 3, the
-  access tick 2.5 and the policy's touch 0.6; the rest is dispatch, the session, the reply and
-  the latency histogram, the same at B = 1 (10 µs against msgpack's 1.5). With the loop's turn
-  (expiry, the tier's and stream's pumps, the poll: ~6 µs) the daemon spends ~35 µs a request
-  where the echo spends ~8, fixed per request rather than per key: lookups measure 1.4-1.6x at
-  every B from 1 to 256 on a ~110-160 µs echo round trip (1,024 keys: 1.4-1.5x, met). A 1,024-key
-  store+commit is two such requests plus the per-key work of a store (the key table, the records,
-  the policy's sketch, and the eviction of as many entries in a full region: ~600 µs of handling
-  measured by the daemon's own latency histograms), 3.1-3.35x here (was 18.9x); load+release
-  (1.75x) and four clients' lookups (0.65-0.71x the echo's keys/s) meet theirs. What is left is the
-  Python around the compiled passes, per request: the next step would be the request loop itself
-  (decode, dispatch, reply of the hot ops) in compiled code.
+  compiled (issue 22), and since 0.3.1 a job's records are written in compiled passes too (a
+  1,024-key store+commit ~10% less daemon CPU, thread time in-process). These two ratios move with
+  the machine more than the code: in a run at a load average of 3-6 (2026-12-05, the same code as
+  this page's but for the KV events and disk commits) they measured 1.29x and 2.59x, both met; in
+  this page's run, at ~1, 1.52x and 3.46x. The daemon's own times were close in the two (lookup
+  246 and 258 µs, store+commit 1,116 and 1,293 µs); the echo's round trip was faster in the quiet
+  run (170 against 191 µs), and the ratio follows the echo. In-process (`Server.handle`) a 256-key
+  lookup costs ~25 µs: msgpack's decode 6.8, the keys' hashes while validating them ~5 (the key
+  table reuses them), the prefix pass 2-3, the rest dispatch, the session, the reply and the
+  latency histogram. At the socket the loop is half of the gap: the same daemon answering lookups
+  as the echo does, inside its own loop, measured 1.26x the echo where the real one measured 1.58x
+  (load 3.9, one run). The next step is the request loop itself (decode, dispatch, reply of the
+  hot ops) in compiled code.
 - **CPU store+load against memcpy, small jobs.** The copy itself runs near memcpy speed (the CPU
   copier moves a block per `memmove` on a worker thread; timed alone it matches one-thread
   memcpy within noise, and a 1 GiB job's copy reaches 0.85-0.93x). What small jobs pay is four
@@ -336,13 +336,16 @@ that this one, at 3-4, missed.
   same run), up to ~1.5 ms per store+load pair against ~7 ms of memcpy for 64 MiB. Jobs of 256 blocks and more amortise
   it. The round trips are the protocol's safety (a block is READY only after the writer's
   commit, invariant 1), so they stay.
-- **Restart with a million entries.** Since 0.3.0: interpreter and imports ~0.42 s, the adopted
-  region opened in ~0.05 s (an adopted, unpinned file of small pages that fallocate already
-  reserved is no longer populated in the daemon's own mapping: the daemon copies no block), and
-  `Store()` ~0.5-0.7 s (the array scan 0.38-0.49 s, the key table's rebuild 0.06 s, the policy's
-  0.13 s): 0.99 s in a quiet run, 1.14-1.22 s in the runs of this page (load from other work; it is
-  a median of three samples of about a second). With pinning (cuda, mlock) the pin's own populate
-  of the region adds its time.
+- **Restart with a million entries.** Since 0.3.1 every READY record is judged in one compiled
+  walk over the entry table (the scan 0.23-0.32 s, was 0.38-0.49; its first stage 0.07-0.10 s,
+  was 0.23-0.31), the daemon imports prometheus_client only with metrics on, and the bench times a
+  byte-compiled daemon, as an install leaves it (this machine sets PYTHONDONTWRITEBYTECODE: an
+  editable install then compiled ~70 modules at every start, ~0.13 s): interpreter and imports
+  0.23-0.31 s, `Store()` 0.47-0.53 s (the scan; the policy's sketch counting a million keys
+  0.06-0.15 s; the key table's rebuild 0.02-0.06 s). 0.78 s in a run at load 3-6, 1.05 s in this
+  page's at ~1: a median of three samples of about a second each, and one run of the same code
+  differs from the next by more than the goal's margin. With pinning (cuda, mlock) the pin's own
+  populate of the region adds its time.
 - **Ten times Redis.** Redis is credited with its faster pattern per direction (one SET/GET per
   block beats a single MSET/MGET of the whole job by up to 4x for MiB-sized values). At its best it
   moves ~2-3 GB/s over loopback (each block crosses the socket, and on load is copied again into
@@ -385,11 +388,10 @@ that this one, at 3-4, missed.
   -m kvtierbench.tier --engine disk` — before: demote 0.63, 0.63x and promote 0.35, 0.75x at
   64 KiB, 0.55, 0.58x and 0.50, 0.49x at 1 MiB; after: 0.60, 1.21x and 0.89, 1.16x at 64 KiB,
   0.80, 0.97x and 0.78, 0.62x at 1 MiB. After is ahead at 1 MiB in every pair, but runs of the same
-  code differ by up to 2x at this load. The run on this page is a quiet one (load average 1.0 to
-  1.6, 2026-12-05): demote 0.84x (64 KiB) and 0.72x (1 MiB), promote 0.63x and 0.54x — still
-  missed, and promote most, against a raw O_DIRECT read of 1 MiB blocks at 3.98 GB/s; in that run
-  the disk-only lookups (1.68x) and the restart with 1,000,000 blocks (1.03 s) were within their
-  targets again (at load 7-13.5 they had measured 2.68x and 4.7-7.3 s: the load, not the code).
+  code differ by up to 2x at this load. A quiet run of 0.3.0 (load average 1.0 to 1.6,
+  2026-12-05): demote 0.84x (64 KiB) and 0.72x (1 MiB), promote 0.63x and 0.54x against the bench's
+  own buffer (a raw O_DIRECT read of 1 MiB blocks at 3.98 GB/s); the disk-only lookups (1.68x) and
+  the restart with 1,000,000 blocks (1.03 s) within their targets (at load 7-13.5 they had measured 2.68x and 4.7-7.3 s: the load, not the code).
   Profiled again (issue 24): a promote of 256 x 1 MiB is the companion's get (the existence
   check's round trip is 2-3 ms, the reply to READY ~1 ms); in it, the reads in 4 streams with the
   seal checks beside them. Two things were not the tier's: (1) the floor read into a buffer of
@@ -410,12 +412,14 @@ that this one, at 3-4, missed.
   demote 0.82, 0.75, 0.84x and 0.77, 0.77, 0.77x, promote 0.68, 0.67, 0.56x and 0.49, 0.68, 0.51x
   (against the bench's own buffer as before: 0.99, 0.47, 0.75x and 1.14, 0.79, 0.30x). Still missed; meeting 0.8 on 2 shared CPUs needs a cheaper seal
   check (a MAC faster than BLAKE3 here is not in the environment, and a checksum that is not a MAC
-  would give up what seals promise: docs/tier.md, "Seals").
+  would give up what seals promise: docs/tier.md, "Seals"). This page's run (0.3.1, load ~1):
+  demote 0.87x (64 KiB) and 0.86x (1 MiB), met; promote 0.72x and 0.85x against the same-pages
+  floor (0.73x and 0.46x against the bench's own buffer): 64 KiB still missed.
 - **Second tier with seals.** Every block is hashed on demote and on promote: the cost is in the
   second tier's section ("What seals cost"). Mooncake's 64 KiB miss predates seals and grew
   with them; hashing one part of a batch while another part transfers did not bring it back
-  (load 7-10; in the quiet run on this page Mooncake measured 0.44x demote and 0.33x promote at
-  64 KiB, Redis 0.80x and 0.57x).
+  (load 7-10; in this page's run, load ~1, Mooncake measured 0.33x demote and 0.36x promote at
+  64 KiB, Redis 0.67x and 0.60x).
 - **KV events: store throughput with the stream on against off.** Commit to subscriber (p99
   2.7-7.1 ms; 0.3.0 in the same runs 5.4-6.4) and 200,000 blocks/s with memory flat are met (the
   daemon's RssAnon in that run 110-116 MiB, 0.3.0's 154-165: no bytes object per logged key). On 0.3.0 the stream cost the daemon's
@@ -432,7 +436,8 @@ that this one, at 3-4, missed.
   work took 40% of the off daemon's throughput too. Nearly quiet (load 0.1-1.3), one pair:
   0.885x and 0.873x against 0.647x and 0.679x, commit to subscriber p99 2.6 ms both. At load 3
   the ratio moves with the machine more than with the code. Meeting 0.95 needs what is left
-  compiled too: the Recorder's and the log's append per job, and the flush's Python per batch."""
+  compiled too: the Recorder's and the log's append per job, and the flush's Python per batch.
+  This page's run (load ~1): 0.879x at B = 256 and 0.835x at B = 1,024."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side

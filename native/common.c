@@ -146,3 +146,32 @@ void order_free(Order *o) {
     o->where = NULL;
     o->cap = 0;
 }
+
+int key_rows_get(PyObject *const *args, Py_ssize_t nargs, const char *usage, KeyRows *k) {
+    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, usage); return -1; }
+    k->rec_bytes = PyLong_AsSsize_t(args[2]);
+    k->at_len = PyLong_AsSsize_t(args[3]);
+    k->at_key = PyLong_AsSsize_t(args[4]);
+    k->max_key = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred()) return -1;
+    if (k->rec_bytes < 1 || k->at_len < 0 || k->at_len >= k->rec_bytes || k->at_key < 0 || k->max_key < 0 ||
+        k->at_key + k->max_key > k->rec_bytes) {
+        PyErr_SetString(PyExc_ValueError, "record layout does not fit its record size");
+        return -1;
+    }
+    if (PyObject_GetBuffer(args[0], &k->records, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (slots_get(args[1], &k->slots) < 0) { PyBuffer_Release(&k->records); return -1; }
+    Py_ssize_t count = k->records.len / k->rec_bytes;
+    for (Py_ssize_t i = 0; i < k->slots.n; i++)
+        if (k->slots.v[i] < 0 || k->slots.v[i] >= count) {
+            PyErr_Format(PyExc_ValueError, "slot %d out of range", k->slots.v[i]);
+            key_rows_release(k);
+            return -1;
+        }
+    return 0;
+}
+
+void key_rows_release(KeyRows *k) {
+    slots_release(&k->slots);
+    PyBuffer_Release(&k->records);
+}

@@ -300,39 +300,24 @@ PyObject *kv_groups(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
  * namespace's keys do); None when they do not (the caller splits them by length). One pass and
  * one bytes object: the event log keeps a job's keys as one blob. */
 PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key)");
+    KeyRows k;
+    if (key_rows_get(args, nargs, "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key)", &k) < 0)
         return NULL;
-    }
-    Py_ssize_t rec_bytes = PyLong_AsSsize_t(args[2]), at_len = PyLong_AsSsize_t(args[3]),
-               at_key = PyLong_AsSsize_t(args[4]), max_key = PyLong_AsSsize_t(args[5]);
-    if (PyErr_Occurred()) return NULL;
-    if (rec_bytes < 1 || at_len < 0 || at_len >= rec_bytes || at_key < 0 || max_key < 0 || at_key + max_key > rec_bytes) {
-        PyErr_SetString(PyExc_ValueError, "record layout does not fit its record size");
-        return NULL;
-    }
-    Py_buffer records;
-    Slots s;
-    if (PyObject_GetBuffer(args[0], &records, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (slots_get(args[1], &s) < 0) { PyBuffer_Release(&records); return NULL; }
-    Py_ssize_t count = records.len / rec_bytes, len = -1;
-    const uint8_t *base = records.buf;
+    Py_ssize_t len = -1;
     PyObject *out = NULL, *blob = NULL;
-    for (Py_ssize_t i = 0; i < s.n; i++) {
-        if (s.v[i] < 0 || s.v[i] >= count) { PyErr_Format(PyExc_ValueError, "slot %d out of range", s.v[i]); goto done; }
-        Py_ssize_t n = base[(Py_ssize_t)s.v[i] * rec_bytes + at_len];
-        if (n > max_key) { PyErr_Format(PyExc_ValueError, "slot %d: key length %zd out of range", s.v[i], n); goto done; }
+    for (Py_ssize_t i = 0; i < k.slots.n; i++) {
+        Py_ssize_t n = key_row(&k, i)[k.at_len];
+        if (n > k.max_key) { PyErr_Format(PyExc_ValueError, "slot %d: key length %zd out of range", k.slots.v[i], n); goto done; }
         if (len >= 0 && n != len) { out = Py_NewRef(Py_None); goto done; }
         len = n;
     }
     if (len < 0) len = 0;
-    blob = PyBytes_FromStringAndSize(NULL, s.n * len);
+    blob = PyBytes_FromStringAndSize(NULL, k.slots.n * len);
     if (blob == NULL) goto done;
     uint8_t *p = (uint8_t *)PyBytes_AS_STRING(blob);
-    for (Py_ssize_t i = 0; i < s.n; i++, p += len) memcpy(p, base + (Py_ssize_t)s.v[i] * rec_bytes + at_key, (size_t)len);
+    for (Py_ssize_t i = 0; i < k.slots.n; i++, p += len) memcpy(p, key_row(&k, i) + k.at_key, (size_t)len);
     out = Py_BuildValue("nN", len, blob);
 done:
-    slots_release(&s);
-    PyBuffer_Release(&records);
+    key_rows_release(&k);
     return out;
 }

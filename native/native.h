@@ -35,6 +35,20 @@ typedef struct {
 int words_get(PyObject *obj, Words *out);
 void words_release(Words *w);
 
+/* The arguments of a pass over the keys of entry records: (records, slots, record_bytes, key_len_at,
+ * key_at, max_key), the layout checked to fit its record and every slot checked in range. */
+typedef struct {
+    Py_buffer records;
+    Slots slots;
+    Py_ssize_t rec_bytes, at_len, at_key, max_key;
+} KeyRows;
+
+int key_rows_get(PyObject *const *args, Py_ssize_t nargs, const char *usage, KeyRows *out);
+void key_rows_release(KeyRows *k);
+static inline const uint8_t *key_row(const KeyRows *k, Py_ssize_t i) {
+    return (const uint8_t *)k->records.buf + (Py_ssize_t)k->slots.v[i] * k->rec_bytes;
+}
+
 /* ---------------------------------------------------------------------------- ordered lists */
 /* Each tracked slot is in at most one list at a time (``where``), so one prev/next pair per slot
  * holds every list: the OrderedDict operations the Python policies used (append at the young

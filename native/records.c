@@ -10,35 +10,19 @@ static const uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL, MIX = 0x94D049BB133111EBUL
 /* key_hashes(records, slots, record_bytes, key_len_at, key_at, max_key) -> bytes: Python's hash of
  * each slot's key (uint64), read from its record; 0 for a record whose key length is out of range. */
 PyObject *key_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "key_hashes(records, slots, record_bytes, key_len_at, key_at, max_key)");
+    KeyRows k;
+    if (key_rows_get(args, nargs, "key_hashes(records, slots, record_bytes, key_len_at, key_at, max_key)", &k) < 0)
         return NULL;
-    }
-    Py_ssize_t rec_bytes = PyLong_AsSsize_t(args[2]), at_len = PyLong_AsSsize_t(args[3]),
-               at_key = PyLong_AsSsize_t(args[4]), max_key = PyLong_AsSsize_t(args[5]);
-    if (PyErr_Occurred()) return NULL;
-    if (rec_bytes < 1 || at_len < 0 || at_len >= rec_bytes || at_key < 0 || max_key < 0 || at_key + max_key > rec_bytes) {
-        PyErr_SetString(PyExc_ValueError, "record layout does not fit its record size");
-        return NULL;
-    }
-    Py_buffer records;
-    Slots s;
-    if (PyObject_GetBuffer(args[0], &records, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (slots_get(args[1], &s) < 0) { PyBuffer_Release(&records); return NULL; }
-    Py_ssize_t count = records.len / rec_bytes;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, s.n * 8);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, k.slots.n * 8);
     if (out) {
         uint64_t *h = (uint64_t *)PyBytes_AS_STRING(out);
-        const uint8_t *base = records.buf;
-        for (Py_ssize_t i = 0; i < s.n; i++) {
-            if (s.v[i] >= count) { PyErr_Format(PyExc_ValueError, "slot %d out of range", s.v[i]); Py_CLEAR(out); break; }
-            const uint8_t *rec = base + (Py_ssize_t)s.v[i] * rec_bytes;
-            Py_ssize_t len = rec[at_len];
-            h[i] = len >= 1 && len <= max_key ? (uint64_t)_Py_HashBytes(rec + at_key, len) : 0;
+        for (Py_ssize_t i = 0; i < k.slots.n; i++) {
+            const uint8_t *rec = key_row(&k, i);
+            Py_ssize_t len = rec[k.at_len];
+            h[i] = len >= 1 && len <= k.max_key ? (uint64_t)_Py_HashBytes(rec + k.at_key, len) : 0;
         }
     }
-    slots_release(&s);
-    PyBuffer_Release(&records);
+    key_rows_release(&k);
     return out;
 }
 
