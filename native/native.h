@@ -49,6 +49,10 @@ static inline const uint8_t *key_row(const KeyRows *k, Py_ssize_t i) {
     return (const uint8_t *)k->records.buf + (Py_ssize_t)k->slots.v[i] * k->rec_bytes;
 }
 
+/* Zeroed anonymous memory for a big array, advised for transparent huge pages (common.c); munmap
+ * releases it. NULL without an exception when the kernel refuses. */
+void *big_zeroed(size_t bytes);
+
 /* ---------------------------------------------------------------------------- ordered lists */
 /* Each tracked slot is in at most one list at a time (``where``), so one prev/next pair per slot
  * holds every list: the OrderedDict operations the Python policies used (append at the young
@@ -170,6 +174,7 @@ static inline Py_ssize_t sketch_width(const Sketch *s) { return (Py_ssize_t)1 <<
 PyObject *key_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *record_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *judge_ready(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *judge_related(PyObject *module, PyObject *const *args, Py_ssize_t nargs);      /* related.c */
 PyObject *fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *new_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
