@@ -79,11 +79,12 @@ def judge_ready(view: RegionView, ns_pages: np.ndarray, ns_identity: np.ndarray,
         view.entries, view.chain, _LAYOUT, np.ascontiguousarray(ns_pages, np.int64),
         np.ascontiguousarray(ns_identity, np.uint64), np.ascontiguousarray(ns_checksums, np.uint8), ENTRY_SUMMED,
         (int(EntryState.READY), MAX_KEY_BYTES, TICK_LIMIT, CHAIN_END, int(require_checksums)))
-    n = len(slots) // 4
-    return {"slots": np.frombuffer(slots, np.int32).astype(np.int64), "counts": np.frombuffer(counts, np.int64),
+    slots = np.frombuffer(slots, np.int64)
+    n = len(slots)
+    return {"slots": slots, "counts": np.frombuffer(counts, np.int64),
             "ns": np.frombuffer(ns, np.int64), "chains": np.frombuffer(chains, np.uint32).reshape(n, width),
             "checksum": np.frombuffer(checksum, np.uint64), "fps": np.frombuffer(fps, np.uint64),
-            "why": np.frombuffer(why, np.int8).copy(), "tick": np.frombuffer(tick, np.uint64)}
+            "why": np.frombuffer(why, np.int8), "tick": np.frombuffer(tick, np.uint64)}
 
 
 def judge_related(view: RegionView, ready: dict[str, np.ndarray], ns_checksums: np.ndarray,

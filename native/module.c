@@ -38,13 +38,13 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    PyTypeObject *types[] = {&KeyTableType, &PolicyType, &SketchType};
-    const char *names[] = {"KeyTable", "Policy", "Sketch"};
-    for (int i = 0; i < 3; i++)
+    PyTypeObject *types[] = {&KeyTableType, &PolicyType, &SketchType, &BlockType};
+    const char *names[] = {"KeyTable", "Policy", "Sketch", "Block"};
+    for (int i = 0; i < 4; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -117,12 +117,6 @@ static inline uint64_t read_u(const uint8_t *at, int width) {
     return v;
 }
 
-static PyObject *new_bytes(Py_ssize_t n, void **at) {
-    PyObject *b = PyBytes_FromStringAndSize(NULL, n);
-    if (b) *at = PyBytes_AS_STRING(b);
-    return b;
-}
-
 /* judge_ready(records, chain, layout, ns_pages, ns_identity, ns_checksums, mask, limits) ->
  * (slots, counts, ns, chains, width, checksum, fps, why, tick): every READY record of the entry
  * table judged on its own, in slot order, in one walk over the table (recovery.scan's first
@@ -180,20 +174,19 @@ PyObject *judge_ready(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t count = records.len / L.bytes, num_pages = chain.len / 4, n = 0, width = 0;
     for (Py_ssize_t s = 0; s < count; s++)
         n += base[s * L.bytes + L.state] == ready_state;
-    int32_t *slots;
-    int64_t *counts, *ns_of;
+    int64_t *slots, *counts, *ns_of;
     uint64_t *checksum, *fps, *tick;
     int8_t *why;
-    if (!(out[0] = new_bytes(n * 4, (void **)&slots)) || !(out[1] = new_bytes(n * 8, (void **)&counts)) ||
-        !(out[2] = new_bytes(n * 8, (void **)&ns_of)) || !(out[4] = new_bytes(n * 8, (void **)&checksum)) ||
-        !(out[5] = new_bytes(n * 8, (void **)&fps)) || !(out[6] = new_bytes(n, (void **)&why)) ||
-        !(out[7] = new_bytes(n * 8, (void **)&tick)))
+    if (!(out[0] = new_block(n * 8, (void **)&slots)) || !(out[1] = new_block(n * 8, (void **)&counts)) ||
+        !(out[2] = new_block(n * 8, (void **)&ns_of)) || !(out[4] = new_block(n * 8, (void **)&checksum)) ||
+        !(out[5] = new_block(n * 8, (void **)&fps)) || !(out[6] = new_block(n, (void **)&why)) ||
+        !(out[7] = new_block(n * 8, (void **)&tick)))
         goto done;
     for (Py_ssize_t s = 0, i = 0; s < count; s++) {     /* the checks before any chain walk */
         const uint8_t *rec = base + s * L.bytes;
         if (rec[L.state] != ready_state) continue;
         Py_ssize_t key_len = rec[L.key_len];
-        slots[i] = (int32_t)s;
+        slots[i] = s;
         ns_of[i] = (int64_t)read_u(rec + L.ns, 2);
         counts[i] = (int64_t)read_u(rec + L.page_count, 4);
         tick[i] = read_u(rec + L.tick, 8);
@@ -206,7 +199,7 @@ PyObject *judge_ready(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         i++;
     }
     uint32_t *rows;
-    if (!(out[3] = new_bytes(n * width * 4, (void **)&rows))) goto done;
+    if (!(out[3] = new_block(n * width * 4, (void **)&rows))) goto done;
     for (Py_ssize_t k = 0; k < n * width; k++) rows[k] = chain_end;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t *rec = base + (Py_ssize_t)slots[i] * L.bytes;

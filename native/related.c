@@ -255,14 +255,11 @@ PyObject *judge_related(PyObject *module, PyObject *const *args, Py_ssize_t narg
     int64_t *slots_out, *ns_out, *counts_out, *owner;
     uint64_t *fps_out;
     uint32_t *chains_out;
-    if (!(out[0] = PyBytes_FromStringAndSize(NULL, 8 * c.n)) || !(out[1] = PyBytes_FromStringAndSize(NULL, 8 * c.n)) ||
-        !(out[2] = PyBytes_FromStringAndSize(NULL, 8 * c.n)) || !(out[3] = PyBytes_FromStringAndSize(NULL, 8 * c.n)) ||
-        !(out[4] = PyBytes_FromStringAndSize(NULL, 4 * width * c.n)) ||
-        !(out[5] = PyBytes_FromStringAndSize(NULL, 8 * num_pages)))
+    if (!(out[0] = new_block(8 * c.n, (void **)&slots_out)) || !(out[1] = new_block(8 * c.n, (void **)&ns_out)) ||
+        !(out[2] = new_block(8 * c.n, (void **)&fps_out)) || !(out[3] = new_block(8 * c.n, (void **)&counts_out)) ||
+        !(out[4] = new_block(4 * width * c.n, (void **)&chains_out)) ||
+        !(out[5] = new_block(8 * num_pages, (void **)&owner)))
         goto done;
-    slots_out = (int64_t *)PyBytes_AS_STRING(out[0]), ns_out = (int64_t *)PyBytes_AS_STRING(out[1]);
-    fps_out = (uint64_t *)PyBytes_AS_STRING(out[2]), counts_out = (int64_t *)PyBytes_AS_STRING(out[3]);
-    chains_out = (uint32_t *)PyBytes_AS_STRING(out[4]), owner = (int64_t *)PyBytes_AS_STRING(out[5]);
     memset(owner, 0xFF, sizeof(int64_t) * (size_t)num_pages);
     const uint8_t *checksums = ns_flags.buf;
     const Keys keys = {records.buf, rec_bytes, key_len_at, key_at, max_key};
