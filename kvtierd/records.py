@@ -72,10 +72,11 @@ def judge_ready(view: RegionView, ns_pages: np.ndarray, ns_identity: np.ndarray,
     """Every READY record judged on its own, in slot order, in one compiled walk over the table
     (the checks and their order: recovery.scan): its columns ``slots``, ``counts``, ``ns``,
     ``chains`` (one uint32 row per record, padded with CHAIN_END), ``checksum``, ``fps`` (each
-    sound key's hash), ``tick`` and ``why`` (0, or recovery's reason code). ``ns_pages``,
+    sound key's hash), ``tick`` and ``why`` (0, or recovery's reason code); and ``states``, every
+    record's state (a contiguous copy of the column, one per slot). ``ns_pages``,
     ``ns_identity`` and ``ns_checksums``: per namespace slot (all 2**16), its entries' page count
     (-1: no sound namespace), identity and whether its entries must carry a data checksum."""
-    slots, counts, ns, chains, width, checksum, fps, why, tick = _judge_ready(
+    slots, counts, ns, chains, width, checksum, fps, why, tick, states = _judge_ready(
         view.entries, view.chain, _LAYOUT, np.ascontiguousarray(ns_pages, np.int64),
         np.ascontiguousarray(ns_identity, np.uint64), np.ascontiguousarray(ns_checksums, np.uint8), ENTRY_SUMMED,
         (int(EntryState.READY), MAX_KEY_BYTES, TICK_LIMIT, CHAIN_END, int(require_checksums)))
@@ -84,7 +85,8 @@ def judge_ready(view: RegionView, ns_pages: np.ndarray, ns_identity: np.ndarray,
     return {"slots": slots, "counts": np.frombuffer(counts, np.int64),
             "ns": np.frombuffer(ns, np.int64), "chains": np.frombuffer(chains, np.uint32).reshape(n, width),
             "checksum": np.frombuffer(checksum, np.uint64), "fps": np.frombuffer(fps, np.uint64),
-            "why": np.frombuffer(why, np.int8), "tick": np.frombuffer(tick, np.uint64)}
+            "why": np.frombuffer(why, np.int8), "tick": np.frombuffer(tick, np.uint64),
+            "states": np.frombuffer(states, np.uint8)}
 
 
 def judge_related(view: RegionView, ready: dict[str, np.ndarray], ns_checksums: np.ndarray,
