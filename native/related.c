@@ -176,6 +176,52 @@ static int checksum_matches(PyObject *verify, Py_ssize_t i) {
     return yes;
 }
 
+typedef struct {              /* what judge_related keeps, oldest first, and each page's holder */
+    int64_t *slots, *ns, *counts, *owner;
+    uint64_t *fps;
+    uint32_t *chains;
+    Py_ssize_t n;
+} Kept;
+
+/* The records in ``order`` (oldest first), each refused (into ``probs``: its own reason, or how it
+ * meets the older kept ones) or kept (into ``kept``: its columns, its pages' holder). -1: an
+ * error (``verify`` raised, or no memory). */
+static int keep_oldest_first(const Columns *c, const int32_t *order, uint8_t *flags, const int32_t *same,
+                             const Keys *keys, const uint8_t *checksums, PyObject *verify, Kept *kept,
+                             Problems *probs) {
+    for (Py_ssize_t r = 0; r < c->n; r++) {
+        Py_ssize_t i = order[r];
+        if (c->why[i] != 0) {
+            if (problem(probs, i, c->why[i], -1) < 0) return -1;
+            continue;
+        }
+        const uint32_t *pages = c->chains + i * c->width;
+        int why = 0;
+        int64_t other = -1;
+        if (flags[i] & INVOLVED) {
+            for (int64_t k = 0; k < c->counts[i] && other < 0; k++) other = kept->owner[pages[k]];
+            if (other >= 0) why = SHARES_PAGE;
+            else if (key_kept(c, flags, same, i, keys)) why = DUPLICATE_KEY;
+        }
+        if (why == 0 && verify && checksums[c->ns[i]] && c->checksum[i]) {
+            int yes = checksum_matches(verify, i);
+            if (yes < 0) return -1;
+            if (!yes) why = CHECKSUM_MISMATCH;
+        }
+        if (why) {
+            if (problem(probs, i, why, other) < 0) return -1;
+            continue;
+        }
+        flags[i] |= KEPT;
+        for (int64_t k = 0; k < c->counts[i]; k++) kept->owner[pages[k]] = c->slots[i];
+        Py_ssize_t at = kept->n++;
+        kept->slots[at] = c->slots[i], kept->ns[at] = c->ns[i], kept->fps[at] = c->fps[i];
+        kept->counts[at] = c->counts[i];
+        memcpy(kept->chains + at * c->width, pages, sizeof(uint32_t) * (size_t)c->width);
+    }
+    return 0;
+}
+
 static int buffer_of(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t items) {
     if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
     if (b->len != itemsize * items) {
@@ -191,8 +237,9 @@ static int buffer_of(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_
  * ``columns``: judge_ready's (slots int64, counts int64, ns int64, chains uint32 rows of ``width``,
  * checksum, fps, tick uint64, why int8); ``key_layout``: (record bytes, key_len offset, key
  * offset, MAX_KEY_BYTES); ``ns_checksums``: per namespace slot (all 2**16), whether its entries'
- * data checksums count; ``verify``: None, or a callable of a candidate's position that says whether its data
- * checksum matches (asked only of one that carries a checksum that counts and is otherwise kept).
+ * data checksums count; ``verify``: None, or a callable of a candidate's position that says
+ * whether its data checksum matches (asked only of one that carries a checksum that counts and is
+ * otherwise kept).
  *
  * The records, oldest tick first (ties in slot order): one judged unsound on its own keeps its
  * reason; a candidate that shares a page with an older kept one is refused (SHARES_PAGE, naming
@@ -207,14 +254,15 @@ PyObject *judge_related(PyObject *module, PyObject *const *args, Py_ssize_t narg
                                          "verify)");
         return NULL;
     }
-    Py_ssize_t rec_bytes, key_len_at, key_at, max_key, width = PyLong_AsSsize_t(args[3]), num_pages = PyLong_AsSsize_t(args[5]);
+    Py_ssize_t rec_bytes, key_len_at, key_at, max_key;
+    Py_ssize_t width = PyLong_AsSsize_t(args[3]), num_pages = PyLong_AsSsize_t(args[5]);
     PyObject *verify = args[6] == Py_None ? NULL : args[6], *cols[8];
     if (PyErr_Occurred() || !PyArg_ParseTuple(args[1], "nnnn", &rec_bytes, &key_len_at, &key_at, &max_key) ||
         !PyArg_ParseTuple(args[2], "OOOOOOOO", &cols[0], &cols[1], &cols[2], &cols[3], &cols[4], &cols[5], &cols[6],
                           &cols[7]))
         return NULL;
-    if (rec_bytes < 1 || key_len_at < 0 || key_len_at >= rec_bytes || key_at < 0 || max_key < 0 || key_at + max_key > rec_bytes ||
-        width < 0 || num_pages < 0) {
+    if (rec_bytes < 1 || key_len_at < 0 || key_len_at >= rec_bytes || key_at < 0 || max_key < 0 ||
+        key_at + max_key > rec_bytes || width < 0 || num_pages < 0) {
         PyErr_SetString(PyExc_ValueError, "judge_related: the key layout does not fit its record");
         return NULL;
     }
@@ -233,7 +281,8 @@ PyObject *judge_related(PyObject *module, PyObject *const *args, Py_ssize_t narg
     for (int k = 1; k < 8; k++)
         if (buffer_of(cols[k], &held[k], sizes[k], c.n) < 0) goto done;
     if (ns_flags.len < (1 << 16) || held[0].len != 8 * c.n) {
-        PyErr_SetString(PyExc_ValueError, "judge_related: the namespace flags are shorter than 2**16, or the slots not int64");
+        PyErr_SetString(PyExc_ValueError,
+                        "judge_related: the namespace flags are shorter than 2**16, or the slots not int64");
         goto done;
     }
     c.width = width;
@@ -261,45 +310,16 @@ PyObject *judge_related(PyObject *module, PyObject *const *args, Py_ssize_t narg
         !(out[5] = new_block(8 * num_pages, (void **)&owner)))
         goto done;
     memset(owner, 0xFF, sizeof(int64_t) * (size_t)num_pages);
-    const uint8_t *checksums = ns_flags.buf;
     const Keys keys = {records.buf, rec_bytes, key_len_at, key_at, max_key};
-    Py_ssize_t kept = 0;
-    for (Py_ssize_t r = 0; r < c.n; r++) {
-        Py_ssize_t i = order[r];
-        if (c.why[i] != 0) {
-            if (problem(&probs, i, c.why[i], -1) < 0) goto done;
-            continue;
-        }
-        const uint32_t *pages = c.chains + i * width;
-        int why = 0;
-        int64_t other = -1;
-        if (flags[i] & INVOLVED) {
-            for (int64_t k = 0; k < c.counts[i] && other < 0; k++) other = owner[pages[k]];
-            if (other >= 0) why = SHARES_PAGE;
-            else if (key_kept(&c, flags, same, i, &keys)) why = DUPLICATE_KEY;
-        }
-        if (why == 0 && verify && checksums[c.ns[i]] && c.checksum[i]) {
-            int yes = checksum_matches(verify, i);
-            if (yes < 0) goto done;
-            if (!yes) why = CHECKSUM_MISMATCH;
-        }
-        if (why) {
-            if (problem(&probs, i, why, other) < 0) goto done;
-            continue;
-        }
-        flags[i] |= KEPT;
-        for (int64_t k = 0; k < c.counts[i]; k++) owner[pages[k]] = c.slots[i];
-        slots_out[kept] = c.slots[i], ns_out[kept] = c.ns[i], fps_out[kept] = c.fps[i], counts_out[kept] = c.counts[i];
-        memcpy(chains_out + kept * width, pages, sizeof(uint32_t) * (size_t)width);
-        kept++;
-    }
+    Kept kept = {slots_out, ns_out, counts_out, owner, fps_out, chains_out, 0};
+    if (keep_oldest_first(&c, order, flags, same, &keys, ns_flags.buf, verify, &kept, &probs) < 0) goto done;
     if (!(out[6] = PyTuple_New(3))) goto done;
     PyObject *parts[3] = {PyBytes_FromStringAndSize((const char *)probs.at, 8 * probs.n),
                           PyBytes_FromStringAndSize((const char *)probs.why, probs.n),
                           PyBytes_FromStringAndSize((const char *)probs.other, 8 * probs.n)};
     for (int k = 0; k < 3; k++) PyTuple_SET_ITEM(out[6], k, parts[k]);
     if (!parts[0] || !parts[1] || !parts[2]) goto done;
-    result = Py_BuildValue("(OOOOOnOO)", out[0], out[1], out[2], out[3], out[4], kept, out[5], out[6]);
+    result = Py_BuildValue("(OOOOOnOO)", out[0], out[1], out[2], out[3], out[4], kept.n, out[5], out[6]);
 done:
     for (int k = 0; k < 7; k++) Py_XDECREF(out[k]);
     for (int k = 0; k < 8; k++)

@@ -227,7 +227,8 @@ def checksummed_region():
 # judgments in relation: ticks (ties, reversals, out of range), a chain moved onto another entry's
 # pages, a key or namespace copied from another record, a checksum changed, a FREE record revived.
 EDITS = st.one_of(
-    st.tuples(st.just("tick"), st.integers(0, 63), st.sampled_from([0, 1, 2, 7, TICK_LIMIT - 1, TICK_LIMIT, (1 << 64) - 1])),
+    st.tuples(st.just("tick"), st.integers(0, 63),
+              st.sampled_from([0, 1, 2, 7, TICK_LIMIT - 1, TICK_LIMIT, (1 << 64) - 1])),
     st.tuples(st.just("first_page"), st.integers(0, 63), st.integers(0, 63)),
     st.tuples(st.just("key"), st.integers(0, 63), st.integers(0, 63)),
     st.tuples(st.just("ns"), st.integers(0, 63), st.integers(0, 63)),
