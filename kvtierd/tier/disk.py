@@ -49,7 +49,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from operator import itemgetter
-from typing import Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -58,7 +58,7 @@ from .backend import Backend, Block, Owner, TierFailed, TierRejected, TierUnavai
 from .diskformat import (RECORD, block_records, claim, digest_index, hole_records, keyspace_digest, name_digest,
                          slot_bytes, supports_direct, whole)
 from .diskindex import DiskIndex
-from .seal import Seals
+from .seal import KEY_ID_BYTES, SUM_ID, Seals
 from .slabs import Slab
 
 log = logging.getLogger("kvtierd.tier")
@@ -336,11 +336,10 @@ class DiskBackend(Backend):
         slab = self.index.slabs[number]
         causes["full"] += len(fresh) - len(slots)
         work = sorted(zip(fresh, slots.tolist()), key=itemgetter(1))
-        sealing = seals.making([i for i, _ in work])       # hashed while the blocks are written
-        failed = [cause for run in self._streams(lambda run: self._move(slab, run, blocks, True),
-                                                 io_runs(work, slab.size)) for cause in run]
-        ok = [(i, slot, seal) for (i, slot), seal, cause in zip(work, sealing, failed) if cause is None]
-        causes.update(cause for cause in failed if cause is not None)
+        moved = [item for run in self._streams(lambda run: self._write_run(slab, run, blocks, seals),
+                                               io_runs(work, slab.size)) for item in run]
+        ok = [(i, slot, seal) for (i, slot), (cause, seal) in zip(work, moved) if cause is None]
+        causes.update(cause for cause, _ in moved if cause is not None)
         if ok:
             try:
                 slab.sync_data()                # the data is durable before any record names it
@@ -361,6 +360,13 @@ class DiskBackend(Backend):
                                    [digest_index(name_digest(keys[i])) for _, i in pairs], ns)
                 for _, i in pairs:
                     done[i] = True
+
+    def _write_run(self, slab: Slab, run: list[tuple[int, int]], blocks: Sequence[Block],
+                   seals: Seals) -> list[tuple[str | None, bytes]]:
+        """Checksum a run of blocks (in this I/O thread, the GIL released) and write it: each
+        block's (cause of failure or None, checksum seal)."""
+        sums = seals.sums([i for i, _ in run])
+        return list(zip(self._move(slab, run, blocks, True), sums))
 
     def _sync_records(self, slab: Slab) -> None:
         try:
@@ -392,9 +398,10 @@ class DiskBackend(Backend):
                     by_slab.setdefault(hit[0], []).append((i, hit[1]))
             runs = [(slab, run) for slab, items in by_slab.items()
                     for run in io_runs(sorted(items, key=itemgetter(1)), slab.size)]
-            for read, checked in self._streams(lambda job: self._read_run(*job, blocks, seals, seal_of), runs):
-                for i, ok in zip(read, checked):
-                    landed[i] = ok
+            for checks in self._streams(lambda job: self._read_run(*job, blocks, seals, seal_of), runs):
+                for read, checked in checks:
+                    for i, ok in zip(read, checked):
+                        landed[i] = ok
         finally:
             with self.lock:
                 for hit, ok in zip(found, landed):
@@ -431,11 +438,17 @@ class DiskBackend(Backend):
         return out
 
     def _read_run(self, slab: Slab, run: list[tuple[int, int]], blocks: Sequence[Block], seals: Seals,
-                  seal_of: list) -> tuple[list[int], Iterator[bool]]:
-        """Read a run of blocks into their pages, then hand their checks to the seal threads (the
-        next run is read meanwhile): the blocks read, and their checks' outcomes to come."""
+                  seal_of: list) -> list[tuple[list[int], Iterable[bool]]]:
+        """Read a run of blocks into their pages and check them: checksum seals here (compiled,
+        the GIL released), MAC seals of records written before 0.3.2 on the seal threads (the
+        next run is read meanwhile). Pairs of (blocks read, their checks' outcomes)."""
         read = [i for (i, _), cause in zip(run, self._move(slab, run, blocks, False)) if cause is None]
-        return read, seals.checking([(i, seal_of[i]) for i in read])
+        summed = [i for i in read if seal_of[i][:KEY_ID_BYTES] == SUM_ID]
+        out: list[tuple[list[int], Iterable[bool]]] = [(summed, seals.check_sums(summed, [seal_of[i] for i in summed]))]
+        if len(summed) < len(read):
+            sealed = [i for i in read if seal_of[i][:KEY_ID_BYTES] != SUM_ID]
+            out.append((sealed, seals.checking([(i, seal_of[i]) for i in sealed])))
+        return out
 
     def remove(self, keys: list[str]) -> int:
         with self.lock:

@@ -40,6 +40,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 from typing import Sequence
 
 import numpy as np
@@ -198,6 +199,22 @@ def supports_direct(directory: str) -> bool:
     return True
 
 
+def check_private(directory: str) -> None:
+    """Refuse a directory (or an entry in it) another user owns or group or others may write:
+    the disk tier trusts its directory as it trusts its region (its blocks carry checksums, not
+    MACs: ``seal``), and that rests on none but the daemon's user being able to change it."""
+    me = os.geteuid()
+    paths = [directory] + [os.path.join(directory, name) for name in sorted(os.listdir(directory))]
+    for path in paths:
+        st = os.stat(path) if path == directory else os.lstat(path)
+        if st.st_uid != me:
+            raise _refuse(directory, f"is not private to this daemon's user: {path} is owned by uid {st.st_uid}, "
+                          f"not uid {me}; chown -R {me} {directory}, or point tier_address at a directory of its own")
+        if st.st_mode & 0o022:
+            raise _refuse(directory, f"is not private to this daemon's user: group or others may write {path} "
+                          f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod -R go-w {directory}")
+
+
 def claim(directory: str, owner: Owner) -> tuple[int, bool]:
     """Take ``directory`` for this companion: (the lock's fd, held until it exits; whether the
     directory is writable). Creates and formats an empty directory; TierRejected says why one is
@@ -206,6 +223,10 @@ def claim(directory: str, owner: Owner) -> tuple[int, bool]:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise _refuse(directory, f"cannot be created: {exc.strerror}") from None
+    try:
+        check_private(directory)
+    except OSError as exc:
+        raise _refuse(directory, f"cannot be checked: {exc.strerror}") from None
     lock = os.path.join(directory, LOCK_FILE)
     writable = True
     try:

@@ -45,10 +45,17 @@ from typing import Iterable, Iterator, Sequence
 
 import blake3
 
+from .. import _native
+
 SEAL_BYTES = 32
 KEY_ID_BYTES = 4
 MIN_KEY_BYTES = 32
 LABEL = b"kvtierd-seal-1"
+# The disk tier's checksum seals: key id 0 (no SealKey has it), then the XXH64 of the bound block
+# (little-endian), then zeros; SUM_LABEL opens what is hashed.
+SUM_ID = bytes(KEY_ID_BYTES)
+SUM_LABEL = b"kvtierd-disk-sum-1"
+_SUM_PAD = bytes(SEAL_BYTES - KEY_ID_BYTES - 8)
 REASONS = ("mismatch", "other_key")
 # Threads that hash a batch's blocks for a backend without threads of its own (Redis, Mooncake);
 # BLAKE3 releases the GIL, so they run on as many cores as there are.
@@ -98,7 +105,10 @@ class SealKey:
             raise ValueError(f"a tier key holds at least {MIN_KEY_BYTES} bytes, not {len(secret)}")
         self.secret = bytes(secret)
         self.mac_key = blake3.blake3(self.secret, derive_key_context="kvtierd tier seal key 1").digest()
-        self.id = hashlib.sha256(b"kvtierd-seal-key-id" + self.secret).digest()[:KEY_ID_BYTES]
+        key_id = hashlib.sha256(b"kvtierd-seal-key-id" + self.secret).digest()[:KEY_ID_BYTES]
+        # Id 0 marks the disk tier's checksums (SUM_ID): the one key in 2**32 whose digest starts
+        # with four zero bytes takes id 1 instead, so a MAC's id is never taken for a checksum's.
+        self.id = key_id if key_id != SUM_ID else (1).to_bytes(KEY_ID_BYTES, "big")
 
     @property
     def id_hex(self) -> str:
@@ -144,11 +154,13 @@ def load_key(path: str, create: bool = False) -> SealKey:
 class Sealer:
     """Seals of one namespace (its identity) under one key; ``seals`` makes those of a batch."""
 
-    __slots__ = ("key", "_base")
+    __slots__ = ("key", "_base", "sum_head")
 
     def __init__(self, key: SealKey, identity: bytes):
         self.key = key
-        self._base = blake3.blake3(LABEL + struct.pack("<I", len(identity)) + identity, key=key.mac_key)
+        bound = struct.pack("<I", len(identity)) + identity
+        self._base = blake3.blake3(LABEL + bound, key=key.mac_key)
+        self.sum_head = SUM_LABEL + bound
 
     def seals(self, keys: Sequence[bytes], memory: memoryview, blocks: Sequence[Sequence[Extent]],
               shards: int = 1) -> "Seals":
@@ -192,6 +204,21 @@ class Seals:
             self.failed[i] = "mismatch"
             return False
         return True
+
+    def sums(self, indices: Sequence[int]) -> list[bytes]:
+        """The disk tier's checksum seals of blocks ``indices`` as they are in ``memory`` now
+        (one compiled pass, the GIL released: call it from the thread that moves the blocks)."""
+        raw = _native.block_sums(self.memory, self.sealer.sum_head, self.keys, self.blocks, indices, self.shards)
+        return [SUM_ID + raw[k:k + 8] + _SUM_PAD for k in range(0, len(raw), 8)]
+
+    def check_sums(self, indices: Sequence[int], seals: Sequence[bytes]) -> list[bool]:
+        """Whether each block of ``indices`` holds the bytes its checksum seal (``seals``, key id
+        ``SUM_ID``) was made of; a failure counts as ``mismatch``."""
+        out = [bytes(seal) == made for seal, made in zip(seals, self.sums(indices))]
+        for i, ok in zip(indices, out):
+            if not ok:
+                self.failed[i] = "mismatch"
+        return out
 
     def _spread(self, fn, items: Iterable, block_of=lambda item: item) -> Iterator:
         """``fn`` of each item (of block ``block_of(item)``), on ``HASH_THREADS`` threads from now
