@@ -58,7 +58,7 @@ from .backend import Backend, Block, Owner, TierFailed, TierRejected, TierUnavai
 from .diskformat import (RECORD, block_records, claim, digest_index, hole_records, keyspace_digest, name_digest,
                          slot_bytes, supports_direct, whole)
 from .diskindex import DiskIndex
-from .seal import KEY_ID_BYTES, SUM_ID, Seals
+from .seal import KEY_ID_BYTES, SEAL_BYTES, SUM_ID, Seals
 from .slabs import Slab
 
 log = logging.getLogger("kvtierd.tier")
@@ -430,11 +430,15 @@ class DiskBackend(Backend):
             except OSError as exc:
                 self._count(cause_of(exc), f"reading records: {exc.strerror}")
                 continue
-            good = whole(records)
-            for j, i in enumerate(items):
-                if good[j] and bytes(records["digest"][j]) == name_digest(keys[i]) \
-                        and int(records["length"][j]) == sum(n for _, n in blocks[i]):
-                    out[i] = bytes(records["seal"][j])
+            # Column-wise: per-block numpy scalars cost ~20 µs a block here (5 ms for 256 blocks).
+            digests = np.frombuffer(b"".join(name_digest(keys[i]) for i in items), np.uint8).reshape(-1, 16)
+            lengths = np.array([sum(n for _, n in blocks[i]) for i in items], np.uint32)
+            raw = records.view(np.uint8).reshape(len(records), RECORD.itemsize)
+            good = whole(records) & (records["length"] == lengths) & (raw[:, :16] == digests).all(axis=1)
+            at = RECORD.fields["seal"][1]
+            seals = raw[:, at:at + SEAL_BYTES].tobytes()
+            for j in np.flatnonzero(good).tolist():
+                out[items[j]] = seals[j * SEAL_BYTES:(j + 1) * SEAL_BYTES]
         return out
 
     def _read_run(self, slab: Slab, run: list[tuple[int, int]], blocks: Sequence[Block], seals: Seals,
