@@ -13,17 +13,19 @@ Put (``put``): slots are taken (free ones; else the file grows by preallocated c
 capacity and the free-space floor allow; else the least recently used blocks are evicted — of
 any slot size: another size's slot is punched out to give its space back), then the blocks are
 written straight from the region — blocks in consecutive slots as one I/O of up to
-``RUN_BYTES``, the runs cut into ``io_threads`` sequential streams — while the seal threads hash
-them (``seal.Seals.making``), the data file is synced (``fdatasync``), and only then the
-blocks' records are written and synced: a record never names data that is not durable. A
-SIGKILL or power loss mid-write leaves either no record for the slot or an older one whose seal
-no longer matches the slot's bytes: that block fails its check when it is read, and is dropped
-(never served: the seal is the data's checksum). A block already held is not written again.
+``RUN_BYTES``, the runs cut into ``io_threads`` sequential streams, each run checksummed by its
+I/O thread first (``seal.Seals.sums``: compiled, the GIL released) — then the data file is synced
+(``fdatasync``), and only then the blocks' records, holding the checksums, are written and
+synced: a record never names data that is not durable. A SIGKILL or power loss mid-write leaves
+either no record for the slot or an older one whose checksum no longer matches the slot's bytes:
+that block fails its check when it is read, and is dropped (never served). A block already held
+is not written again.
 
 Get (``get``): the records are read back and checked, the blocks are read straight into their
-pages in the same runs and streams, and each run's checks go to the seal threads while the next
-run is read; a block that fails (seal, checksum, I/O error) is dropped from the index and its
-record cleared. A run whose I/O fails is moved again block by block, so a bad block fails alone.
+pages in the same runs and streams, and each run is checked by the thread that read it (records
+written by 0.3.1 carry a MAC seal instead: those go to the seal threads); a block that fails
+(checksum, seal, record, I/O error) is dropped from the index and its record cleared. A run
+whose I/O fails is moved again block by block, so a bad block fails alone.
 
 Restart: ``attach`` claims the directory and loads every slab's records at once
 (``diskindex.DiskIndex``: checksums and index vectorised, no Python object per record); a torn
