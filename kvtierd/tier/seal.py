@@ -37,7 +37,7 @@ exactly as the region is — private to the daemon's user (``diskformat.check_pr
 otherwise), and anyone who can write it as that user can read ``tier_key_file`` too and forge a
 MAC, so a MAC adds nothing. What the disk needs is a checksum that catches a torn or damaged
 block and binds it to its namespace, key, length and shards (so no other namespace or key ever
-gets it), fast: XXH64 runs 9.3 GB/s on one core of this machine, against keyed BLAKE3's ~3.5
+gets it), fast: XXH64 runs 9.3-9.5 GB/s on one core of this machine, against keyed BLAKE3's ~3.5
 GiB/s plus its per-block Python (with the MAC, the disk tier's promote of 64 KiB blocks measured
 0.72x its O_DIRECT floor; without any check, 0.92x). ``check`` never takes a checksum seal (its
 key id is no key's: ``other_key``), so a value planted in a remote tier with one is refused;
