@@ -280,7 +280,7 @@ def write_directory(tier_dir: str, key: SealKey, count: int) -> list[bytes]:
         for first in range(0, count, step):
             part = keys[first:first + step]
             seals = sealer.seals(part, zeros, [[(0, RESTART_BLOCK)]] * len(part))
-            records = block_records(keyspace.names(part), [seals.make(i) for i in range(len(part))],
+            records = block_records(keyspace.names(part), seals.sums(range(len(part))),
                                     [RESTART_BLOCK] * len(part), first + 1)
             slab.write_records(np.arange(first, first + len(part)), records)
         slab.sync_records()

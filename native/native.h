@@ -186,6 +186,8 @@ PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs);   /* kvevents.c */
 PyObject *kv_groups(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *xxh64(PyObject *module, PyObject *const *args, Py_ssize_t nargs);        /* checksum.c */
+PyObject *block_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* ---------------------------------------------------------------------------- types */
 extern PyTypeObject KeyTableType;

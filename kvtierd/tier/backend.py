@@ -12,7 +12,9 @@ Every value carries its *seal* (``seal.Seals``: ``SEAL_BYTES`` that bind the blo
 its namespace and key under the fleet's key): ``put`` stores ``seals.make(i)`` with block ``i``,
 ``get`` hands the stored seal to ``seals.check(i, seal)`` once the bytes landed and reports the
 block only when the check passed. Where a backend keeps the seal is its own business (Redis and
-Mooncake: the value's last 32 bytes; the disk: the block's record).
+Mooncake: the value's last 32 bytes; the disk: the block's record). The disk tier, inside the
+node, stores checksum seals instead (``seals.sums``, checked by ``seals.check_sums``: ``seal``
+says why a MAC adds nothing there); a remote backend never does.
 
 Calls are batched and their outcome is per key: ``put`` and ``get`` return one bool per key
 (``get`` is True only when the whole block arrived with exactly its length and its seal held). A

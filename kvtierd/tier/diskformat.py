@@ -8,22 +8,28 @@
     <dir>/slots-<S>.data      blocks in slots of S bytes (a multiple of ``ALIGN``), slot i at i × S
     <dir>/slots-<S>.rec       slot i's record at i × 80 (``RECORD``)
 
-``claim`` takes a directory for one companion: it creates and formats an empty one, and refuses,
-with the reason and the fix, one in use by another companion (the lock), one of another format
-or version (``version`` differs: an older or newer kvtierd), one another daemon owns (``owner``:
-its ``name`` setting), one whose blocks another key sealed (``key_id``: every block would fail
-its check), or one holding files that are not a disk tier's.
+``claim`` takes a directory for one companion: it creates (mode 0700) and formats an empty one,
+and refuses, with the reason and the fix, one that is not private to the daemon's user, one in
+use by another companion (the lock), one of another format or version (``version`` differs: an
+older or newer kvtierd), one another daemon owns (``owner``: its ``name`` setting), one made
+under another seal key (``key_id``: its MAC-sealed blocks would fail their check), or one
+holding files that are not a disk tier's.
 
 A record says which block its slot holds: ``digest`` (BLAKE2b-128 of the block's tier key name,
 ``keys.Keyspace``; its first 8 bytes index it in memory), ``ns`` (the 12-byte keyspace digest of
-the name: a namespace clear finds its records), the block's ``seal``, ``seq`` (write order: the
-eviction order after a restart), ``length`` (the value's bytes; 0 in a *hole* record: the slot
+the name: a namespace clear finds its records), the block's ``seal`` (a checksum seal, key id
+0: ``seal.Seals.sums``; records written by 0.3.1 hold a MAC seal, still checked), ``seq`` (write
+order: the eviction order after a restart), ``length`` (the value's bytes; 0 in a *hole* record: the slot
 was punched out and must be preallocated again before use), ``version`` (1; an all-zero record
 is an empty, allocated slot) and ``check``: a checksum of the 76 bytes before it, so a torn or
 damaged record is dropped when the directory is loaded. The checksum is a 64-bit multiply-xorshift
 fold computed column-wise over all records at once (``checksums``): a million records are checked
 in one pass of numpy operations, where zlib.crc32 per record took 1.1 s plus 1.4 s to cut the
-records into bytes on this machine. It detects damage; forgery is the seal's business.
+records into bytes on this machine. It detects a damaged record; the seal, a damaged block.
+
+The directory must be private to the daemon's user (``check_private``: owned by it, writable by
+no group or others, nor any entry in it): the blocks' checksums prove them against damage, not
+against another user, so no other user may be able to write there.
 
 A slot holds a block's extents back to back, each rounded up to ``ALIGN`` (``slot_bytes``): the
 last extent of each shard ends in a partly used page, so its slot is padded (with zeros) rather
@@ -40,6 +46,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 from typing import Sequence
 
 import numpy as np
@@ -198,6 +205,22 @@ def supports_direct(directory: str) -> bool:
     return True
 
 
+def check_private(directory: str) -> None:
+    """Refuse a directory (or an entry in it) another user owns or group or others may write:
+    the disk tier trusts its directory as it trusts its region (its blocks carry checksums, not
+    MACs: ``seal``), and that rests on none but the daemon's user being able to change it."""
+    me = os.geteuid()
+    paths = [directory] + [os.path.join(directory, name) for name in sorted(os.listdir(directory))]
+    for path in paths:
+        st = os.stat(path) if path == directory else os.lstat(path)
+        if st.st_uid != me:
+            raise _refuse(directory, f"is not private to this daemon's user: {path} is owned by uid {st.st_uid}, "
+                          f"not uid {me}; chown -R {me} {directory}, or point tier_address at a directory of its own")
+        if st.st_mode & 0o022:
+            raise _refuse(directory, f"is not private to this daemon's user: group or others may write {path} "
+                          f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod -R go-w {directory}")
+
+
 def claim(directory: str, owner: Owner) -> tuple[int, bool]:
     """Take ``directory`` for this companion: (the lock's fd, held until it exits; whether the
     directory is writable). Creates and formats an empty directory; TierRejected says why one is
@@ -206,6 +229,10 @@ def claim(directory: str, owner: Owner) -> tuple[int, bool]:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise _refuse(directory, f"cannot be created: {exc.strerror}") from None
+    try:
+        check_private(directory)
+    except OSError as exc:
+        raise _refuse(directory, f"cannot be checked: {exc.strerror}") from None
     lock = os.path.join(directory, LOCK_FILE)
     writable = True
     try:

@@ -22,9 +22,9 @@ from kvtierd.tier.backend import Owner, TierRejected, open_backend, page_extents
 from kvtierd.tier.disk import CAUSES, RUN_BYTES, DiskBackend, io_runs
 from kvtierd.tier.diskformat import FORMAT_FILE, RECORD, checksums, name_digest
 from kvtierd.tier.keys import Keyspace
-from kvtierd.tier.seal import SealKey
+from kvtierd.tier.seal import SUM_ID, SealKey, Seals
 
-from .conftest import OWNER, move, seals
+from .conftest import KEY, OWNER, move, seals
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -163,6 +163,38 @@ def test_another_daemon_another_format_another_key_or_foreign_files_are_refused(
         opened(foreign, region)
 
 
+@pytest.mark.parametrize("what", ["group-writable", "other-writable", "a writable file", "another owner"])
+def test_a_directory_others_can_change_is_refused(disk, region, what):
+    """The checksums suffice only because none but the daemon's user can change the directory."""
+    b = opened(disk.address, region)
+    store(b, region, NS, [b"x"], blocks(1))
+    b.close()
+    path = disk.address
+    if what == "group-writable":
+        os.chmod(path, 0o770)
+    elif what == "other-writable":
+        os.chmod(path, 0o702)
+    elif what == "a writable file":
+        path = os.path.join(disk.address, f"slots-{SLOT}.data")
+        os.chmod(path, 0o620)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(path, 65534, 65534)
+    fix = f"chown -R {os.geteuid()}" if what == "another owner" else "chmod -R go-w"
+    with pytest.raises(TierRejected, match=f"is not private to this daemon's user: .*{path}.*{fix} {disk.address}"):
+        opened(disk.address, region)
+    if what == "another owner":
+        os.chown(path, 0, 0)
+    else:
+        os.chmod(path, 0o600 if path != disk.address else 0o700)
+    b = opened(disk.address, region)                # the fix named: served again
+    try:
+        assert fetch_exact(b, region, NS, [b"x"]) == [True]
+    finally:
+        b.close()
+
+
 # ------------------------------------------------------------------------------------------ damage
 def damage(path: str, offset: int, n: int = 1) -> None:
     with open(path, "r+b") as f:
@@ -196,11 +228,14 @@ def test_damaged_records_are_dropped_and_the_rest_served(disk, region):
         b.close()
 
 
-def test_damaged_data_fails_its_seal_and_is_dropped(disk, region):
+def test_damaged_data_fails_its_checksum_and_is_dropped(disk, region):
     b = opened(disk.address, region)
     try:
         keys = keys_of("data", 6)
         store(b, region, NS, keys, blocks(6))
+        records = np.fromfile(os.path.join(disk.address, f"slots-{SLOT}.rec"), RECORD)
+        held = records[records["length"] != 0]
+        assert len(held) == 6 and all(bytes(seal)[:4] == SUM_ID for seal in held["seal"])   # checksums, not MACs
         damage(os.path.join(disk.address, f"slots-{SLOT}.data"), slot_of(b, NS, keys[2]) * SLOT + 5000)
         region.scrub()
         ext = page_extents(blocks(6, 300), PAGE, LENGTH)
@@ -208,6 +243,34 @@ def test_damaged_data_fails_its_seal_and_is_dropped(disk, region):
         assert b.get(NS.names(keys), ext, sealed) == [True, True, False, True, True, True]
         assert sealed.rejected() == {"mismatch": 1, "other_key": 0}
         assert b.exists(NS.names(keys[2:3])) == [False]           # dropped: never tried again
+    finally:
+        b.close()
+
+
+def test_a_directory_sealed_with_macs_by_0_3_1_is_still_checked_with_them_and_served(disk, region, monkeypatch):
+    """0.3.1 wrote each record's seal field with the keyed BLAKE3 MAC; such records are checked
+    with it (no format change), beside the checksums of blocks written since; a damaged one fails."""
+    b = opened(disk.address, region)
+    old = keys_of("old", 8)
+    with monkeypatch.context() as m:
+        m.setattr(Seals, "sums", lambda self, indices: [self.make(i) for i in indices])    # 0.3.1's seals
+        assert store(b, region, NS, old, blocks(8)) == [True] * 8
+    hurt = slot_of(b, NS, old[5])
+    b.close()
+    records = np.fromfile(os.path.join(disk.address, f"slots-{SLOT}.rec"), RECORD)
+    assert all(bytes(seal)[:4] == KEY.id for seal in records[records["length"] != 0]["seal"])
+    damage(os.path.join(disk.address, f"slots-{SLOT}.data"), hurt * SLOT + 4321)
+    b = opened(disk.address, region)
+    try:
+        new = keys_of("new", 8)
+        assert store(b, region, NS, new, blocks(8, 100)) == [True] * 8
+        region.scrub()
+        ext = page_extents(blocks(16, 300), PAGE, LENGTH)
+        sealed = seals(NS, old + new, region.memory, ext)
+        assert b.get(NS.names(old + new), ext, sealed) == [i != 5 for i in range(16)]
+        assert sealed.rejected() == {"mismatch": 1, "other_key": 0}
+        assert fetch_exact(b, region, NS, old[:5] + old[6:] + new) == [True] * 15
+        assert b.exists(NS.names(old[5:6])) == [False]
     finally:
         b.close()
 

@@ -8,7 +8,8 @@ import stat
 import numpy as np
 import pytest
 
-from kvtierd.tier.seal import SEAL_BYTES, SealKey, Sealer, load_key, pipeline
+from kvtierd.tier import seal
+from kvtierd.tier.seal import SEAL_BYTES, SUM_ID, SealKey, Sealer, load_key, pipeline
 
 KEY = SealKey(bytes(range(32)))
 
@@ -124,3 +125,38 @@ def test_a_corrupted_part_fails_alone_and_seals_stay_bound_to_their_blocks_acros
     assert not any(shifted.checking((i, sealed[i + len(ranges[0])]) for i in ranges[0]))
     other = seal_of(memory, blocks, keys=keys, identity=b"other-ns")
     assert not any(other.checking((i, sealed[i]) for i in ranges[0]))
+
+
+# ------------------------------------------------------------------ the disk tier's checksums
+def test_a_checksum_seal_holds_for_its_bytes_however_split_and_fails_for_anything_else(memory):
+    one = seal_of(memory, [[(0, 3000)]]).sums([0])[0]
+    assert len(one) == SEAL_BYTES and one[:4] == SUM_ID and one[12:] == bytes(20)
+    assert seal_of(memory, [[(0, 1000), (1000, 2000)]]).check_sums([0], [one]) == [True]
+    variants = {"namespace": dict(identity=b"other-ns"), "key": dict(keys=(b"k2",)), "shards": dict(shards=2)}
+    for what, kw in variants.items():
+        other = seal_of(memory, [[(0, 3000)]], **kw)
+        assert other.check_sums([0], [one]) == [False], what
+        assert other.rejected() == {"mismatch": 1, "other_key": 0}
+    assert seal_of(memory, [[(0, 2999)]]).check_sums([0], [one]) == [False]           # the byte count
+    memory[10] ^= 1
+    assert seal_of(memory, [[(0, 3000)]]).check_sums([0], [one]) == [False]           # a byte
+
+
+def test_a_checksum_is_never_taken_for_a_mac(memory):
+    """Invariant 14: a remote tier's values are proven by the MAC. A value planted with a checksum
+    seal (anyone can compute one) fails ``check`` as sealed under another key."""
+    seals = seal_of(memory, [[(0, 3000)]])
+    assert seals.check(0, seals.sums([0])[0]) is False
+    assert seals.rejected() == {"mismatch": 0, "other_key": 1}
+
+
+def test_no_key_has_the_checksums_id(monkeypatch):
+    """A key whose id digest would start with four zero bytes takes id 1 (one in 2**32)."""
+    class Zeros:
+        def __init__(self, data):
+            pass
+
+        def digest(self):
+            return bytes(32)
+    monkeypatch.setattr(seal.hashlib, "sha256", Zeros)
+    assert SealKey(bytes(32)).id == (1).to_bytes(4, "big") != SUM_ID
