@@ -17,9 +17,10 @@ and then gets only the batches of the topics it starts (a subscriber of some top
 what it lacks of those, not for the whole stream; the answer's sequence numbers keep their gaps).
 
 **What it sends, and when.** The publisher is a reader of the event log (kvtierd.eventlog) like
-any coordinator session, without the wire: ``flush`` (the server loop calls it once per loop
-iteration) reads each namespace from its cursor and publishes one batch per namespace with what
-came: ``BlockStored`` for keys that became READY, ``BlockRemoved`` for keys that left. A
+any coordinator session, without the wire: ``flush`` (through ``pump``, below) reads each
+namespace whose log moved since its last read from its cursor and publishes one batch per
+namespace with what came: ``BlockStored`` for keys that became READY, ``BlockRemoved`` for keys
+that left. A
 namespace it reads for the first time, or whose log dropped records it had not read yet, starts
 with ``AllBlocksCleared`` followed by its READY keys (snapshot pages, interleaved with the
 changes in stream order): so a daemon start, a restart, and a publisher that fell behind all
