@@ -219,7 +219,7 @@ class EventLog:
             if not size:
                 continue
             if log is None:
-                log = self._logs.get(ns) or self._log(ns)
+                log = self._log(ns)
             step = key_len * RECORD_KEYS
             for begin in range(0, size, step) if size > step else (0,):
                 part = blob[begin:begin + step] if size > step else blob
