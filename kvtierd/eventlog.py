@@ -62,12 +62,9 @@ class Record:
     kind: Kind
     cause: str | None
     key_len: int
-    keys: bytes              # len(keys) // key_len keys of key_len bytes, in the order given
+    keys: bytes              # ``count`` keys of key_len bytes, in the order given
     upto: int = 0            # keys appended to the namespace's log up to and including this record
-
-    @property
-    def count(self) -> int:
-        return len(self.keys) // self.key_len
+    count: int = 0           # len(keys) // key_len, kept: readers ask it of every record they pass
 
     def to_wire(self) -> list:
         return [self.seq, int(self.kind), self.cause, self.key_len, self.keys]
@@ -176,6 +173,7 @@ class EventLog:
         # Counters (kvtierd_events_*): keys appended by kind, keys dropped unread or not, reads
         # that reset a reader, snapshot keys sent.
         self.appended = {Kind.STORED: 0, Kind.REMOVED: 0}
+        self.news = 0                     # appends that added keys, ever: a reader's cheap "anything new?"
         self.removed_by_cause = dict.fromkeys((c.value for c in Cause), 0)
         self.dropped_keys = 0
         self.resets = 0
@@ -197,7 +195,7 @@ class EventLog:
 
     def removed_runs(self, ns: Hashable, runs: Sequence[tuple[int, bytes]], cause: Cause) -> None:
         """``removed`` of keys given as (key length, blob) runs."""
-        cause = Cause(cause).value
+        cause = cause.value if type(cause) is Cause else Cause(cause).value
         self.removed_by_cause[cause] += self._append(ns, Kind.REMOVED, cause, runs)
 
     def forget(self, ns: Hashable) -> None:
@@ -212,26 +210,32 @@ class EventLog:
             self.bytes -= sum(len(r.keys) + RECORD_OVERHEAD for r in held)
 
     def _append(self, ns: Hashable, kind: Kind, cause: str | None, runs: Sequence[tuple[int, bytes]]) -> int:
-        """Append the runs as records; returns how many keys they held."""
-        added = 0
+        """Append the runs as records; returns how many keys they held. A store job's keys are one
+        run of one record: that case takes no loop over parts (it runs for every job of the
+        daemon while the stream is on)."""
+        added, log = 0, None
         for key_len, blob in runs:
-            if not blob:
+            size = len(blob)
+            if not size:
                 continue
-            log = self._log(ns)
+            if log is None:
+                log = self._log(ns)
             step = key_len * RECORD_KEYS
-            for begin in range(0, len(blob), step):
-                part = blob[begin:begin + step] if len(blob) > step else blob
+            for begin in range(0, size, step) if size > step else (0,):
+                part = blob[begin:begin + step] if size > step else blob
                 count = len(part) // key_len
                 log.seq += 1
                 log.keys += count
-                record = Record(log.seq, kind, cause, key_len, part, log.keys)
+                record = Record(log.seq, kind, cause, key_len, part, log.keys, count)
                 log.records.append(record)
                 self._fifo.append((log, record))
                 self.bytes += len(part) + RECORD_OVERHEAD
                 added += count
         if added:
             self.appended[kind] += added
-            self._trim()
+            self.news += 1
+            if self.bytes > self.budget_bytes:
+                self._trim()
         return added
 
     def _trim(self) -> None:
@@ -278,6 +282,11 @@ class EventLog:
                                                                      max(max_keys - taken, max_keys // 2, 1))
             self.snapshot_keys += count
         return EventsRead(log.epoch, seq, reset, records, snapshot, snapshot_next, log.seq - seq)
+
+    def head(self, ns: Hashable) -> tuple[int, int] | None:
+        """(epoch, sequence number of the newest record) of ``ns``'s log; None: no log."""
+        log = self._logs.get(ns)
+        return None if log is None else (log.epoch, log.seq)
 
     def lag(self, ns: Hashable, epoch: int, cursor: int) -> int | None:
         """Keys appended to ``ns``'s log after ``cursor`` (None: the cursor is not continuable)."""

@@ -17,9 +17,10 @@ and then gets only the batches of the topics it starts (a subscriber of some top
 what it lacks of those, not for the whole stream; the answer's sequence numbers keep their gaps).
 
 **What it sends, and when.** The publisher is a reader of the event log (kvtierd.eventlog) like
-any coordinator session, without the wire: ``flush`` (the server loop calls it once per loop
-iteration) reads each namespace from its cursor and publishes one batch per namespace with what
-came: ``BlockStored`` for keys that became READY, ``BlockRemoved`` for keys that left. A
+any coordinator session, without the wire: ``flush`` (through ``pump``, below) reads each
+namespace whose log moved since its last read from its cursor and publishes one batch per
+namespace with what came: ``BlockStored`` for keys that became READY, ``BlockRemoved`` for keys
+that left. A
 namespace it reads for the first time, or whose log dropped records it had not read yet, starts
 with ``AllBlocksCleared`` followed by its READY keys (snapshot pages, interleaved with the
 changes in stream order): so a daemon start, a restart, and a publisher that fell behind all
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
 import zmq
+from zmq.backend import zmq_poll
 
 from . import kvevents_wire as wire
 from .contract.events import Kind
@@ -89,6 +91,8 @@ class _Cursor:
     seq: int | None = None
     snapshot_from: int | None = None
     topic: bytes = b""
+    topic_str: str | bytes | None = None   # the topic as ``namespaces`` gave it (``topic`` is its bytes)
+    settled_at: tuple | None = None        # the log's (epoch, seq) it read to the end at, nothing pending
 
 
 @dataclass
@@ -122,7 +126,7 @@ class KvEventsPublisher:
         self._last_resync = float("-inf")
         self.flush_interval = flush_interval
         self._last_flush = float("-inf")
-        self._mark = -1               # the log's appended keys at the last flush: news when it moved
+        self._mark = -1               # the log's appends at the last flush (EventLog.news): news when it moved
         self._unsettled = True        # a snapshot, a resync or a cut flush is in progress (and at start)
         # The last batch's sequence number. The stream starts at the wall clock in microseconds, not at
         # 0 as a vLLM engine's does: a subscriber of the previous daemon sees the restart as a gap
@@ -146,6 +150,7 @@ class KvEventsPublisher:
                 self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self.replay.setsockopt(zmq.LINGER, 0)
                 self.replay.bind(replay_endpoint)
+                self._replay_ready = [(self.replay, zmq.POLLIN)]
                 self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
             self.close()
@@ -157,12 +162,12 @@ class KvEventsPublisher:
         """Serve the replay requests; publish the log's news if the last flush is
         ``flush_interval`` old. Returns the seconds until the stream needs the loop again."""
         self.serve_replay()
-        if not self._unsettled and sum(self.events.appended.values()) == self._mark:
+        if not self._unsettled and self.events.news == self._mark:
             return IDLE_S if not self._replays else 0.0
         wait = self._last_flush + self.flush_interval - now
         if wait > 0:
             return wait
-        self._mark = sum(self.events.appended.values())
+        self._mark = self.events.news
         self._last_flush = now
         self.flush()
         return self.flush_interval if self._unsettled or self._replays else IDLE_S
@@ -176,17 +181,18 @@ class KvEventsPublisher:
         """Publish what the log holds past each namespace's cursor, up to ``flush_keys`` keys in
         all (the rest waits for the next call). Returns how many events went out."""
         topics = self.namespaces()
-        for ns in [ns for ns in self._cursors if ns not in topics]:
-            del self._cursors[ns]                   # gone from the index (its log was flushed when it ended)
+        if self._cursors.keys() - topics.keys():
+            for ns in self._cursors.keys() - topics.keys():
+                del self._cursors[ns]               # gone from the index (its log was flushed when it ended)
         sent, budget = 0, self.flush_keys
         order = list(topics.items())
-        if order:                                   # each call starts one namespace further: none starves
+        if len(order) > 1:                          # each call starts one namespace further: none starves
             self._turn = (self._turn + 1) % len(order)
             order = order[self._turn:] + order[:self._turn]
         for ns, topic in order:
             if budget <= 0:
                 break
-            count, keys = self._publish_namespace(ns, topic.encode(), budget)
+            count, keys = self._publish_namespace(ns, topic, budget)
             sent += count
             budget -= keys
         self._unsettled = budget <= 0 or any(c.seq is None or c.snapshot_from is not None
@@ -200,21 +206,30 @@ class KvEventsPublisher:
             while self._publish_namespace(ns, cursor.topic, self.flush_keys)[1]:
                 pass
 
-    def _publish_namespace(self, ns: Hashable, topic: bytes, budget: int) -> tuple[int, int]:
+    def _publish_namespace(self, ns: Hashable, topic: str | bytes, budget: int) -> tuple[int, int]:
         """One read of the namespace's log, one batch of what it gave. Returns (events, keys)."""
-        cursor = self._cursors.setdefault(ns, _Cursor())
-        cursor.topic = topic
+        cursor = self._cursors.get(ns)
+        if cursor is None:
+            cursor = self._cursors[ns] = _Cursor()
+        if cursor.topic_str != topic:           # its topic as bytes, encoded once
+            cursor.topic_str, cursor.topic = topic, topic if type(topic) is bytes else topic.encode()
+        topic = cursor.topic
+        if cursor.settled_at is not None and cursor.settled_at == self.events.head(ns):
+            return 0, 0                             # nothing new in its log since the last read
         got = self.events.read(ns, cursor.epoch, cursor.seq, cursor.snapshot_from, budget)
         if got.reset and cursor.seq is not None:       # fell behind the log (resync() clears the cursor first)
             self.counters["resyncs"] += 1
             log.warning("KV events: the stream fell behind the event log of topic %s; resyncing it", topic.decode())
         cursor.epoch, cursor.seq, cursor.snapshot_from = got.epoch, got.seq, got.snapshot_next
+        # Read to the end with no snapshot in progress: the next flush skips it while its log's
+        # head stays (one comparison, not a read, for a namespace without news).
+        cursor.settled_at = (got.epoch, got.seq) if not got.behind and got.snapshot_next is None else None
         batch = wire.Batch(self.hash_form)
         if got.reset:
             batch.all_cleared()
         keys = 0
         for record in got.records:
-            (batch.stored if record.kind == Kind.STORED else batch.removed)(record.key_len, record.keys)
+            (batch.stored if record.kind is Kind.STORED else batch.removed)(record.key_len, record.keys)
             keys += record.count
         for key_len, blob in got.snapshot:
             batch.stored(key_len, blob)
@@ -248,7 +263,7 @@ class KvEventsPublisher:
         self._unsettled = True
         self.counters["resyncs"] += len(self._cursors)
         for cursor in self._cursors.values():
-            cursor.seq = None
+            cursor.seq = cursor.settled_at = None
 
     # ------------------------------------------------------------------ replay
     def serve_replay(self) -> None:
@@ -256,7 +271,9 @@ class KvEventsPublisher:
         buffered batches of the replays in progress. Never blocks."""
         if self.replay is None:
             return
-        while self.replay.poll(0):
+        # zmq_poll itself: Socket.poll builds a Poller per call, 4.4 µs against 2.7 (measured),
+        # and this runs at every turn of the daemon's loop.
+        while zmq_poll(self._replay_ready, 0):
             frames = self.replay.recv_multipart()
             if len(frames) not in (3, 4) or frames[1] != b"" or len(frames[2]) != 8:
                 self.counters["bad_replay_requests"] += 1
