@@ -35,13 +35,13 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    PyTypeObject *types[] = {&KeyTableType, &PolicyType, &SketchType};
-    const char *names[] = {"KeyTable", "Policy", "Sketch"};
-    for (int i = 0; i < 3; i++)
+    PyTypeObject *types[] = {&KeyTableType, &PolicyType, &SketchType, &RequestsType};
+    const char *names[] = {"KeyTable", "Policy", "Sketch", "Requests"};
+    for (int i = 0; i < 4; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);
