@@ -18,7 +18,10 @@ declared reply — so dispatch runs (and is tested) without them. Other threads
 loop runs it between requests.
 
 Every message is read part by part: a request is one frame, and the parts of a multi-part
-message are dropped without being copied (``_drain``). Each request comes with the connection it
+message are dropped without being copied (``_drain``). Every op but hello is decoded by the
+compiled ``Requests`` from the protocol's specs; a frame it cannot prove well-formed goes to
+``protocol.decode_request``, which names the fault. The loop's timers and the store's deadlines
+are looked at when due and at most every ``TEND_AFTER_REQUESTS`` while requests stream in. Each request comes with the connection it
 arrived on (``peers.Connections``: the peer's uid and pid, counted and capped per peer and in
 all); a session is tied to its connection and ends with it.
 
