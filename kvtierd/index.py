@@ -125,12 +125,14 @@ class Index:
         # entry served was verified at recovery.
         found = scan(view, verify_checksums=verify_checksums, require_checksums=verify_checksums)
         self.ns.recover(found)
-        states = self._states
+        # The scan's copy of the state column is contiguous: each NumPy pass over the column itself
+        # reads a cache line per record (~13 ms for a million).
+        states = found.states
         for slot, why in found.problems:
             log.warning("entry %d discarded: %s", slot, why)
-            states[slot] = FREE
-        states[found.writing] = FREE
-        self._sums[states != READY] = 0
+        discarded = np.concatenate([np.array([slot for slot, _ in found.problems], np.int64), found.writing])
+        self._states[discarded] = states[discarded] = FREE
+        fill(view, np.flatnonzero(states != READY), "record_sum", 0)
         ready = found.ready_slots.astype(np.int32)
         self.keys.rebuild(ready, found.ready_fps, found.ready_ns)
         self.policy.recovered(ready, found.ready_fps)

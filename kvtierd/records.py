@@ -1,7 +1,8 @@
 """Compiled passes over the region's entry records: each key's hash and each record's sum, for a
-whole table at recovery or a job's records at once; recovery's first judgment of every READY
-record; a job's new records and its column writes; entries' keys as blobs for the KV events log
-(``kvtierd._native``, bound here to the record layout of ``region_format``).
+whole table at recovery or a job's records at once; recovery's judgment of every READY record on
+its own, then of the sound ones against each other; a job's new records and its column writes;
+entries' keys as blobs for the KV events log (``kvtierd._native``, bound here to the record
+layout of ``region_format``).
 
 ``record_sums`` computes exactly ``region_format.entry_record_sums`` (the format's definition,
 which stays in NumPy for the client side and the offline tools: tests/unit/test_records.py checks
@@ -11,10 +12,13 @@ time, and for a job's records a few µs instead of ten NumPy calls.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ._native import fill as _fill
 from ._native import judge_ready as _judge_ready
+from ._native import judge_related as _judge_related
 from ._native import key_blob as _key_blob
 from ._native import key_hashes as _key_hashes
 from ._native import new_records as _new_records
@@ -28,6 +32,7 @@ _KEY_LEN_AT = ENTRY_DTYPE.fields["key_len"][1]
 _KEY_AT = ENTRY_DTYPE.fields["key"][1]
 _FIRST_PAGE_AT = ENTRY_DTYPE.fields["first_page"][1]
 _TICK_AT = ENTRY_DTYPE.fields["tick"][1]
+_KEY_LAYOUT = (ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES)
 _LAYOUT = (ENTRY_DTYPE.itemsize, *(ENTRY_DTYPE.fields[name][1] for name in (
     "state", "key_len", "ns", "page_count", "first_page", "tick", "checksum", "key", "record_sum")))
 
@@ -67,18 +72,45 @@ def judge_ready(view: RegionView, ns_pages: np.ndarray, ns_identity: np.ndarray,
     """Every READY record judged on its own, in slot order, in one compiled walk over the table
     (the checks and their order: recovery.scan): its columns ``slots``, ``counts``, ``ns``,
     ``chains`` (one uint32 row per record, padded with CHAIN_END), ``checksum``, ``fps`` (each
-    sound key's hash), ``tick`` and ``why`` (0, or recovery's reason code). ``ns_pages``,
+    sound key's hash), ``tick`` and ``why`` (0, or recovery's reason code); and ``states``, every
+    record's state (a contiguous copy of the column, one per slot). ``ns_pages``,
     ``ns_identity`` and ``ns_checksums``: per namespace slot (all 2**16), its entries' page count
     (-1: no sound namespace), identity and whether its entries must carry a data checksum."""
-    slots, counts, ns, chains, width, checksum, fps, why, tick = _judge_ready(
+    slots, counts, ns, chains, width, checksum, fps, why, tick, states = _judge_ready(
         view.entries, view.chain, _LAYOUT, np.ascontiguousarray(ns_pages, np.int64),
         np.ascontiguousarray(ns_identity, np.uint64), np.ascontiguousarray(ns_checksums, np.uint8), ENTRY_SUMMED,
         (int(EntryState.READY), MAX_KEY_BYTES, TICK_LIMIT, CHAIN_END, int(require_checksums)))
-    n = len(slots) // 4
-    return {"slots": np.frombuffer(slots, np.int32).astype(np.int64), "counts": np.frombuffer(counts, np.int64),
+    slots = np.frombuffer(slots, np.int64)
+    n = len(slots)
+    return {"slots": slots, "counts": np.frombuffer(counts, np.int64),
             "ns": np.frombuffer(ns, np.int64), "chains": np.frombuffer(chains, np.uint32).reshape(n, width),
             "checksum": np.frombuffer(checksum, np.uint64), "fps": np.frombuffer(fps, np.uint64),
-            "why": np.frombuffer(why, np.int8).copy(), "tick": np.frombuffer(tick, np.uint64)}
+            "why": np.frombuffer(why, np.int8), "tick": np.frombuffer(tick, np.uint64),
+            "states": np.frombuffer(states, np.uint8)}
+
+
+def judge_related(view: RegionView, ready: dict[str, np.ndarray], ns_checksums: np.ndarray,
+                  verify: Callable[[int], bool] | None) -> dict[str, np.ndarray]:
+    """``judge_ready``'s columns (``ready``) judged against each other, oldest tick first (ties in
+    slot order), in one compiled pass: a record judge_ready refused keeps its reason; a sound one
+    is refused when it shares a page with an older kept one (reason 9, ``other``: that page's
+    slot), else when an older kept one has its namespace and key (10), else when ``verify`` (of its
+    position in ``ready``; asked only where its namespace's ``ns_checksums`` flag is set and it
+    carries a checksum) refuses its data checksum (11). Returns the kept, oldest first (``slots``,
+    ``ns``, ``fps``, ``counts``, ``chains``), ``owner`` (the slot holding each page, -1: none) and
+    the refused, oldest first (``problem_at``: positions in ``ready``, ``problem_why``,
+    ``problem_other``)."""
+    width = ready["chains"].shape[1]
+    columns = tuple(np.ascontiguousarray(ready[name]) for name in
+                    ("slots", "counts", "ns", "chains", "checksum", "fps", "tick", "why"))
+    slots, ns, fps, counts, chains, kept, owner, (at, why, other) = _judge_related(
+        view.entries, _KEY_LAYOUT, columns, width, np.ascontiguousarray(ns_checksums, np.uint8),
+        view.geometry.num_pages, verify)
+    return {"slots": np.frombuffer(slots, np.int64, kept), "ns": np.frombuffer(ns, np.int64, kept),
+            "fps": np.frombuffer(fps, np.uint64, kept), "counts": np.frombuffer(counts, np.int64, kept),
+            "chains": np.frombuffer(chains, np.uint32, kept * width).reshape(kept, width),
+            "owner": np.frombuffer(owner, np.int64), "problem_at": np.frombuffer(at, np.int64),
+            "problem_why": np.frombuffer(why, np.int8), "problem_other": np.frombuffer(other, np.int64)}
 
 
 def keys_of(view: RegionView, slots: np.ndarray) -> list[bytes]:

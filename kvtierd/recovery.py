@@ -19,7 +19,7 @@ from .contract.protocol import PAGES_DTYPE
 from .contract.region_format import EntryState, FENCE_NONE, NS_CHECKSUMS, TICK_LIMIT, WRITER_SLOTS, WriterState
 from .contract.region_sums import entry_checksum, namespace_identities, namespace_record_sums, shard_checksum
 from .contract.region_view import RegionView, namespace_from_record
-from .records import judge_ready, keys_of, rows_as_bytes
+from .records import judge_ready, judge_related, keys_of, rows_as_bytes
 
 
 @dataclass
@@ -48,6 +48,7 @@ class RegionScan:
     ready_fps: np.ndarray
     ready_chains: np.ndarray
     ready_counts: np.ndarray
+    states: np.ndarray          # every record's state as the scan read it (a copy, one byte per slot)
     writing: np.ndarray
     problems: list[tuple[int, str]]
     owner: np.ndarray           # page → slot of the sound entry holding it, or -1
@@ -81,11 +82,12 @@ class RegionScan:
         return len(self.fenced)
 
 
-# Why scan() judges a READY record unsound, by code (0: sound so far): records.judge_ready's codes.
+# Why scan() judges a READY record unsound, by code (0: sound): records.judge_ready's codes, then
+# records.judge_related's (the holder of the shared page goes into its reason).
 _REASONS = ("", "bad key length", "unknown or damaged namespace", "page count differs from its namespace's",
             "chain leaves the data area", "chain longer than its page count", "tick out of range",
-            "record checksum mismatch", "stored without a data checksum")
-_BAD_KEY, _BAD_NS, _BAD_COUNT, _CHAIN_OUT, _CHAIN_LONG, _BAD_TICK, _BAD_SUM, _NO_CHECKSUM = range(1, len(_REASONS))
+            "record checksum mismatch", "stored without a data checksum", "shares a page with entry {}",
+            "duplicate key in its namespace", "checksum mismatch")
 
 
 def scan(view: RegionView, verify_checksums: bool = False, require_checksums: bool = False) -> RegionScan:
@@ -103,56 +105,29 @@ def scan(view: RegionView, verify_checksums: bool = False, require_checksums: bo
     with ``verify_checksums`` each data checksum must match the entry's bytes (this reads them:
     ``view.data`` must be there). Nothing in the bytes can make this raise.
 
-    Every check is vectorised over all records (a region holds millions): only records that
-    share a page or a key fingerprint with another candidate are judged one by one, oldest
-    first, since whether they are kept depends on which older ones were.
+    Two compiled passes over all records (a region holds millions): each READY record judged on
+    its own (``records.judge_ready``), then the sound ones against each other, oldest first
+    (``records.judge_related``), since whether one is kept depends on which older ones were.
     """
     tables = _namespaces(view)
-    ents = view.entries
-    states = ents["state"]
+    ready = judge_ready(view, tables.pages, tables.identity, tables.checksums, require_checksums)
+    states = ready["states"]
     writing = np.flatnonzero(states == EntryState.WRITING)
     garbage = np.flatnonzero((states != EntryState.FREE) & (states != EntryState.READY)
                              & (states != EntryState.WRITING))
     problems = [(int(s), f"unknown state {int(states[s])}") for s in garbage]
-    ready = _judge_ready(view, tables, require_checksums)
-
-    # The candidates (sound so far), oldest first: which of them meet another candidate on a page or
-    # on a key of the same namespace (equal fingerprints: Python's hash of the key, and the namespace).
-    cand = ready.order[ready.why[ready.order] == 0]
-    slots, counts, ns_of, fps = ready.slots[cand], ready.counts[cand], ready.ns[cand], ready.fps[cand]
-    chains, checksum = ready.chains[cand], np.where(tables.checksums[ns_of], ready.checksum[cand], 0)
-    in_chain = np.arange(chains.shape[1])[None, :] < counts[:, None]
-    pages = chains[in_chain]                             # every candidate's pages, in order
-    holder = np.repeat(np.arange(len(cand)), counts)     # the candidate each page belongs to
-    involved = np.zeros(len(cand), dtype=bool)
-    involved[holder[np.bincount(pages, minlength=view.geometry.num_pages)[pages] > 1]] = True
-    fingerprint = fps ^ (ns_of.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-    ordered = np.sort(fingerprint)
-    if (ordered[1:] == ordered[:-1]).any():              # rare: find which candidates they are
-        twin_order = np.argsort(fingerprint, kind="stable")
-        twins = np.flatnonzero(fingerprint[twin_order][1:] == fingerprint[twin_order][:-1])
-        involved[twin_order[twins]] = involved[twin_order[twins + 1]] = True
-
-    # (position in the oldest-first order, slot, reason) of every record judged unsound
-    judged = [(int(ready.rank[i]), int(ready.slots[i]), _REASONS[ready.why[i]])
-              for i in np.flatnonzero(ready.why).tolist()]
-    owner = np.full(view.geometry.num_pages, -1, dtype=np.int64)
-    keep = _judge_involved(view, tables.namespaces, involved, slots, ns_of, chains, counts, checksum,
-                           verify_checksums, owner, ready.rank[cand], judged)
+    verify = None
     if verify_checksums:
-        for i in np.flatnonzero(~involved & (checksum != 0)).tolist():
-            if not _checksum_matches(view, tables.namespaces[int(ns_of[i])], chains[i, : counts[i]],
-                                     int(checksum[i])):
-                keep[i] = False
-                judged.append((int(ready.rank[cand[i]]), int(slots[i]), "checksum mismatch"))
-    alone = ~involved & keep
-    owner[pages[alone[holder]]] = np.repeat(slots[alone], counts[alone])
-    problems += [(slot, reason) for _, slot, reason in sorted(judged)]
-    kept = np.flatnonzero(keep)
-    fenced, fenced_rows, writers, stale = _fence(view, owner)
+        def verify(i: int) -> bool:
+            chain = ready["chains"][i, : ready["counts"][i]]
+            return _checksum_matches(view, tables.namespaces[int(ready["ns"][i])], chain, int(ready["checksum"][i]))
+    kept = judge_related(view, ready, tables.checksums, verify)
+    problems += [(slot, _REASONS[why].format(other)) for slot, why, other in zip(
+        ready["slots"][kept["problem_at"]].tolist(), kept["problem_why"].tolist(), kept["problem_other"].tolist())]
+    fenced, fenced_rows, writers, stale = _fence(view, kept["owner"])
     header_tick = int(view.header["tick"])
-    return RegionScan(tables.namespaces, tables.damaged, slots[kept], ns_of[kept], fps[kept], chains[kept],
-                      counts[kept], writing, problems, owner, fenced, fenced_rows, writers, stale,
+    return RegionScan(tables.namespaces, tables.damaged, kept["slots"], kept["ns"], kept["fps"], kept["chains"],
+                      kept["counts"], states, writing, problems, kept["owner"], fenced, fenced_rows, writers, stale,
                       [f"header tick {header_tick} out of range"] if header_tick >= TICK_LIMIT else [], view)
 
 
@@ -194,64 +169,6 @@ def _namespaces(view: RegionView) -> _Namespaces:
         tables.pages[slot] = ns_id.entry_pages(geo.page_size)
         tables.checksums[slot] = bool(int(view.namespaces[slot]["flags"]) & NS_CHECKSUMS)
     return tables
-
-
-@dataclass
-class _Ready:
-    """The READY records in slot order, each judged on its own (``why``: 0 or a reason code), and
-    ``order``, the positions of the least recently used first (``rank``: its inverse)."""
-
-    slots: np.ndarray
-    counts: np.ndarray
-    ns: np.ndarray
-    chains: np.ndarray
-    checksum: np.ndarray
-    fps: np.ndarray
-    why: np.ndarray
-    order: np.ndarray
-    rank: np.ndarray
-
-
-def _judge_ready(view: RegionView, tables: _Namespaces, require_checksums: bool) -> _Ready:
-    """Every READY record judged on its own, in one compiled walk over the table, front to back
-    (``records.judge_ready``: the checks and their order are in ``scan``'s docstring; NumPy's ten
-    column gathers over the 128-byte records took 0.16 s of a million-entry restart, this pass
-    ~0.03 s)."""
-    cols = judge_ready(view, tables.pages, tables.identity, tables.checksums, require_checksums)
-    order = np.argsort(cols["tick"], kind="stable")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order))
-    return _Ready(cols["slots"], cols["counts"], cols["ns"], cols["chains"], cols["checksum"], cols["fps"],
-                  cols["why"], order, rank)
-
-
-def _judge_involved(view: RegionView, namespaces: dict[int, NamespaceId], involved: np.ndarray, slots: np.ndarray,
-                    ns_of: np.ndarray, chains: np.ndarray, counts: np.ndarray, checksum: np.ndarray,
-                    verify_checksums: bool, owner: np.ndarray, rank: np.ndarray, judged: list) -> np.ndarray:
-    """The candidates that meet another on a page or a key fingerprint, judged one by one, oldest
-    first (whether one is kept depends on which older ones were): the pages they keep go into
-    ``owner``, the ones refused into ``judged``. Returns which candidates are kept."""
-    keep = np.ones(len(slots), dtype=bool)
-    keys_seen: set[tuple[int, bytes]] = set()
-    judge = np.flatnonzero(involved)
-    keys = dict(zip(judge.tolist(), keys_of(view, slots[judge]))) if len(judge) else {}
-    for i in judge.tolist():
-        slot, entry_pages = int(slots[i]), chains[i, : counts[i]]
-        problem = None
-        if (owner[entry_pages] >= 0).any():
-            problem = f"shares a page with entry {int(owner[entry_pages][owner[entry_pages] >= 0][0])}"
-        elif (int(ns_of[i]), keys[i]) in keys_seen:
-            problem = "duplicate key in its namespace"
-        elif verify_checksums and checksum[i] and not _checksum_matches(
-                view, namespaces[int(ns_of[i])], entry_pages, int(checksum[i])):
-            problem = "checksum mismatch"
-        if problem:
-            keep[i] = False
-            judged.append((int(rank[i]), slot, problem))
-        else:
-            keys_seen.add((int(ns_of[i]), keys[i]))
-            owner[entry_pages] = slot
-    return keep
 
 
 def _fence(view: RegionView, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

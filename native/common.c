@@ -3,6 +3,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 static int from_sequence(PyObject *obj, Py_ssize_t *n, PyObject **fast) {
     *fast = PySequence_Fast(obj, "expected a buffer of integers or a sequence of ints");
@@ -174,4 +175,59 @@ int key_rows_get(PyObject *const *args, Py_ssize_t nargs, const char *usage, Key
 void key_rows_release(KeyRows *k) {
     slots_release(&k->slots);
     PyBuffer_Release(&k->records);
+}
+
+/* Zeroed memory for the big arrays, in transparent huge pages where the kernel gives them (random
+ * probes then miss the TLB ~500x less often: measured, a key table's 1,024-key batch over a
+ * million entries 3x slower when each probe walked page tables). */
+void *big_zeroed(size_t bytes) {
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+/* A writable buffer over big_zeroed memory, unmapped with its last reference: recovery's
+ * million-row columns. As bytes objects (malloc: 4 KiB pages) each first touch was a page fault,
+ * ~30 ms of a million-entry restart for judge_ready's and judge_related's ~90 MB. */
+typedef struct {
+    PyObject_HEAD
+    void *at;
+    Py_ssize_t bytes;
+} Block;
+
+static int Block_getbuffer(Block *self, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->at, self->bytes, 0, flags);
+}
+
+static void Block_dealloc(Block *self) {
+    if (self->at) munmap(self->at, (size_t)(self->bytes ? self->bytes : 1));
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyBufferProcs Block_as_buffer = {.bf_getbuffer = (getbufferproc)Block_getbuffer};
+
+PyTypeObject BlockType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtierd._native.Block",
+    .tp_doc = "Zeroed memory in huge pages where the kernel gives them, as a writable buffer.",
+    .tp_basicsize = sizeof(Block),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Block_dealloc,
+    .tp_as_buffer = &Block_as_buffer,
+};
+
+PyObject *new_block(Py_ssize_t bytes, void **at) {
+    Block *b = PyObject_New(Block, &BlockType);
+    if (b == NULL) return NULL;
+    b->bytes = bytes;
+    b->at = big_zeroed((size_t)(bytes ? bytes : 1));
+    if (b->at == NULL) {
+        Py_DECREF(b);
+        return PyErr_NoMemory();
+    }
+    *at = b->at;
+    return (PyObject *)b;
 }

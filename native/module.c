@@ -9,6 +9,9 @@ static PyMethodDef functions[] = {
     {"judge_ready", (PyCFunction)(void (*)(void))judge_ready, METH_FASTCALL,
      "judge_ready(records, chain, layout, ns_pages, ns_identity, ns_checksums, mask, limits) -> every READY "
      "record's columns and verdict"},
+    {"judge_related", (PyCFunction)(void (*)(void))judge_related, METH_FASTCALL,
+     "judge_related(records, key_layout, columns, width, ns_checksums, num_pages, verify) -> the candidates "
+     "judged oldest first against each other: the kept, each page's holder, the problems"},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(records, record_bytes, slots, offset, width, value): one field of each slot's record set"},
     {"new_records", (PyCFunction)(void (*)(void))new_records, METH_FASTCALL,
@@ -35,13 +38,13 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    PyTypeObject *types[] = {&KeyTableType, &PolicyType, &SketchType, &RequestsType};
-    const char *names[] = {"KeyTable", "Policy", "Sketch", "Requests"};
-    for (int i = 0; i < 4; i++)
+    PyTypeObject *types[] = {&KeyTableType, &PolicyType, &SketchType, &BlockType, &RequestsType};
+    const char *names[] = {"KeyTable", "Policy", "Sketch", "Block", "Requests"};
+    for (int i = 0; i < 5; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -49,6 +49,12 @@ static inline const uint8_t *key_row(const KeyRows *k, Py_ssize_t i) {
     return (const uint8_t *)k->records.buf + (Py_ssize_t)k->slots.v[i] * k->rec_bytes;
 }
 
+/* Zeroed anonymous memory for a big array, advised for transparent huge pages (common.c); munmap
+ * releases it. NULL without an exception when the kernel refuses. */
+void *big_zeroed(size_t bytes);
+/* A new Block (a writable buffer type) of ``bytes`` of big_zeroed memory; ``*at``: its first byte. */
+PyObject *new_block(Py_ssize_t bytes, void **at);
+
 /* ---------------------------------------------------------------------------- ordered lists */
 /* Each tracked slot is in at most one list at a time (``where``), so one prev/next pair per slot
  * holds every list: the OrderedDict operations the Python policies used (append at the young
@@ -150,6 +156,7 @@ typedef struct {
     int bits;
     int64_t added;            /* keys counted since the last halving */
     uint32_t halvings;        /* since the start */
+    bool pristine;            /* never counted: every counter 0 */
     uint32_t *settled;        /* per block of 2**SKETCH_BLOCK_BITS counters: the halvings applied to it */
     uint64_t *at;             /* scratch: ROWS x n counter positions */
     uint8_t *before;          /* scratch: ROWS x n counters before a count */
@@ -160,7 +167,8 @@ int sketch_init(Sketch *s);
 void sketch_free(Sketch *s);
 int sketch_fit(Sketch *s, Py_ssize_t entries);
 /* Count each fingerprint once more; ``seen[i]`` (when given) says whether key i had been counted
- * before in every row, ``least[i]`` (when given) its estimate before. */
+ * before in every row, ``least[i]`` (when given) its estimate before. A batch counted with
+ * neither into a pristine sketch (a restart's) is one pass of writes. */
 int sketch_count(Sketch *s, const uint64_t *fps, Py_ssize_t n, bool *seen, uint8_t *least);
 int sketch_estimate(Sketch *s, const uint64_t *fps, Py_ssize_t n, uint8_t *out);
 
@@ -170,6 +178,7 @@ static inline Py_ssize_t sketch_width(const Sketch *s) { return (Py_ssize_t)1 <<
 PyObject *key_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *record_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *judge_ready(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *judge_related(PyObject *module, PyObject *const *args, Py_ssize_t nargs);      /* related.c */
 PyObject *fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *new_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
@@ -183,6 +192,7 @@ PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject KeyTableType;
 extern PyTypeObject PolicyType;
 extern PyTypeObject SketchType;
+extern PyTypeObject BlockType;
 extern PyTypeObject RequestsType;      /* requests.c: the hot requests' decoder */
 
 #endif

@@ -253,6 +253,24 @@ def test_the_sketch_counts_as_the_python_one(batches):
 
 
 
+@settings(max_examples=40, deadline=None)
+@given(entries=st.integers(1, 3000), batches=st.lists(st.lists(st.integers(0, 3000), max_size=700), min_size=1,
+                                                       max_size=6))
+def test_a_restarts_count_is_the_python_ones(entries, batches):
+    """What a restart does (``learn``: a batch counted with no answers asked, into a sketch never
+    counted before, one pass of writes) and what follows it leave the Python sketch's counters
+    and halvings: the first batch may touch a counter many times and may bring a halving."""
+    old, new = FrequencySketch(), Sketch()
+    old.fit(entries)
+    new.fit(entries)
+    for ids in batches:
+        batch = fps([i.to_bytes(4, "little") for i in ids])
+        old.seen([i.to_bytes(4, "little") for i in ids])
+        new.learn(batch)
+        assert new.estimate(batch) == old.estimate(batch.view(np.uint64)).tobytes()
+    assert new.table() == old._table.tobytes()
+
+
 @pytest.mark.parametrize("entries", [1, 300, 1000])
 def test_the_sketch_halves_lazily_as_the_python_one_eagerly(entries):
     """The compiled sketch applies a halving to a block of counters only when a count or an
