@@ -9,7 +9,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "kvtierd._native",
     sources=[f"native/{name}.c" for name in ("module", "common", "keytable", "records", "related", "batch", "sketch",
-                                             "policy", "policies", "kvevents", "checksum")],
+                                             "policy", "policies", "kvevents", "checksum", "requests")],
     depends=["native/native.h", "native/policy.h"],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                         "-Wno-missing-field-initializers", "-Wno-cast-function-type"],

@@ -28,6 +28,7 @@ def echo_server(path: str) -> None:
     of up to 256 requests), decoding each request and answering ``echo_reply``."""
     import msgpack
     import zmq
+    sndmore = int(zmq.SNDMORE)
     sock = zmq.Context().socket(zmq.ROUTER)
     sock.bind(f"ipc://{path}")
     poller = zmq.Poller()
@@ -40,6 +41,7 @@ def echo_server(path: str) -> None:
             except zmq.Again:
                 break
             msg = msgpack.unpackb(frame, raw=False)
-            sock.send_multipart([ident, msgpack.packb(echo_reply(msg), use_bin_type=True)])
+            sock.send(ident, sndmore)         # as the daemon sends (kvtierd.server.SNDMORE)
+            sock.send(msgpack.packb(echo_reply(msg), use_bin_type=True))
 
 

@@ -60,6 +60,34 @@ done:
     return result;
 }
 
+/* Whether the ``n`` bytes objects ``items`` are distinct: 1 or 0 (-1 with an exception: out of
+ * memory). Each key is hashed on the way, and the bytes object keeps the hash for the key table. */
+int keys_distinct(PyObject *const *items, Py_ssize_t n) {
+    if (n < 2) return 1;
+    Py_ssize_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    int32_t stack[1024];
+    int32_t *seen = cap <= 1024 ? stack : PyMem_Malloc(sizeof(int32_t) * (size_t)cap);
+    if (seen == NULL) { PyErr_NoMemory(); return -1; }
+    memset(seen, 0xFF, sizeof(int32_t) * (size_t)cap);     /* -1: empty */
+    int distinct = 1;
+    for (Py_ssize_t i = 0; i < n && distinct; i++) {
+        Py_hash_t h = PyObject_Hash(items[i]);
+        size_t at = (size_t)h & (size_t)(cap - 1);
+        for (; seen[at] >= 0; at = (at + 1) & (size_t)(cap - 1)) {
+            PyObject *other = items[seen[at]];
+            if (PyBytes_GET_SIZE(other) == PyBytes_GET_SIZE(items[i]) && PyObject_Hash(other) == h &&
+                memcmp(PyBytes_AS_STRING(other), PyBytes_AS_STRING(items[i]), (size_t)PyBytes_GET_SIZE(other)) == 0) {
+                distinct = 0;
+                break;
+            }
+        }
+        seen[at] = (int32_t)i;
+    }
+    if (seen != stack) PyMem_Free(seen);
+    return distinct;
+}
+
 /* keys_ok(keys, max_len, max_count) -> bool: whether ``keys`` is a list of at most ``max_count``
  * distinct bytes objects of 1..max_len bytes, in one pass (hashing each key, which the bytes object
  * then keeps for the key table's lookup). False says nothing of why: the protocol's own check
@@ -76,27 +104,7 @@ PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
         if (!PyBytes_CheckExact(items[i]) || PyBytes_GET_SIZE(items[i]) < 1 || PyBytes_GET_SIZE(items[i]) > max_len)
             Py_RETURN_FALSE;
     }
-    if (n < 2) Py_RETURN_TRUE;
-    Py_ssize_t cap = 16;
-    while (cap < 2 * n) cap *= 2;
-    int32_t stack[1024];
-    int32_t *seen = cap <= 1024 ? stack : PyMem_Malloc(sizeof(int32_t) * (size_t)cap);
-    if (seen == NULL) return PyErr_NoMemory();
-    memset(seen, 0xFF, sizeof(int32_t) * (size_t)cap);     /* -1: empty */
-    bool distinct = true;
-    for (Py_ssize_t i = 0; i < n && distinct; i++) {
-        Py_hash_t h = PyObject_Hash(items[i]);
-        size_t at = (size_t)h & (size_t)(cap - 1);
-        for (; seen[at] >= 0; at = (at + 1) & (size_t)(cap - 1)) {
-            PyObject *other = items[seen[at]];
-            if (PyBytes_GET_SIZE(other) == PyBytes_GET_SIZE(items[i]) && PyObject_Hash(other) == h &&
-                memcmp(PyBytes_AS_STRING(other), PyBytes_AS_STRING(items[i]), (size_t)PyBytes_GET_SIZE(other)) == 0) {
-                distinct = false;
-                break;
-            }
-        }
-        seen[at] = (int32_t)i;
-    }
-    if (seen != stack) PyMem_Free(seen);
+    int distinct = keys_distinct(items, n);
+    if (distinct < 0) return NULL;
     return PyBool_FromLong(distinct);
 }

@@ -41,13 +41,13 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    PyTypeObject *types[] = {&KeyTableType, &PolicyType, &SketchType, &BlockType};
-    const char *names[] = {"KeyTable", "Policy", "Sketch", "Block"};
-    for (int i = 0; i < 4; i++)
+    PyTypeObject *types[] = {&KeyTableType, &PolicyType, &SketchType, &BlockType, &RequestsType};
+    const char *names[] = {"KeyTable", "Policy", "Sketch", "Block", "Requests"};
+    for (int i = 0; i < 5; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

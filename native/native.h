@@ -183,6 +183,7 @@ PyObject *fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *new_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+int keys_distinct(PyObject *const *items, Py_ssize_t n);    /* 1, 0, or -1 with an exception */
 PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs);   /* kvevents.c */
 PyObject *kv_groups(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
@@ -194,5 +195,6 @@ extern PyTypeObject KeyTableType;
 extern PyTypeObject PolicyType;
 extern PyTypeObject SketchType;
 extern PyTypeObject BlockType;
+extern PyTypeObject RequestsType;      /* requests.c: the hot requests' decoder */
 
 #endif

@@ -75,6 +75,8 @@ MAX_PID = 1 << 22                      # the kernel's largest pid_max (PID_MAX_L
 MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 64   # an engine secret (hello's ``secret``)
 MAX_LEASE_ID = (1 << 63) - 1
 MAX_LEASES_PER_UNLEASE = 4096
+MAX_REQUEST_FIELDS = 32                # entries in a request's map
+MAX_REQUEST_ID = (1 << 63) - 1
 
 PAGES_DTYPE = "<u4"                    # page indices on the wire and in the region's chain table
 
@@ -223,7 +225,7 @@ def decode_request(frame: bytes, ops: dict[str, dict[str, Field]] = REQUESTS,
             max_str_len=MAX_STR_BYTES,
             max_bin_len=MAX_FRAME_BYTES,
             max_array_len=max(MAX_KEYS_PER_REQUEST, MAX_JOBS_PER_QUERY),
-            max_map_len=32,
+            max_map_len=MAX_REQUEST_FIELDS,
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, ...)
@@ -252,7 +254,7 @@ def _validate(msg: dict[str, Any], ops: dict[str, dict[str, Field]], keys_ok: Ke
             raise RequestError(ErrorCode.FORBIDDEN, f"{op} is an admin operation: use the admin socket")
         raise RequestError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}")   # a str of <= MAX_STR_BYTES
     rid = msg.get("rid", 0)
-    if type(rid) is not int or not 0 <= rid < (1 << 63):
+    if type(rid) is not int or not 0 <= rid <= MAX_REQUEST_ID:
         raise RequestError(ErrorCode.BAD_REQUEST, "field 'rid' must be a non-negative int")
     validate_fields(op, msg, ops[op], keys_ok)
     if op == "hello":
@@ -285,7 +287,7 @@ def request_id(frame: bytes) -> int:
     """
     try:
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_FRAME_BYTES, max_str_len=MAX_STR_BYTES,
-                                    max_bin_len=MAX_KEY_BYTES, max_array_len=16, max_map_len=32, max_ext_len=0)
+                                    max_bin_len=MAX_KEY_BYTES, max_array_len=16, max_map_len=MAX_REQUEST_FIELDS, max_ext_len=0)
         unpacker.feed(frame[:MAX_FRAME_BYTES])
         for _ in range(min(unpacker.read_map_header(), 32)):
             if unpacker.unpack() == "rid":
