@@ -314,19 +314,23 @@ average of 0.4-1.6, met the 4-client lookup throughput (4.7e6 keys/s) and the re
 that this one, at 3-4, missed.
 
 - **Lookup of 256 keys, p50 against the echo; store+commit of 1,024.** Since 0.3.0 the index is
-  compiled (issue 22), and since 0.3.1 a job's records are written in compiled passes too (a
-  1,024-key store+commit ~10% less daemon CPU, thread time in-process). These two ratios move with
-  the machine more than the code: in a run at a load average of 3-6 (2026-12-05, the same code as
-  this page's but for the KV events and disk commits) they measured 1.29x and 2.59x, both met; in
-  this page's run, at ~1, 1.52x and 3.46x. The daemon's own times were close in the two (lookup
-  246 and 258 µs, store+commit 1,116 and 1,293 µs); the echo's round trip was faster in the quiet
-  run (170 against 191 µs), and the ratio follows the echo. In-process (`Server.handle`) a 256-key
-  lookup costs ~25 µs: msgpack's decode 6.8, the keys' hashes while validating them ~5 (the key
-  table reuses them), the prefix pass 2-3, the rest dispatch, the session, the reply and the
-  latency histogram. At the socket the loop is half of the gap: the same daemon answering lookups
-  as the echo does, inside its own loop, measured 1.26x the echo where the real one measured 1.58x
-  (load 3.9, one run). The next step is the request loop itself (decode, dispatch, reply of the
-  hot ops) in compiled code.
+  compiled (issue 22), since 0.3.1 a job's records are written in compiled passes, and since 0.3.2
+  every request but hello is decoded by one compiled pass from the protocol's specs (a 256-key
+  lookup's decode ~10 µs against ~15), replies go out in two plain sends instead of
+  `send_multipart` (whose enum flags cost 7-10 µs a reply), and the loop looks at its timers and
+  deadlines once per 5 ms while requests stream in. The echo floor sends as the daemon does, so
+  it got faster too (its round trip 122 µs in this page's run against 170-191 µs before): the
+  daemon's own 256-key lookup went from 246-258 µs to 164-172 µs, its ratio from 1.29-1.52x to
+  1.34-1.41x (two runs at load ~1.7-2). Server CPU per lookup, from /proc, with a probe that
+  alternates kvtierd, the same daemon answering lookups as the echo does, and the echo (each tree
+  with its own echo; /work/wt/probe/lkcpu.py): 0.3.2 1.22x and 1.15x the echo's round trip (load 1.4-3.1), 0.3.1 1.45x and 1.48x
+  (load 1.8-6.6). What is left of a lookup in-process (~20 µs against the echo's ~7.4 of msgpack):
+  the keys' bytes objects and hashes (~8 µs), the prefix pass, dispatch, the session, the reply;
+  at the socket the rest is the loop polling five descriptors where the echo polls one (~3 µs),
+  and the cache misses of doing more between two requests. A store+commit of 1,024 keys is spread
+  over some twenty compiled passes of 10-40 µs each (key table insert and find, the policy's
+  insert and victims, record sums, fills, the fence's marks), each mostly cache misses over a
+  large table; decoding its keys is ~12%.
 - **CPU store+load against memcpy, small jobs.** The copy itself runs near memcpy speed (the CPU
   copier moves a block per `memmove` on a worker thread; timed alone it matches one-thread
   memcpy within noise, and a 1 GiB job's copy reaches 0.85-0.93x). What small jobs pay is four
@@ -336,16 +340,13 @@ that this one, at 3-4, missed.
   same run), up to ~1.5 ms per store+load pair against ~7 ms of memcpy for 64 MiB. Jobs of 256 blocks and more amortise
   it. The round trips are the protocol's safety (a block is READY only after the writer's
   commit, invariant 1), so they stay.
-- **Restart with a million entries.** Since 0.3.1 every READY record is judged in one compiled
-  walk over the entry table (the scan 0.23-0.32 s, was 0.38-0.49; its first stage 0.07-0.10 s,
-  was 0.23-0.31), the daemon imports prometheus_client only with metrics on, and the bench times a
-  byte-compiled daemon, as an install leaves it (this machine sets PYTHONDONTWRITEBYTECODE: an
-  editable install then compiled ~70 modules at every start, ~0.13 s): interpreter and imports
-  0.23-0.31 s, `Store()` 0.47-0.53 s (the scan; the policy's sketch counting a million keys
-  0.06-0.15 s; the key table's rebuild 0.02-0.06 s). 0.78 s in a run at load 3-6, 1.05 s in this
-  page's at ~1: a median of three samples of about a second each, and one run of the same code
-  differs from the next by more than the goal's margin. With pinning (cuda, mlock) the pin's own
-  populate of the region adds its time.
+- **Restart with a million entries.** Met since 0.3.2 (0.57 s in this page's run). 0.3.1 judged
+  every READY record in one compiled walk; 0.3.2 judges the records against each other (shared
+  pages, duplicate keys, oldest first) in a second one, allocates its columns in huge pages,
+  reads the state column once and lets the policy's sketch learn a restart's keys in one pass: the
+  daemon's own part went from ~0.46 to ~0.26 s of CPU (median thread time, in-process). Interpreter
+  and imports are 0.2-0.4 s of what is left; with pinning (cuda, mlock) the pin's own populate of
+  the region adds its time.
 - **Ten times Redis.** Redis is credited with its faster pattern per direction (one SET/GET per
   block beats a single MSET/MGET of the whole job by up to 4x for MiB-sized values). At its best it
   moves ~2-3 GB/s over loopback (each block crosses the socket, and on load is copied again into
@@ -424,7 +425,10 @@ that this one, at 3-4, missed.
   was ahead in 11 (demote, 64 KiB), 9 (promote, 64 KiB), 10 and 9 (1 MiB). The checksum itself:
   9.4 GB/s over 64 KiB blocks in 1 MiB runs on one core, against keyed BLAKE3's 3.1 GB/s. Promote
   at 64 KiB stays under 0.8x at this load (its 16 MiB move in ~10-30 ms, so the lookup's and
-  promote job's fixed round trips weigh most there); a run on a quiet machine decides.
+  promote job's fixed round trips weigh most there); a run on a quiet machine decides: with 0.3.2's
+  cheaper request loop too, this page's run (load ~4.6) measured demote 0.92x and 0.89x, promote
+  0.80x and 0.95x, all met, and three more runs of `python -m kvtierbench.tier --engine disk` at
+  load 1.8-2: promote 0.87, 0.89, 0.80x at 64 KiB, demote 0.81, 0.91, 0.86x.
 - **Second tier with seals.** Every block is hashed on demote and on promote: the cost is in the
   second tier's section ("What seals cost"). Mooncake's 64 KiB miss predates seals and grew
   with them; hashing one part of a batch while another part transfers did not bring it back
@@ -445,9 +449,18 @@ that this one, at 3-4, missed.
   B = 1,024, against 0.564-0.725x and 0.445-0.558x; one run at 0.619x and 0.643x when the other
   work took 40% of the off daemon's throughput too. Nearly quiet (load 0.1-1.3), one pair:
   0.885x and 0.873x against 0.647x and 0.679x, commit to subscriber p99 2.6 ms both. At load 3
-  the ratio moves with the machine more than with the code. Meeting 0.95 needs what is left
-  compiled too: the Recorder's and the log's append per job, and the flush's Python per batch.
-  This page's run (load ~1): 0.879x at B = 256 and 0.835x at B = 1,024."""
+  the ratio moves with the machine more than with the code. 0.3.2 took out some Python per job and
+  per batch (the replay socket polled without building a poller, a namespace with nothing new
+  skipped, topics formatted once): 10-30% less extra daemon CPU per job with the stream on, which
+  the socket bench cannot tell apart from 0.3.1 (alternating pairs: 0.882/0.861x against
+  0.876/0.866x, 0.923/0.783x against 0.915/0.932x). What is left is mostly not Python: each batch's
+  PUB send wakes ZMQ's I/O thread (~25 µs of the loop a batch, whatever its size), the job's and
+  its eviction's keys are gathered from cold entry records (4-10 µs each at B = 256), and each key
+  is a BlockStored of ~125 bytes, as vLLM's own connector publishes an offloaded block (one per
+  key); the I/O thread and the subscriber share the 2 CPUs. Fewer bytes per key (a BlockStored
+  per run of keys, which vLLM's format allows but its connector does not do) or a longer flush
+  interval would each need deciding. This page's run (load ~2): 0.849x at B = 256 and 0.892x at
+  B = 1,024."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
