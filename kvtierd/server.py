@@ -141,6 +141,7 @@ class Server:
         self.poller = zmq.Poller()
         self.sock: zmq.Socket | None = None
         self.admin: zmq.Socket | None = None
+        self._signals: dict[zmq.Socket, int] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.tier = store.tier
@@ -173,6 +174,9 @@ class Server:
         self.poller.register(self.sock, zmq.POLLIN)
         self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
         self.poller.register(self.admin, zmq.POLLIN)
+        # Every ZMQ socket the loop watches but the client socket, by its ZMQ_FD (``_stream``).
+        self._signals = {s: s.get(zmq.FD) for s, _ in self.poller.sockets
+                         if isinstance(s, zmq.Socket) and s is not self.sock}
 
     def _bind(self, path: str, umask: int, gid: int | None, connections: Connections | None = None) -> zmq.Socket:
         check_socket_path(path)
@@ -260,10 +264,10 @@ class Server:
             timeout = max(0, min(1000, int((min(tend_at, next_tier, next_stream) - now) * 1000) + 1))
             events = dict(self.poller.poll(timeout))
             if len(events) == 1 and self.sock in events:
-                self._drain(self.sock, self.handle)
                 # Requests alone: a handler may have opened a job or a lease whose deadline comes
                 # before the next one ``_tend`` knew of, so it looks again within TEND_AFTER_REQUESTS.
                 tend_at = min(tend_at, now + TEND_AFTER_REQUESTS)
+                self._stream(min(tend_at, next_tier, next_stream))
                 continue
             tend_at = now                # anything else (a death, a connection, a call) may move a deadline
             if self._wake_r in events:
@@ -285,6 +289,28 @@ class Server:
             if self.admin in events:
                 self._drain(self.admin, self.handle_admin)
         self.close()
+
+    def _stream(self, until: float) -> None:
+        """Serve requests while they alone come in, until ``until`` (the loop's next timer).
+
+        Between two requests this polls the client socket and, for every other descriptor, a
+        plain file descriptor that is readable once it may have news: a pipe or pidfd itself, and
+        for a ZMQ socket its ZMQ_FD (``_signals``), which ZMQ makes readable when a command reaches
+        the socket — a message arriving after the loop read it dry is one. Anything but the client
+        socket ready (or spuriously signalled) hands back to the loop, which polls all of them and
+        sees to it first, so no descriptor waits longer than before. Why: each ZMQ socket in a poll
+        costs ZMQ a check of its mailbox (a syscall); the loop's five descriptors polled ~3 µs
+        slower than the client socket alone, per request (/tmp/pollmicro.py, 2-vCPU VM)."""
+        sock = self.sock
+        signals = self._signals
+        items = [(sock, zmq.POLLIN)]
+        items += [(signals.get(s, s), zmq.POLLIN) for s, _ in self.poller.sockets if s is not sock]
+        while True:
+            self._drain(sock, self.handle)
+            wait = until - time.monotonic()
+            ready = zmq.zmq_poll(items, max(0, int(wait * 1000))) if wait > 0 else ()
+            if len(ready) != 1 or ready[0][0] is not sock:
+                return
 
     def _tend(self, now: float) -> float:
         """The loop's timers — sd_notify's watchdog, the eviction pressure log, the heartbeat sweep,
