@@ -14,6 +14,9 @@ static PyMethodDef functions[] = {
      "judged oldest first against each other: the kept, each page's holder, the problems"},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(records, record_bytes, slots, offset, width, value): one field of each slot's record set"},
+    {"seal_records", (PyCFunction)(void (*)(void))seal_records, METH_FASTCALL,
+     "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state): a write's "
+     "records made whole: tick, record sum, then state"},
     {"new_records", (PyCFunction)(void (*)(void))new_records, METH_FASTCALL,
      "new_records(records, slots, template, pages, first_page_at, tick_at, tick): fresh records at slots"},
     {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL,
