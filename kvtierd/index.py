@@ -57,7 +57,7 @@ from .holds import Holder, Holds
 from .keytable import ALL_BITS, key_table
 from .namespaces import Namespace, Namespaces
 from .pages import FreeIds
-from .records import fill, key_runs, keys_of, new_records, record_sums, seal_records
+from .records import count_state, fill, key_runs, keys_of, new_records, record_sums, seal_records
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class Index:
 
     def _busy(self, slots: np.ndarray) -> bool:
         """Whether a writer or a reader may still touch any of these entries' pages."""
-        return bool(len(slots)) and bool(((self._states[slots] != READY) | self.holds.held(slots)).any())
+        return count_state(self.view, slots, READY) != len(slots) or self.holds.any_held(slots)
 
     def namespace_at(self, slot: int) -> Namespace:
         """The namespace recorded in table slot ``slot``."""
@@ -442,7 +442,7 @@ class Index:
         if not len(slots):
             return
         self.events.leaving(cause, slots, self._ns_col[slots].astype(np.intp))
-        ready = int(np.count_nonzero(self._states[slots] == READY))
+        ready = count_state(self.view, slots, READY)
         fill(self.view, slots, "state", FREE)
         fill(self.view, slots, "record_sum", 0)   # a stale record whose state byte came back to READY is no entry
         self.keys.remove(slots)

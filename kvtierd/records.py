@@ -1,7 +1,7 @@
 """Compiled passes over the region's entry records: each key's hash and each record's sum, for a
 whole table at recovery or a job's records at once; recovery's judgment of every READY record on
 its own, then of the sound ones against each other; a job's new records, its column writes and
-its commit's sealing pass (tick, record sum, then state);
+its commit's sealing pass (tick, record sum, then state); a count of the records in a state;
 entries' keys as blobs for the KV events log (``kvtierd._native``, bound here to the record
 layout of ``region_format``).
 
@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from ._native import count_state as _count_state
 from ._native import fill as _fill
 from ._native import judge_ready as _judge_ready
 from ._native import judge_related as _judge_related
@@ -34,6 +35,7 @@ _KEY_LEN_AT = ENTRY_DTYPE.fields["key_len"][1]
 _KEY_AT = ENTRY_DTYPE.fields["key"][1]
 _FIRST_PAGE_AT = ENTRY_DTYPE.fields["first_page"][1]
 _TICK_AT = ENTRY_DTYPE.fields["tick"][1]
+_STATE_AT = ENTRY_DTYPE.fields["state"][1]
 _SEAL_LAYOUT = tuple(ENTRY_DTYPE.fields[name][1] for name in ("tick", "record_sum", "state"))
 _KEY_LAYOUT = (ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES)
 _LAYOUT = (ENTRY_DTYPE.itemsize, *(ENTRY_DTYPE.fields[name][1] for name in (
@@ -65,6 +67,11 @@ def seal_records(view: RegionView, slots: np.ndarray, chains: np.ndarray, identi
     passes, in one (a 1,024-key job's commit reads its records once)."""
     _seal_records(view.entries, slots, np.ascontiguousarray(chains, np.uint32), identity, ENTRY_SUMMED,
                   *_SEAL_LAYOUT, tick, int(state))
+
+
+def count_state(view: RegionView, slots: np.ndarray, state: int) -> int:
+    """How many of the slots' records are in ``state`` (one pass, no gathered column)."""
+    return _count_state(view.entries, ENTRY_DTYPE.itemsize, slots, _STATE_AT, int(state))
 
 
 def fill(view: RegionView, slots: np.ndarray, name: str, value: int) -> None:

@@ -369,3 +369,26 @@ done:
     words_release(&mask);
     return result;
 }
+
+/* count_state(records, record_bytes, slots, state_at, state) -> int: how many of the slots' records
+ * hold the one-byte ``state`` (NumPy's gather of the strided column, compare and count: ~6 µs for
+ * a job's 1,024 records, against one pass here). */
+PyObject *count_state(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "count_state(records, record_bytes, slots, state_at, state)"); return NULL; }
+    Py_ssize_t rec_bytes = PyLong_AsSsize_t(args[1]), state_at = PyLong_AsSsize_t(args[3]);
+    long state = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (state_at < 0 || state_at >= rec_bytes) {
+        PyErr_SetString(PyExc_ValueError, "count_state: the field does not fit its record");
+        return NULL;
+    }
+    Py_buffer records;
+    Slots s;
+    if (rows_get(args[0], args[2], rec_bytes, &records, &s) < 0) return NULL;
+    const uint8_t *base = records.buf;
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < s.n; i++) count += base[(Py_ssize_t)s.v[i] * rec_bytes + state_at] == state;
+    slots_release(&s);
+    PyBuffer_Release(&records);
+    return PyLong_FromSsize_t(count);
+}

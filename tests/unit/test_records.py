@@ -12,7 +12,7 @@ from kvtierd.contract.protocol import MAX_KEY_BYTES
 from kvtierd.contract.region_format import ENTRY_DTYPE, Geometry
 from kvtierd.contract.region_sums import entry_record_sums
 from kvtierd.contract.region_view import RegionView
-from kvtierd.records import fill, key_hashes, key_runs, keys_of, new_records, record_sums, seal_records
+from kvtierd.records import count_state, fill, key_hashes, key_runs, keys_of, new_records, record_sums, seal_records
 
 
 def random_view(seed: int, slots: int) -> RegionView:
@@ -81,6 +81,17 @@ def test_fill_writes_one_field_of_each_slot_as_numpy_would(seed, name, value):
     want[name][slots] = value & ((1 << (8 * kind.itemsize)) - 1)
     fill(view, slots, name, value)
     assert view.entries.tobytes() == want.tobytes()          # that field of those records, nothing else
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), states=st.integers(1, 4), count=st.integers(0, 40))
+def test_count_state_counts_as_numpy_would(seed, states, count):
+    view = random_view(seed, 40)
+    rng = np.random.default_rng(seed)
+    view.entries["state"] = rng.integers(0, states, 40)        # few states: many records share each
+    slots = rng.choice(40, count, replace=True).astype(np.int32)
+    for state in range(states + 1):
+        assert count_state(view, slots, state) == int(np.count_nonzero(view.entries["state"][slots] == state))
 
 
 @settings(max_examples=40, deadline=None)
