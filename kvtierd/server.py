@@ -21,7 +21,10 @@ Every message is read part by part: a request is one frame, and the parts of a m
 message are dropped without being copied (``_drain``). Every op but hello is decoded by the
 compiled ``Requests`` from the protocol's specs; a frame it cannot prove well-formed goes to
 ``protocol.decode_request``, which names the fault. The loop's timers and the store's deadlines
-are looked at when due and at most every ``TEND_AFTER_REQUESTS`` while requests stream in. Each request comes with the connection it
+are looked at when due and at most every ``TEND_AFTER_REQUESTS`` while requests stream in; while
+requests alone come in, the loop polls the client socket and a plain descriptor for each other one
+(a ZMQ socket's ZMQ_FD), and goes back to the full poll the moment any other is ready
+(``_stream``). Each request comes with the connection it
 arrived on (``peers.Connections``: the peer's uid and pid, counted and capped per peer and in
 all); a session is tied to its connection and ends with it.
 
