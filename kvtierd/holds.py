@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._native import hold
+from ._native import any_held, hold
 from .policy import Policy
 
 CAPS = ("engine", "namespace", "total")     # kvtierd_hold_capped_keys_total's cap label
@@ -103,6 +103,10 @@ class Holds:
     def held(self, slots: np.ndarray) -> np.ndarray:
         """Per slot: whether anything holds it."""
         return (self.pins[slots] != 0) | (self.leases[slots] != 0)
+
+    def any_held(self, slots: np.ndarray) -> bool:
+        """Whether anything holds any of the slots (one compiled pass)."""
+        return any_held(self.pins, self.leases, slots)
 
     def of(self, slot: int) -> tuple[int, int]:
         """(pins, leases) holding the entry of ``slot``."""

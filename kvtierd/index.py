@@ -57,7 +57,7 @@ from .holds import Holder, Holds
 from .keytable import ALL_BITS, key_table
 from .namespaces import Namespace, Namespaces
 from .pages import FreeIds
-from .records import fill, key_runs, keys_of, new_records, record_sums
+from .records import count_state, fill, key_runs, keys_of, new_records, record_sums, seal_records
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class Index:
 
     def _busy(self, slots: np.ndarray) -> bool:
         """Whether a writer or a reader may still touch any of these entries' pages."""
-        return bool(len(slots)) and bool(((self._states[slots] != READY) | self.holds.held(slots)).any())
+        return count_state(self.view, slots, READY) != len(slots) or self.holds.any_held(slots)
 
     def namespace_at(self, slot: int) -> Namespace:
         """The namespace recorded in table slot ``slot``."""
@@ -282,13 +282,15 @@ class Index:
         in key order, how many were present). The decision of every write (``kvtierd.writes``):
         an engine's store job, a promote from the second tier."""
         found = self.find(ns, keys)              # keys of a write are distinct (protocol)
-        absent = found < 0
-        present = found[~absent]
-        self.access(present[self._states[present] == READY])
-        new = np.flatnonzero(absent)
-        fit = self._make_room(len(new), ns.entry_pages, present)
-        if fit == len(keys):                     # the usual store: every key new, all fit
+        # The usual store has every key new: one pass says so (the general case's take six, ~5 µs
+        # of a 1,024-key store).
+        present = NO_SLOTS if len(found) and found.max() < 0 else found[found >= 0]
+        if len(present):
+            self.access(present[self._states[present] == READY])
+        fit = self._make_room(len(keys) - len(present), ns.entry_pages, present)
+        if fit == len(keys):                     # every key new, all fit
             return bytes([WRITE]) * fit, self._new_entries(ns, keys), 0
+        new = np.flatnonzero(found < 0)
         outcomes = np.full(len(keys), PRESENT, dtype=np.uint8)
         outcomes[new[fit:]] = NO_SPACE
         outcomes[new[:fit]] = WRITE
@@ -330,14 +332,14 @@ class Index:
         n = len(slots)
         if n == 0:
             return
-        fill(self.view, slots, "tick", self.tick)
         if shard_sums:              # else the records' checksums stay 0, as _new_entries wrote them
             self.view.entries["checksum"][slots] = [entry_checksum([sums[i] for sums in shard_sums])
                                                     for i in range(n)]
         ns = self.ns.at(int(self._ns_col[slots[0]]))
         chains = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE).reshape(n, ns.entry_pages)
-        self._sums[slots] = record_sums(self.view, slots, chains, None, ns.identity)
-        fill(self.view, slots, "state", READY)    # last: the records are complete before they say READY
+        # Record by record: the tick, the record sum, and READY last (a record is complete before it
+        # says READY).
+        seal_records(self.view, slots, chains, ns.identity, self.tick, READY)
         self.policy.inserted(slots, np.frombuffer(self.keys.fingerprints(slots), np.uint64), chain, cold)
         self.entry_count[WRITING] -= n
         self.entry_count[READY] += n
@@ -440,7 +442,7 @@ class Index:
         if not len(slots):
             return
         self.events.leaving(cause, slots, self._ns_col[slots].astype(np.intp))
-        ready = int(np.count_nonzero(self._states[slots] == READY))
+        ready = count_state(self.view, slots, READY)
         fill(self.view, slots, "state", FREE)
         fill(self.view, slots, "record_sum", 0)   # a stale record whose state byte came back to READY is no entry
         self.keys.remove(slots)

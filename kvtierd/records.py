@@ -1,6 +1,7 @@
 """Compiled passes over the region's entry records: each key's hash and each record's sum, for a
 whole table at recovery or a job's records at once; recovery's judgment of every READY record on
-its own, then of the sound ones against each other; a job's new records and its column writes;
+its own, then of the sound ones against each other; a job's new records, its column writes and
+its commit's sealing pass (tick, record sum, then state); a count of the records in a state;
 entries' keys as blobs for the KV events log (``kvtierd._native``, bound here to the record
 layout of ``region_format``).
 
@@ -16,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from ._native import count_state as _count_state
 from ._native import fill as _fill
 from ._native import judge_ready as _judge_ready
 from ._native import judge_related as _judge_related
@@ -23,6 +25,7 @@ from ._native import key_blob as _key_blob
 from ._native import key_hashes as _key_hashes
 from ._native import new_records as _new_records
 from ._native import record_sums as _record_sums
+from ._native import seal_records as _seal_records
 from .contract.protocol import MAX_KEY_BYTES
 from .contract.region_format import CHAIN_END, ENTRY_DTYPE, TICK_LIMIT, EntryState
 from .contract.region_sums import ENTRY_SUMMED
@@ -32,6 +35,8 @@ _KEY_LEN_AT = ENTRY_DTYPE.fields["key_len"][1]
 _KEY_AT = ENTRY_DTYPE.fields["key"][1]
 _FIRST_PAGE_AT = ENTRY_DTYPE.fields["first_page"][1]
 _TICK_AT = ENTRY_DTYPE.fields["tick"][1]
+_STATE_AT = ENTRY_DTYPE.fields["state"][1]
+_SEAL_LAYOUT = tuple(ENTRY_DTYPE.fields[name][1] for name in ("tick", "record_sum", "state"))
 _KEY_LAYOUT = (ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES)
 _LAYOUT = (ENTRY_DTYPE.itemsize, *(ENTRY_DTYPE.fields[name][1] for name in (
     "state", "key_len", "ns", "page_count", "first_page", "tick", "checksum", "key", "record_sum")))
@@ -52,6 +57,21 @@ def record_sums(view: RegionView, slots: np.ndarray, chains: np.ndarray, counts:
     ids = identities if isinstance(identities, int) else np.ascontiguousarray(identities, np.uint64)
     raw = _record_sums(view.entries, slots, np.ascontiguousarray(chains, np.uint32), counts, ids, ENTRY_SUMMED)
     return np.frombuffer(raw, np.uint64)
+
+
+def seal_records(view: RegionView, slots: np.ndarray, chains: np.ndarray, identity: int, tick: int,
+                 state: int) -> None:
+    """A write's records made whole, each in turn: ``tick``, its record sum (``record_sums`` with
+    chain row i of ``chains`` whole and namespace ``identity``), then ``state``, last — what
+    ``fill`` of the tick, ``record_sums`` into the column and ``fill`` of the state do in three
+    passes, in one (a 1,024-key job's commit reads its records once)."""
+    _seal_records(view.entries, slots, np.ascontiguousarray(chains, np.uint32), identity, ENTRY_SUMMED,
+                  *_SEAL_LAYOUT, tick, int(state))
+
+
+def count_state(view: RegionView, slots: np.ndarray, state: int) -> int:
+    """How many of the slots' records are in ``state`` (one pass, no gathered column)."""
+    return _count_state(view.entries, ENTRY_DTYPE.itemsize, slots, _STATE_AT, int(state))
 
 
 def fill(view: RegionView, slots: np.ndarray, name: str, value: int) -> None:

@@ -21,7 +21,10 @@ Every message is read part by part: a request is one frame, and the parts of a m
 message are dropped without being copied (``_drain``). Every op but hello is decoded by the
 compiled ``Requests`` from the protocol's specs; a frame it cannot prove well-formed goes to
 ``protocol.decode_request``, which names the fault. The loop's timers and the store's deadlines
-are looked at when due and at most every ``TEND_AFTER_REQUESTS`` while requests stream in. Each request comes with the connection it
+are looked at when due and at most every ``TEND_AFTER_REQUESTS`` while requests stream in; while
+requests alone come in, the loop polls the client socket and a plain descriptor for each other one
+(a ZMQ socket's ZMQ_FD), and goes back to the full poll the moment any other is ready
+(``_stream``). Each request comes with the connection it
 arrived on (``peers.Connections``: the peer's uid and pid, counted and capped per peer and in
 all); a session is tied to its connection and ends with it.
 
@@ -141,6 +144,7 @@ class Server:
         self.poller = zmq.Poller()
         self.sock: zmq.Socket | None = None
         self.admin: zmq.Socket | None = None
+        self._signals: dict[zmq.Socket, int] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.tier = store.tier
@@ -149,11 +153,11 @@ class Server:
         self.stream = stream if stream is not None else NoStream()
         for sock in self.stream.sockets():
             self.poller.register(sock, zmq.POLLIN)
-        watch = lambda fd: self.poller.register(fd, zmq.POLLIN)  # noqa: E731
-        self.sessions = SessionRegistry(store.detach, heartbeat_timeout, watch=watch, unwatch=self.poller.unregister,
+        self._watched = 0            # changes to the pidfds polled (``_watch``, ``_unwatch``; ``_stream``)
+        self.sessions = SessionRegistry(store.detach, heartbeat_timeout, watch=self._watch, unwatch=self._unwatch,
                                         clock=store.clock, fence=store.fence, max_sessions=max_sessions,
                                         max_sessions_per_peer=max_sessions_per_peer)
-        store.fence.watch_with(watch, self.poller.unregister)
+        store.fence.watch_with(self._watch, self._unwatch)
         self.connections = Connections(max_connections, max_connections_per_peer, self.sessions.disconnected)
         self.stopping = False
         self.started = time.time()
@@ -173,6 +177,9 @@ class Server:
         self.poller.register(self.sock, zmq.POLLIN)
         self.admin = self._bind(self.admin_socket_path, 0o177, None)        # 0600, daemon's user only
         self.poller.register(self.admin, zmq.POLLIN)
+        # Every ZMQ socket the loop watches but the client socket, by its ZMQ_FD (``_stream``).
+        self._signals = {s: s.get(zmq.FD) for s, _ in self.poller.sockets
+                         if isinstance(s, zmq.Socket) and s is not self.sock}
 
     def _bind(self, path: str, umask: int, gid: int | None, connections: Connections | None = None) -> zmq.Socket:
         check_socket_path(path)
@@ -196,6 +203,14 @@ class Server:
         if gid is not None:
             os.chown(path, -1, gid)
         return sock
+
+    def _watch(self, fd: int) -> None:
+        self.poller.register(fd, zmq.POLLIN)
+        self._watched += 1
+
+    def _unwatch(self, fd: int) -> None:
+        self.poller.unregister(fd)
+        self._watched += 1
 
     # ------------------------------------------------------------------ loop
     def request_stop(self) -> None:
@@ -260,10 +275,10 @@ class Server:
             timeout = max(0, min(1000, int((min(tend_at, next_tier, next_stream) - now) * 1000) + 1))
             events = dict(self.poller.poll(timeout))
             if len(events) == 1 and self.sock in events:
-                self._drain(self.sock, self.handle)
                 # Requests alone: a handler may have opened a job or a lease whose deadline comes
                 # before the next one ``_tend`` knew of, so it looks again within TEND_AFTER_REQUESTS.
                 tend_at = min(tend_at, now + TEND_AFTER_REQUESTS)
+                self._stream(min(tend_at, next_tier, next_stream))
                 continue
             tend_at = now                # anything else (a death, a connection, a call) may move a deadline
             if self._wake_r in events:
@@ -285,6 +300,32 @@ class Server:
             if self.admin in events:
                 self._drain(self.admin, self.handle_admin)
         self.close()
+
+    def _stream(self, until: float) -> None:
+        """Serve requests while they alone come in, until ``until`` (the loop's next timer).
+
+        Between two requests this polls the client socket and, for every other descriptor, a
+        plain file descriptor that is readable once it may have news: a pipe or pidfd itself, and
+        for a ZMQ socket its ZMQ_FD (``_signals``), which ZMQ makes readable when a command reaches
+        the socket — a message arriving after the loop read it dry is one. Anything but the client
+        socket ready (or spuriously signalled) hands back to the loop, which polls all of them and
+        sees to it first, so no descriptor waits longer than before (a request that makes the loop
+        watch a pidfd or let one go ends the turn: the loop polls anew). Why: each ZMQ socket in a poll
+        costs ZMQ a check of its mailbox (a syscall); the loop's five descriptors polled ~3 µs
+        slower than the client socket alone, per request (/tmp/pollmicro.py, 2-vCPU VM)."""
+        sock = self.sock
+        signals = self._signals
+        items = [(sock, zmq.POLLIN)]
+        items += [(signals.get(s, s), zmq.POLLIN) for s, _ in self.poller.sockets if s is not sock]
+        watched = self._watched
+        while True:
+            self._drain(sock, self.handle)
+            if self._watched != watched:
+                return
+            wait = until - time.monotonic()
+            ready = zmq.zmq_poll(items, max(0, int(wait * 1000))) if wait > 0 else ()
+            if len(ready) != 1 or ready[0][0] is not sock:
+                return
 
     def _tend(self, now: float) -> float:
         """The loop's timers — sd_notify's watchdog, the eviction pressure log, the heartbeat sweep,

@@ -60,6 +60,31 @@ done:
     return result;
 }
 
+/* any_held(pins, leases, slots) -> bool: whether any of the slots is held (pinned or leased), in
+ * one pass (NumPy's two gathers, compares and or: ~12 µs for an eviction's 1,024 victims). */
+PyObject *any_held(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "any_held(pins, leases, slots)"); return NULL; }
+    Py_buffer pins, leases;
+    Slots s;
+    if (counts_arg(args[0], &pins) < 0) return NULL;
+    if (counts_arg(args[1], &leases) < 0) { PyBuffer_Release(&pins); return NULL; }
+    PyObject *result = NULL;
+    if (slots_get(args[2], &s) < 0) goto done;
+    const uint32_t *p = pins.buf, *l = leases.buf;
+    Py_ssize_t n = pins.len / 4 < leases.len / 4 ? pins.len / 4 : leases.len / 4;
+    bool held = false;
+    for (Py_ssize_t i = 0; i < s.n; i++) {
+        if (s.v[i] < 0 || s.v[i] >= n) { PyErr_Format(PyExc_ValueError, "slot %d out of range", s.v[i]); break; }
+        held |= (p[s.v[i]] | l[s.v[i]]) != 0;
+    }
+    if (!PyErr_Occurred()) result = PyBool_FromLong(held);
+    slots_release(&s);
+done:
+    PyBuffer_Release(&pins);
+    PyBuffer_Release(&leases);
+    return result;
+}
+
 /* Whether the ``n`` bytes objects ``items`` are distinct: 1 or 0 (-1 with an exception: out of
  * memory). Each key is hashed on the way, and the bytes object keeps the hash for the key table. */
 int keys_distinct(PyObject *const *items, Py_ssize_t n) {

@@ -181,6 +181,9 @@ PyObject *judge_ready(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 PyObject *judge_related(PyObject *module, PyObject *const *args, Py_ssize_t nargs);      /* related.c */
 PyObject *fill(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *new_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *count_state(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *any_held(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 int keys_distinct(PyObject *const *items, Py_ssize_t n);    /* 1, 0, or -1 with an exception */

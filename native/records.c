@@ -318,3 +318,77 @@ done:
     PyBuffer_Release(&template);
     return result;
 }
+
+/* seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state): a
+ * write's records made whole in one pass, record by record: ``tick``, then the record sum (as
+ * record_sums gives it, with namespace ``identity`` and chain row i: n rows of uint32), then the
+ * one-byte ``state``, last (a record says READY only once it is complete). Replaces a column
+ * fill, record_sums, NumPy's scatter of the sums and a second fill: each of a 1,024-key job's
+ * records is read from memory once, not three times. */
+PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state)");
+        return NULL;
+    }
+    uint64_t identity = PyLong_AsUnsignedLongLongMask(args[3]);
+    Py_ssize_t tick_at = PyLong_AsSsize_t(args[5]), sum_at = PyLong_AsSsize_t(args[6]),
+               state_at = PyLong_AsSsize_t(args[7]);
+    uint64_t tick = PyLong_AsUnsignedLongLongMask(args[8]);
+    long state = PyLong_AsLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer records = {0}, chains = {0};
+    Slots s = {0};
+    Words mask = {0};
+    PyObject *result = NULL;
+    if (words_get(args[4], &mask) < 0) return NULL;
+    Py_ssize_t rec_words = mask.n, rec_bytes = rec_words * 8;
+    if (PyObject_GetBuffer(args[2], &chains, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0) goto done;
+    if (rows_get(args[0], args[1], rec_bytes, &records, &s) < 0) goto done;
+    Py_ssize_t n = s.n, width = chains.ndim == 2 ? chains.shape[1] : (n ? chains.len / 4 / n : 0);
+    if (chains.itemsize != 4 || (n && chains.len != n * width * 4) || tick_at < 0 || tick_at + 8 > rec_bytes ||
+        sum_at < 0 || sum_at + 8 > rec_bytes || state_at < 0 || state_at >= rec_bytes || state < 0 || state > 255) {
+        PyErr_SetString(PyExc_ValueError, "seal_records: one uint32 chain row per slot, fields within the record");
+        goto done;
+    }
+    uint8_t *base = records.buf, state_byte = (uint8_t)state;
+    const uint32_t *links = chains.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint8_t *rec = base + (Py_ssize_t)s.v[i] * rec_bytes;
+        memcpy(rec + tick_at, &tick, 8);
+        uint64_t sum = record_sum(rec, mask.v, rec_words, identity, links + i * width, width);
+        memcpy(rec + sum_at, &sum, 8);
+        __atomic_signal_fence(__ATOMIC_RELEASE);     /* the state byte is written after the rest */
+        rec[state_at] = state_byte;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (records.obj) { slots_release(&s); PyBuffer_Release(&records); }
+    if (chains.obj) PyBuffer_Release(&chains);
+    words_release(&mask);
+    return result;
+}
+
+/* count_state(records, record_bytes, slots, state_at, state) -> int: how many of the slots' records
+ * hold the one-byte ``state`` (NumPy's gather of the strided column, compare and count: ~6 µs for
+ * a job's 1,024 records, against one pass here). */
+PyObject *count_state(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "count_state(records, record_bytes, slots, state_at, state)"); return NULL; }
+    Py_ssize_t rec_bytes = PyLong_AsSsize_t(args[1]), state_at = PyLong_AsSsize_t(args[3]);
+    long state = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (state_at < 0 || state_at >= rec_bytes) {
+        PyErr_SetString(PyExc_ValueError, "count_state: the field does not fit its record");
+        return NULL;
+    }
+    Py_buffer records;
+    Slots s;
+    if (rows_get(args[0], args[2], rec_bytes, &records, &s) < 0) return NULL;
+    const uint8_t *base = records.buf;
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < s.n; i++) count += base[(Py_ssize_t)s.v[i] * rec_bytes + state_at] == state;
+    slots_release(&s);
+    PyBuffer_Release(&records);
+    return PyLong_FromSsize_t(count);
+}

@@ -1,6 +1,6 @@
 """kvtierd._native's whole-request passes: ``keys_ok`` (the daemon's faster proof that a keys field
 is valid) says True exactly when the protocol's own check accepts, and decoding with it gives the
-same message or the same error; ``hold`` counts holds as the index's NumPy passes did."""
+same message or the same error; ``hold`` counts holds as the index's NumPy passes did, and ``any_held`` says what they said."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtierd._native import hold, keys_ok
+from kvtierd._native import any_held, hold, keys_ok
 from kvtierd.contract import protocol as P
 from kvtierd.contract.protocol import MAX_KEYS_PER_REQUEST, MAX_KEY_BYTES, RequestError
 
@@ -85,3 +85,15 @@ def test_hold_counts_holds_and_names_the_slots_that_change_hands():
     assert mine.tolist() == [0, 1, 0, 0, 1, 0, 0, 0]                                # (refused: nothing changed)
     with pytest.raises(ValueError, match="out of range"):
         hold(mine, other, np.array([8], np.int32), 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(pins=st.lists(st.integers(0, 2), min_size=1, max_size=12), data=st.data())
+def test_any_held_says_whether_numpy_finds_a_hold(pins, data):
+    n = len(pins)
+    leases = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+    slots = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=n)), np.int32)
+    p, l = np.array(pins, np.uint32), np.array(leases, np.uint32)
+    assert any_held(p, l, slots) == bool(((p[slots] != 0) | (l[slots] != 0)).any())
+    with pytest.raises(ValueError, match="out of range"):
+        any_held(p, l, np.array([n], np.int32))

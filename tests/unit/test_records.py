@@ -12,7 +12,7 @@ from kvtierd.contract.protocol import MAX_KEY_BYTES
 from kvtierd.contract.region_format import ENTRY_DTYPE, Geometry
 from kvtierd.contract.region_sums import entry_record_sums
 from kvtierd.contract.region_view import RegionView
-from kvtierd.records import fill, key_hashes, key_runs, keys_of, new_records, record_sums
+from kvtierd.records import count_state, fill, key_hashes, key_runs, keys_of, new_records, record_sums, seal_records
 
 
 def random_view(seed: int, slots: int) -> RegionView:
@@ -36,6 +36,23 @@ def test_record_sums_are_the_formats(seed, width, per_slot, whole):
     records = view.entries.view(np.uint8).reshape(40, ENTRY_DTYPE.itemsize)[slots]
     want = entry_record_sums(records, chains, counts, ids)
     assert record_sums(view, slots, chains, counts, ids).tolist() == want.tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), width=st.integers(1, 9), tick=st.integers(0, 2**64 - 1),
+       state=st.integers(0, 255))
+def test_seal_records_is_the_tick_the_formats_sum_and_the_state(seed, width, tick, state):
+    view = random_view(seed, 40)
+    rng = np.random.default_rng(seed + 1)
+    slots = rng.choice(40, 25, replace=False).astype(np.int32)         # a write's slots are distinct
+    chains = rng.integers(0, 2**32, (25, width), dtype=np.uint64).astype(np.uint32)
+    identity = int(rng.integers(0, 2**63))
+    want = view.entries.copy()
+    want["tick"][slots] = tick
+    want["record_sum"][slots] = entry_record_sums(want.view(np.uint8).reshape(40, -1)[slots], chains, None, identity)
+    want["state"][slots] = state
+    seal_records(view, slots, chains, identity, tick, state)
+    assert view.entries.tobytes() == want.tobytes()        # those fields of those records, nothing else
 
 
 def test_key_hashes_are_pythons_hash_of_each_key():
@@ -64,6 +81,17 @@ def test_fill_writes_one_field_of_each_slot_as_numpy_would(seed, name, value):
     want[name][slots] = value & ((1 << (8 * kind.itemsize)) - 1)
     fill(view, slots, name, value)
     assert view.entries.tobytes() == want.tobytes()          # that field of those records, nothing else
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), states=st.integers(1, 4), count=st.integers(0, 40))
+def test_count_state_counts_as_numpy_would(seed, states, count):
+    view = random_view(seed, 40)
+    rng = np.random.default_rng(seed)
+    view.entries["state"] = rng.integers(0, states, 40)        # few states: many records share each
+    slots = rng.choice(40, count, replace=True).astype(np.int32)
+    for state in range(states + 1):
+        assert count_state(view, slots, state) == int(np.count_nonzero(view.entries["state"][slots] == state))
 
 
 @settings(max_examples=40, deadline=None)
