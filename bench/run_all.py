@@ -587,8 +587,8 @@ every batch off its socket without decoding it (as a router's socket read; what 
 with the events is its own cost), and from the latency run on it decodes each batch's last event
 and skips the others undecoded. In isolation (`kvtierbench/events.py`: the event log and the publisher in the bench
 process, one subscriber process): CPU per key of appending a store job's keys to the log and of
-publishing them, against packing the same events as one msgpack map per key; append to
-subscriber with a flush after each append; 200,000 blocks/s with this process's memory.""",
+publishing them, against msgpack packing the same events (their hashes converted in Python);
+append to subscriber with a flush after each append; 200,000 blocks/s with this process's memory.""",
     "policy": """`kvtierctl bench policy --trace FILE`: each Mooncake-format trace replayed, per policy and
 capacity, through a fresh daemon (`--policy NAME`, `PYTHONHASHSEED` fixed) whose region holds
 exactly that many one-page blocks: per request a lookup, a load of the hit prefix, a store of the

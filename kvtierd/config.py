@@ -289,9 +289,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kv_events_hwm", "int", "100000", "ZMQ high-water mark of the stream's PUB socket: batches queued per "
             "subscriber before ZMQ drops them (the subscriber sees the gap and asks the replay socket).", lo=1,
             hi=1 << 24),
-    Setting("kv_events_flush_ms", "float", "2", "Milliseconds between the stream's batches while blocks change: "
+    Setting("kv_events_flush_ms", "float", "5", "Milliseconds between the stream's batches while blocks change: "
             "what became READY and what left meanwhile goes out as one batch per namespace (fewer, larger batches "
-            "cost the loop less per block).", lo=0, hi=1000),
+            "cost the loop less per block; a block's event waits up to this long).", lo=0, hi=1000),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

@@ -7,16 +7,19 @@ by the KV-cache group index (4 bytes, big-endian). An event names the block as v
 (``maybe_convert_block_hash``): the hash's last 8 bytes as an unsigned integer by default
 (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), or the hash's bytes (``HashForm.BYTES``).
 
-The events are the ones vLLM's OffloadingConnector publishes for its CPU tier when
-self-describing events are off (its default): one ``BlockStored`` per key (no tokens, no parent,
-``block_size`` 0, medium "CPU", the group index), one ``BlockRemoved`` per group with its hashes,
-and ``AllBlocksCleared``. The bytes are msgspec's for the same structs (tests/vllm/
+The events say what vLLM's OffloadingConnector says of its CPU tier when self-describing events
+are off (its default) — no tokens, no parent, ``block_size`` 0, medium "CPU", the group index —
+with one event per KV-cache group of a record's keys where the connector sends one BlockStored
+per key: ``BlockStored`` and ``BlockRemoved`` each name a group's hashes in order, and
+``AllBlocksCleared``. vLLM's decoder reads either, and a router indexes every hash of the list
+either way; one event per group is ~9 bytes a key on the wire instead of ~127, which the
+daemon, its ZMQ I/O thread and every subscriber write, copy and read (0.3.2 sent one per key; the
+CHANGELOG says how to move). The bytes are msgspec's for the same structs (tests/vllm/
 test_kvevents.py compares them; tests/unit/test_kvevents_wire.py compares them with msgpack's
 packing of the same maps): a batch's events are written in one compiled pass over its key blobs
-(``kvtierd._native.kv_events``), each hash and group in msgpack's shortest form between the fixed
-bytes of its map, which come from msgpack here (the templates): ~10 ns per BlockStored, where
-NumPy's fixed-width rows and the Python around them took ~90-250 ns (kvtierbench ``events``,
-publish ns/key), and short hashes (< 8 bytes, int form) made them fail.
+(``kvtierd._native.kv_events``), which counts the groups as it goes (the batch's array header
+says how many events follow), each hash in msgpack's shortest form: ~2.6 ns a key with the
+blobs in cache, where NumPy's fixed-width rows and the Python around them took ~90-250 ns.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import struct
 
 import msgpack
 
-from ._native import kv_events, kv_groups
+from ._native import kv_events
 
 MEDIUM = "CPU"
 GROUP_BYTES = 4
@@ -38,8 +41,8 @@ class HashForm(str, enum.Enum):
     BYTES = "bytes"    # the hash as it is
 
 
-def _stored_map(block_hash, group: int) -> dict:
-    return {"type": "BlockStored", "block_hashes": [block_hash], "parent_block_hash": None, "token_ids": [],
+def _stored_map(hashes: list, group: int) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": [],
             "block_size": 0, "lora_id": None, "medium": MEDIUM, "lora_name": None, "group_idx": group}
 
 
@@ -66,55 +69,49 @@ def _template(mapping: dict, header: bytes | None = None, array: bool = False) -
     return raw[:at_hash - 1 if array else at_hash], raw[at_hash + 1:at_group], raw[at_group + 1:]
 
 
-_STORED_TEMPLATE = _template(_stored_map(None, 127), _STORED_HEADER)
+_STORED_TEMPLATE = _template(_stored_map([None], 127), _STORED_HEADER, array=True)
 _REMOVED_TEMPLATE = _template(_removed_map([None], 127), array=True)
 _ALL_CLEARED = _pack({"type": "AllBlocksCleared"})
 
 
 class Batch:
-    """One KVEventBatch being put together: events appended in order, their bytes written once,
-    by ``payload``. It keeps the blobs it was given (not the encoded bytes: 36 bytes a vLLM key
-    rather than ~127), so that holding it for a replay costs the keys' bytes, and ``payload``
-    gives the same bytes again."""
+    """One KVEventBatch being put together: events appended in order, their bytes written by
+    ``encode``. It keeps the blobs it was given (not the encoded bytes: 36 bytes a vLLM key
+    rather than ~127), so that holding it for a replay costs the keys' bytes, and ``encode``
+    gives the same bytes again. How many events it makes is known once encoded (a removal makes
+    one per KV-cache group, counted as the bytes are written: a pass over the keys the daemon's
+    loop does not make)."""
 
     def __init__(self, form: HashForm = HashForm.INT):
         self.form = form
-        self.count = 0                    # events
         self.nbytes = 0                   # bytes it holds (the blobs and packed parts)
-        self._parts: list = []            # bytes as they are, or (kind, key length, blob, events) for kv_events
+        self._parts: list = []            # bytes as they are, or (kind, key length, blob) for kv_events
 
     def stored(self, key_len: int, blob: bytes) -> None:
         """One BlockStored per key of the blob, in order."""
         if key_len > GROUP_BYTES and blob:
-            count = len(blob) // key_len
-            self._add(count, (_STORED, key_len, blob, count), len(blob))
+            self._add((_STORED, key_len, blob), len(blob))
 
     def removed(self, key_len: int, blob: bytes) -> None:
         """One BlockRemoved per KV-cache group of the blob's keys (in the order the groups first
         come), with their hashes in order."""
         if key_len > GROUP_BYTES and blob:
-            count = kv_groups(blob, key_len)
-            self._add(count, (_REMOVED, key_len, blob, count), len(blob))
+            self._add((_REMOVED, key_len, blob), len(blob))
 
     def all_cleared(self) -> None:
-        self._add(1, _ALL_CLEARED, len(_ALL_CLEARED))
+        self._add(_ALL_CLEARED, len(_ALL_CLEARED))
 
-    def _add(self, count: int, part, nbytes: int) -> None:
-        self.count += count
+    def _add(self, part, nbytes: int) -> None:
         self.nbytes += nbytes
         self._parts.append(part)
 
-    def payload(self, ts: float, dp_rank: int | None = 0) -> bytes:
-        """The KVEventBatch [ts, [events...], data_parallel_rank]. The daemon's stream says
-        data-parallel rank 0, as a vLLM engine without data parallelism does."""
-        head = b"\x93\xcb" + struct.pack(">d", ts) + _array_header(self.count)
-        return kv_events(head, self._parts, _pack(dp_rank), self.form is HashForm.INT, _STORED_TEMPLATE,
-                         _REMOVED_TEMPLATE)
+    def __bool__(self) -> bool:
+        """Whether it has an event."""
+        return bool(self._parts)
 
-
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes([0x90 | n])
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
+    def encode(self, ts: float, dp_rank: int | None = 0) -> tuple[bytes, int]:
+        """(the KVEventBatch [ts, [events...], data_parallel_rank], how many events). The daemon's
+        stream says data-parallel rank 0, as a vLLM engine without data parallelism does. Most of
+        it runs without the GIL."""
+        return kv_events(b"\x93\xcb" + struct.pack(">d", ts), self._parts, _pack(dp_rank), self.form is HashForm.INT,
+                         _STORED_TEMPLATE, _REMOVED_TEMPLATE)

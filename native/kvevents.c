@@ -8,9 +8,10 @@
 #include <string.h>
 
 #define GROUP_BYTES 4
+#define PREFETCH_AHEAD 8
 
 typedef struct {
-    const uint8_t *before, *middle, *after;       /* around the hash (or hash array), then the group */
+    const uint8_t *before, *middle, *after;       /* around the hash array, then the group */
     Py_ssize_t before_n, middle_n, after_n;
 } Template;
 
@@ -53,17 +54,34 @@ static inline uint64_t int_hash(const uint8_t *key, Py_ssize_t hash_len) {
     return be_value(key, hash_len);
 }
 
-static inline Py_ssize_t hash_size(const Form *f, const uint8_t *key, Py_ssize_t hash_len) {
-    if (f->int_hash) return uint_size(int_hash(key, hash_len));
-    return (hash_len < 256 ? 2 : 3) + hash_len;
-}
-
 static inline uint8_t *put_hash(const Form *f, uint8_t *p, const uint8_t *key, Py_ssize_t hash_len) {
     if (f->int_hash) return put_uint(p, int_hash(key, hash_len));
     if (hash_len < 256) { *p++ = 0xc4; *p++ = (uint8_t)hash_len; }
     else { *p++ = 0xc5; p = put_be(p, (uint64_t)hash_len, 2); }
     memcpy(p, key, (size_t)hash_len);
     return p + hash_len;
+}
+
+/* The hashes of a run of keys, each in msgpack's shortest form; ``order``: the keys' positions in
+ * the blob, NULL for the blob's keys in order. The usual int hash (from 2**32 up) is a uint64's 9
+ * bytes written at once. */
+static uint8_t *put_hashes(const Form *f, uint8_t *p, const uint8_t *blob, Py_ssize_t key_len,
+                           const Py_ssize_t *order, Py_ssize_t n) {
+    Py_ssize_t hash_len = key_len - GROUP_BYTES;
+    bool wide = f->int_hash && hash_len >= 8;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *key = blob + (order ? order[i] : i) * key_len;
+        uint64_t h = wide ? int_hash(key, hash_len) : 0;
+        if (h >> 32) {
+            uint64_t be = __builtin_bswap64(h);
+            *p = 0xcf;
+            memcpy(p + 1, &be, 8);
+            p += 9;
+        } else {
+            p = put_hash(f, p, key, hash_len);
+        }
+    }
+    return p;
 }
 
 static inline Py_ssize_t array_header_size(Py_ssize_t n) { return n < 16 ? 1 : n < 1 << 16 ? 3 : 5; }
@@ -85,9 +103,20 @@ static inline uint64_t group_of(const uint8_t *key, Py_ssize_t key_len) {
  * its group's run: ``order`` lists the keys group by group (each group's keys in blob order).
  * A small open-addressing map of groups keeps it one pass whatever the keys (a namespace's keys
  * need not be vLLM's: every key may have a group of its own). Returns the group count, -1 on no
- * memory. ``groups``, ``counts`` and ``order`` hold n entries each. */
+ * memory. ``groups``, ``counts`` and ``order`` hold n entries each; ``order`` is left unwritten
+ * when the keys are one group (the blob's order is theirs). */
 static Py_ssize_t group_runs(const uint8_t *blob, Py_ssize_t key_len, Py_ssize_t n, uint64_t *groups,
                              Py_ssize_t *counts, Py_ssize_t *order) {
+    /* The usual blob, one vLLM engine's keys of one KV-cache group: one run, no map (the map's
+     * allocation and a probe per key were ~12 µs of a 1,024-key removal's ~20). */
+    Py_ssize_t same = 0;
+    uint64_t first = n ? group_of(blob, key_len) : 0;
+    while (same < n && group_of(blob + same * key_len, key_len) == first) same++;
+    if (same == n) {                               /* ``order`` unused: the blob's order */
+        groups[0] = first;
+        counts[0] = n;
+        return n ? 1 : 0;
+    }
     Py_ssize_t cap = 16;
     while (cap < 2 * n) cap <<= 1;
     Py_ssize_t *table = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)cap), *which = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
@@ -111,9 +140,11 @@ static Py_ssize_t group_runs(const uint8_t *blob, Py_ssize_t key_len, Py_ssize_t
 }
 
 typedef struct {
-    int kind;                 /* 0: BlockStored per key; 1: BlockRemoved per group; 2: bytes as they are */
+    int kind;                 /* 0: BlockStored, 1: BlockRemoved, per group; 2: bytes as they are (one event) */
     Py_ssize_t key_len, n;
-    Py_ssize_t events;        /* kind 1: its groups, as kv_groups counted them (a bound: never fewer) */
+    Py_ssize_t events;        /* kinds 0 and 1: its groups (group_runs); kind 2: 1 */
+    uint64_t *groups;         /* kinds 0 and 1: the group runs (n entries each, in kv_events' arrays) */
+    Py_ssize_t *counts, *order;
     Py_buffer blob;
 } Part;
 
@@ -123,59 +154,23 @@ static Py_ssize_t part_bound(const Form *f, const Part *part) {
     const Template *t = part->kind == 0 ? &f->stored : &f->removed;
     Py_ssize_t hash_most = f->int_hash ? 9 : part->key_len - GROUP_BYTES + 3;
     /* per key its hash; per event the template, an array header and a group */
-    return part->n * hash_most + (part->kind == 0 ? part->n : part->events) * (t->before_n + t->middle_n + t->after_n + 10);
+    return part->n * hash_most + part->events * (t->before_n + t->middle_n + t->after_n + 10);
 }
 
-static uint8_t *put_part(const Form *f, uint8_t *p, const Part *part, uint64_t *groups, Py_ssize_t *counts,
-                         Py_ssize_t *order) {
+static uint8_t *put_part(const Form *f, uint8_t *p, const Part *part) {
     const uint8_t *blob = part->blob.buf;
-    Py_ssize_t hash_len = part->key_len - GROUP_BYTES;
     if (part->kind == 2) {
         memcpy(p, blob, (size_t)part->blob.len);
         return p + part->blob.len;
     }
-    if (part->kind == 0) {
-        const Template *t = &f->stored;
-        /* The common key (an int hash from 2**32 up, a group below 128: every event the same width)
-         * is one whole-row copy and two stores: half the time of the general path. */
-        uint8_t row[512];
-        Py_ssize_t row_n = t->before_n + 9 + t->middle_n + 1 + t->after_n;
-        bool rows = f->int_hash && hash_len >= 8 && row_n <= (Py_ssize_t)sizeof(row);
-        if (rows) {
-            memcpy(row, t->before, (size_t)t->before_n);
-            row[t->before_n] = 0xcf;
-            memcpy(row + t->before_n + 9, t->middle, (size_t)t->middle_n);
-            memcpy(row + row_n - t->after_n, t->after, (size_t)t->after_n);
-        }
-        for (Py_ssize_t i = 0; i < part->n; i++) {
-            const uint8_t *key = blob + i * part->key_len;
-            uint64_t h = rows ? int_hash(key, hash_len) : 0, g = rows ? group_of(key, part->key_len) : 0;
-            if (rows && h >> 32 && g < 128) {
-                memcpy(p, row, (size_t)row_n);
-                put_be(p + t->before_n + 1, h, 8);
-                p[t->before_n + 9 + t->middle_n] = (uint8_t)g;
-                p += row_n;
-                continue;
-            }
-            memcpy(p, t->before, (size_t)t->before_n);
-            p = put_hash(f, p + t->before_n, key, hash_len);
-            memcpy(p, t->middle, (size_t)t->middle_n);
-            p = put_uint(p + t->middle_n, group_of(key, part->key_len));
-            memcpy(p, t->after, (size_t)t->after_n);
-            p += t->after_n;
-        }
-        return p;
-    }
-    const Template *t = &f->removed;
-    Py_ssize_t groups_n = group_runs(blob, part->key_len, part->n, groups, counts, order);
-    if (groups_n < 0) { PyErr_NoMemory(); return NULL; }
-    if (groups_n > part->events) return NULL;
-    for (Py_ssize_t g = 0, at = 0; g < groups_n; g++) {
+    const Template *t = part->kind == 0 ? &f->stored : &f->removed;
+    for (Py_ssize_t g = 0, at = 0; g < part->events; g++) {
         memcpy(p, t->before, (size_t)t->before_n);
-        p = put_array_header(p + t->before_n, counts[g]);
-        for (Py_ssize_t j = 0; j < counts[g]; j++, at++) p = put_hash(f, p, blob + order[at] * part->key_len, hash_len);
+        p = put_array_header(p + t->before_n, part->counts[g]);
+        p = put_hashes(f, p, blob, part->key_len, part->events == 1 ? NULL : part->order + at, part->counts[g]);
+        at += part->counts[g];
         memcpy(p, t->middle, (size_t)t->middle_n);
-        p = put_uint(p + t->middle_n, groups[g]);
+        p = put_uint(p + t->middle_n, part->groups[g]);
         memcpy(p, t->after, (size_t)t->after_n);
         p += t->after_n;
     }
@@ -194,12 +189,13 @@ static int template_get(PyObject *obj, Template *t) {
     return 0;
 }
 
-/* kv_events(head, parts, tail, int_hash, stored, removed) -> bytes: head, then each part's events,
- * then tail. A part is bytes (written as they are) or (kind, key_len, blob, events): kind 0 one
- * BlockStored per key, kind 1 one BlockRemoved per group of the keys (groups in the order they
- * first come; ``events``: how many, from kv_groups).
- * ``stored``/``removed``: (before, middle, after) templates around the hash (removed: the hash
- * array) and the group. Keys are longer than their 4-byte group (the caller skips others). */
+/* kv_events(head, parts, tail, int_hash, stored, removed) -> (bytes, events): head, an array
+ * header for the events, each part's events, then tail. A part is bytes (one event, written as
+ * it is) or (kind, key_len, blob): kind 0 one BlockStored, kind 1 one BlockRemoved, per group of
+ * the keys (groups in the order they first come, a group's hashes in blob order). The groups are
+ * counted first (the array header says how many events follow), then the bytes written.
+ * ``stored``/``removed``: (before, middle, after) templates around the hash array and the
+ * group. Keys are longer than their 4-byte group (the caller skips others). */
 PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "kv_events(head, parts, tail, int_hash, stored, removed)");
@@ -212,7 +208,8 @@ PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     }
     f.int_hash = PyObject_IsTrue(args[3]);
     if (template_get(args[4], &f.stored) < 0 || template_get(args[5], &f.removed) < 0) return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, most = 0, size = PyBytes_GET_SIZE(args[0]) + PyBytes_GET_SIZE(args[2]);
+    Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, keys = 0, events = 0;
+    Py_ssize_t head_n = PyBytes_GET_SIZE(args[0]), tail_n = PyBytes_GET_SIZE(args[2]);
     Part *parts = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Part));
     PyObject *out = NULL;
     uint64_t *groups = NULL;
@@ -224,7 +221,7 @@ PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
         if (PyBytes_Check(item)) {
             part->kind = 2;
             blob = item;
-        } else if (!PyArg_ParseTuple(item, "inOn", &part->kind, &part->key_len, &blob, &part->events)) {
+        } else if (!PyArg_ParseTuple(item, "inO", &part->kind, &part->key_len, &blob)) {
             goto done;
         }
         if (PyObject_GetBuffer(blob, &part->blob, PyBUF_SIMPLE) < 0) goto done;
@@ -235,28 +232,39 @@ PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
                 goto done;
             }
             part->n = part->blob.len / part->key_len;
-            if (part->kind == 1 && part->n > most) most = part->n;
+            keys += part->n;
         }
     }
-    groups = PyMem_Malloc(sizeof(uint64_t) * (size_t)(most ? most : 1));
-    counts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(most ? most : 1));
-    order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(most ? most : 1));
+    groups = PyMem_Malloc(sizeof(uint64_t) * (size_t)(keys ? keys : 1));
+    counts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(keys ? keys : 1));
+    order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(keys ? keys : 1));
     if (!groups || !counts || !order) { PyErr_NoMemory(); goto done; }
-    for (Py_ssize_t i = 0; i < count; i++) size += part_bound(&f, &parts[i]);
-    out = PyBytes_FromStringAndSize(NULL, size);
-    if (out == NULL) goto done;
-    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(out), *p = start;
-    memcpy(p, PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]));
-    p += PyBytes_GET_SIZE(args[0]);
-    for (Py_ssize_t i = 0; i < count && p != NULL; i++) p = put_part(&f, p, &parts[i], groups, counts, order);
-    if (p == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "kv_events: a removed part has more groups than it says");
-        Py_CLEAR(out);
-        goto done;
+    Py_ssize_t size = head_n + 5 + tail_n;
+    for (Py_ssize_t i = 0, at = 0; i < count; i++) {
+        Part *part = &parts[i];
+        part->events = 1;
+        if (part->kind != 2) {
+            part->groups = groups + at;
+            part->counts = counts + at;
+            part->order = order + at;
+            at += part->n;
+            part->events = group_runs(part->blob.buf, part->key_len, part->n, part->groups, part->counts, part->order);
+            if (part->events < 0) { PyErr_NoMemory(); goto done; }
+        }
+        events += part->events;
+        size += part_bound(&f, part);
     }
-    memcpy(p, PyBytes_AS_STRING(args[2]), (size_t)PyBytes_GET_SIZE(args[2]));
-    p += PyBytes_GET_SIZE(args[2]);
-    _PyBytes_Resize(&out, p - start);          /* shrinks in place; on failure out is NULL, the error set */
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, size);
+    if (bytes == NULL) goto done;
+    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(bytes), *p = start;
+    const char *head = PyBytes_AS_STRING(args[0]), *tail = PyBytes_AS_STRING(args[2]);
+    memcpy(p, head, (size_t)head_n);
+    p = put_array_header(p + head_n, events);
+    for (Py_ssize_t i = 0; i < count; i++) p = put_part(&f, p, &parts[i]);
+    memcpy(p, tail, (size_t)tail_n);
+    p += tail_n;
+    if (_PyBytes_Resize(&bytes, p - start) == 0)       /* shrinks in place; on failure bytes is NULL, the error set */
+        out = Py_BuildValue("Nn", bytes, events);
 done:
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&parts[i].blob);
     PyMem_Free(parts);
@@ -264,35 +272,6 @@ done:
     PyMem_Free(counts);
     PyMem_Free(order);
     return out;
-}
-
-/* kv_groups(blob, key_len) -> int: how many distinct groups (a key's last 4 bytes) the blob's keys
- * have: the BlockRemoved events its removal makes. */
-PyObject *kv_groups(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Py_buffer blob;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "kv_groups(blob, key_len)");
-        return NULL;
-    }
-    Py_ssize_t key_len = PyLong_AsSsize_t(args[1]);
-    if (key_len == -1 && PyErr_Occurred()) return NULL;
-    if (PyObject_GetBuffer(args[0], &blob, PyBUF_SIMPLE) < 0) return NULL;
-    if (key_len <= GROUP_BYTES || blob.len % key_len) {
-        PyBuffer_Release(&blob);
-        PyErr_SetString(PyExc_ValueError, "kv_groups: whole keys longer than their group");
-        return NULL;
-    }
-    Py_ssize_t n = blob.len / key_len, distinct;
-    uint64_t *groups = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
-    Py_ssize_t *counts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1)),
-               *order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
-    distinct = groups && counts && order ? group_runs(blob.buf, key_len, n, groups, counts, order) : -1;
-    PyMem_Free(groups);
-    PyMem_Free(counts);
-    PyMem_Free(order);
-    PyBuffer_Release(&blob);
-    if (distinct < 0) return PyErr_NoMemory();
-    return PyLong_FromSsize_t(distinct);
 }
 
 /* key_blob(records, slots, record_bytes, key_len_at, key_at, max_key) -> (key_len, bytes) | None:
@@ -303,21 +282,30 @@ PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     KeyRows k;
     if (key_rows_get(args, nargs, "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key)", &k) < 0)
         return NULL;
-    Py_ssize_t len = -1;
     PyObject *out = NULL, *blob = NULL;
-    for (Py_ssize_t i = 0; i < k.slots.n; i++) {
-        Py_ssize_t n = key_row(&k, i)[k.at_len];
-        if (n > k.max_key) { PyErr_Format(PyExc_ValueError, "slot %d: key length %zd out of range", k.slots.v[i], n); goto done; }
-        if (len >= 0 && n != len) { out = Py_NewRef(Py_None); goto done; }
-        len = n;
+    Py_ssize_t len = k.slots.n ? key_row(&k, 0)[k.at_len] : 0, i = 0;
+    if (len <= k.max_key) blob = PyBytes_FromStringAndSize(NULL, k.slots.n * len);
+    if (blob != NULL) {
+        /* One pass, the blob written as the lengths are checked: the records are cold (a job's
+         * entries lie anywhere in the table), so each is read once, asked for a few ahead. */
+        uint8_t *p = (uint8_t *)PyBytes_AS_STRING(blob);
+        for (; i < k.slots.n; i++, p += len) {
+            if (i + PREFETCH_AHEAD < k.slots.n) {
+                __builtin_prefetch(key_row(&k, i + PREFETCH_AHEAD) + k.at_len);
+                __builtin_prefetch(key_row(&k, i + PREFETCH_AHEAD) + k.at_key + k.max_key - 1);
+            }
+            const uint8_t *row = key_row(&k, i);
+            if (row[k.at_len] != len) break;
+            memcpy(p, row + k.at_key, (size_t)len);
+        }
     }
-    if (len < 0) len = 0;
-    blob = PyBytes_FromStringAndSize(NULL, k.slots.n * len);
-    if (blob == NULL) goto done;
-    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(blob);
-    for (Py_ssize_t i = 0; i < k.slots.n; i++, p += len) memcpy(p, key_row(&k, i) + k.at_key, (size_t)len);
-    out = Py_BuildValue("nN", len, blob);
-done:
+    for (Py_ssize_t j = i; j < k.slots.n && !PyErr_Occurred(); j++) {   /* not one length: each in range? */
+        Py_ssize_t n = key_row(&k, j)[k.at_len];
+        if (n > k.max_key) PyErr_Format(PyExc_ValueError, "slot %d: key length %zd out of range", k.slots.v[j], n);
+    }
+    if (!PyErr_Occurred())
+        out = i == k.slots.n ? Py_BuildValue("nN", len, Py_NewRef(blob)) : Py_NewRef(Py_None);
+    Py_XDECREF(blob);
     key_rows_release(&k);
     return out;
 }

@@ -188,7 +188,6 @@ PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 int keys_distinct(PyObject *const *items, Py_ssize_t n);    /* 1, 0, or -1 with an exception */
 PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs);   /* kvevents.c */
-PyObject *kv_groups(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *xxh64(PyObject *module, PyObject *const *args, Py_ssize_t nargs);        /* checksum.c */
 PyObject *block_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

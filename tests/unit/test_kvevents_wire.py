@@ -22,18 +22,18 @@ def event_hash(key: bytes, form: wire.HashForm):
 
 
 def packed_events(kind: str, keys: list[bytes], form: wire.HashForm) -> list[bytes]:
-    """The obvious encoder: msgpack packs each event's map (BlockStored under msgspec's map16 header)."""
+    """The obvious encoder: msgpack packs each event's map (BlockStored under msgspec's map16
+    header), one event per KV-cache group of the keys, in the order the groups first come."""
     if kind == "cleared":
         return [_pack({"type": "AllBlocksCleared"})]
-    groups = [int.from_bytes(k[-4:], "big") for k in keys]
-    if kind == "stored":
-        return [b"\xde\x00\x09" + _pack({"type": "BlockStored", "block_hashes": [event_hash(k, form)],
-                                         "parent_block_hash": None, "token_ids": [], "block_size": 0, "lora_id": None,
-                                         "medium": "CPU", "lora_name": None, "group_idx": g})[1:]
-                for k, g in zip(keys, groups)]
     by_group: dict[int, list] = {}
-    for key, group in zip(keys, groups):
-        by_group.setdefault(group, []).append(event_hash(key, form))
+    for key in keys:
+        by_group.setdefault(int.from_bytes(key[-4:], "big"), []).append(event_hash(key, form))
+    if kind == "stored":
+        return [b"\xde\x00\x09" + _pack({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                                         "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU",
+                                         "lora_name": None, "group_idx": g})[1:]
+                for g, hashes in by_group.items()]
     return [_pack({"type": "BlockRemoved", "block_hashes": hashes, "medium": "CPU", "group_idx": g})
             for g, hashes in by_group.items()]
 
@@ -74,20 +74,18 @@ def test_a_batch_is_msgpacks_packing_of_its_events(form, ts, parts):
         else:
             getattr(batch, kind)(len(keys[0]), b"".join(keys))
         events += packed_events(kind, keys, form)
-    assert batch.count == len(events)
-    assert batch.payload(ts) == packed_batch(ts, events)
+    assert batch.encode(ts) == (packed_batch(ts, events), len(events))
 
 
 def test_a_batch_of_many_events_and_many_groups():
-    """Array headers past 16 and 65,536 events; a removal whose every key has a group of its own
-    (a namespace whose keys are not vLLM's)."""
+    """Array headers past 16 and 65,536 events; a store and a removal whose every key has a group
+    of its own (a namespace whose keys are not vLLM's)."""
     keys = [i.to_bytes(32, "big") + (i % 70_000).to_bytes(4, "big") for i in range(70_000)]
     batch = wire.Batch()
     batch.stored(36, b"".join(keys))
     batch.removed(36, b"".join(keys))
     events = packed_events("stored", keys, wire.HashForm.INT) + packed_events("removed", keys, wire.HashForm.INT)
-    assert batch.count == 70_000 * 2
-    assert batch.payload(1.5) == packed_batch(1.5, events)
+    assert batch.encode(1.5) == (packed_batch(1.5, events), 70_000 * 2)
 
 
 def test_keys_no_longer_than_their_group_make_no_event():
@@ -95,11 +93,11 @@ def test_keys_no_longer_than_their_group_make_no_event():
     batch.stored(4, b"abcd" * 3)
     batch.removed(4, b"abcd")
     batch.stored(36, b"")
-    assert batch.count == 0 and batch.payload(0.0) == packed_batch(0.0, [])
+    assert not batch and batch.encode(0.0) == (packed_batch(0.0, []), 0)
 
 
 def test_a_part_that_is_not_whole_keys_is_refused():
     with pytest.raises(ValueError):
-        wire.kv_events(b"", [(0, 36, b"x" * 37, 1)], b"", True, wire._STORED_TEMPLATE, wire._REMOVED_TEMPLATE)
+        wire.kv_events(b"", [(0, 36, b"x" * 37)], b"", True, wire._STORED_TEMPLATE, wire._REMOVED_TEMPLATE)
     with pytest.raises(ValueError):
-        wire.kv_groups(b"x" * 37, 36)
+        wire.kv_events(b"", [(1, 36, b"x" * 37)], b"", True, wire._STORED_TEMPLATE, wire._REMOVED_TEMPLATE)

@@ -138,3 +138,19 @@ def test_key_runs_are_the_keys_by_length_in_slot_order(seed, lengths, count):
         want[len(key)] = want.get(len(key), b"") + key
     assert key_runs(view, slots) == list(want.items())
     assert key_runs(view, slots.astype(np.int64)) == key_runs(view, slots)
+
+
+@pytest.mark.parametrize("bad_at", [0, 3, 5])
+@pytest.mark.parametrize("other_length", [False, True])
+def test_a_key_length_out_of_range_is_refused_wherever_it_is(bad_at, other_length):
+    """A record whose key length byte says more than a key can hold (a scribbled table) is an
+    error, not keys read past the key field: as the first record, after others of one length, or
+    after the lengths already differ."""
+    view = random_view(11, 40)
+    view.entries["key_len"][:] = 36
+    slots = np.arange(6, dtype=np.int32)
+    if other_length:
+        view.entries["key_len"][1] = 20
+    view.entries["key_len"][bad_at] = MAX_KEY_BYTES + 1
+    with pytest.raises(ValueError, match="out of range"):
+        key_runs(view, slots)

@@ -47,14 +47,15 @@ def event_id(key: bytes) -> tuple:
 
 
 def expected_events(keys: list[bytes], removed: bool) -> list:
-    """The events vLLM's OffloadingConnector publishes for these keys of its CPU tier (one
-    BlockStored per key; one BlockRemoved per group)."""
-    if not removed:
-        return [BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
-                            medium="CPU", lora_name=None, group_idx=g) for h, g in map(event_id, keys)]
+    """The events the daemon's stream publishes for these keys: what vLLM's OffloadingConnector
+    says of its CPU tier, one event per KV-cache group (the connector sends a BlockStored per key,
+    and a BlockRemoved per group)."""
     by_group: dict = {}
     for h, g in map(event_id, keys):
         by_group.setdefault(g, []).append(h)
+    if not removed:
+        return [BlockStored(block_hashes=hs, parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                            medium="CPU", lora_name=None, group_idx=g) for g, hs in by_group.items()]
     return [BlockRemoved(block_hashes=hs, medium="CPU", group_idx=g) for g, hs in by_group.items()]
 
 
@@ -67,17 +68,17 @@ def expected_events(keys: list[bytes], removed: bool) -> list:
 ])
 def test_the_batches_are_vllms_own_bytes_and_decode_with_its_decoder(form, keys, monkeypatch):
     """Stored, removed and cleared events of any keys are byte for byte what msgspec encodes for
-    vLLM's structs (the NumPy rows and the fallback packing alike), and vLLM's decoder reads them."""
+    vLLM's structs (any hash length, short int forms, any group), and vLLM's decoder reads them."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if form is wire.HashForm.INT else "0")
     blob = b"".join(keys)
     batch = wire.Batch(form)
     batch.stored(len(keys[0]), blob)
     batch.removed(len(keys[0]), blob)
     batch.all_cleared()
-    ours = bytes(batch.payload(12.5))
+    ours, count = batch.encode(12.5)
     events = expected_events(keys, False) + expected_events(keys, True) + [AllBlocksCleared()]
     theirs = KVEventBatch(ts=12.5, events=events, data_parallel_rank=0)
-    assert ours == msgspec.msgpack.encode(theirs)
+    assert ours == msgspec.msgpack.encode(theirs) and count == len(events)
     assert msgspec.msgpack.Decoder(type=KVEventBatch).decode(ours) == theirs
 
 
@@ -337,7 +338,7 @@ def test_vllms_own_publisher_and_ours_frame_the_same_way(tmp_path):
         _, topic, seq, payload = dealer.recv_multipart()
         ours = wire.Batch()
         ours.stored(36, b"".join(keys))
-        assert (topic, int.from_bytes(seq, "big"), payload) == (b"kv@x@m", 0, ours.payload(1.0))
+        assert (topic, int.from_bytes(seq, "big"), payload) == (b"kv@x@m", 0, ours.encode(1.0)[0])
         assert dealer.poll(5000) and dealer.recv_multipart()[2] == ZmqEventPublisher.END_SEQ
     finally:
         dealer.close(linger=0)
