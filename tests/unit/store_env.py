@@ -175,7 +175,10 @@ def reseal(view: RegionView, slot: int) -> None:
     written it: the damage then gets past the record checksum, to the checks behind it."""
     rec = view.entries[slot:slot + 1]
     chain = np.asarray([view.chain_of(slot)], dtype=np.uint32)
-    identity = namespace_identities(view.namespaces[int(rec["ns"][0]):int(rec["ns"][0]) + 1])
+    ns = int(rec["ns"][0])
+    if ns >= len(view.namespaces):                  # scribbled: no namespace to seal it under
+        raise IndexError(f"slot {slot}: namespace slot {ns} is outside the namespace table")
+    identity = namespace_identities(view.namespaces[ns:ns + 1])
     view.entries["record_sum"][slot] = entry_record_sums(rec, chain, None, identity)[0]
 
 
