@@ -313,24 +313,22 @@ latency, throughput and restart targets than a quiet one: the run before issue 1
 average of 0.4-1.6, met the 4-client lookup throughput (4.7e6 keys/s) and the restart (1.45 s)
 that this one, at 3-4, missed.
 
-- **Lookup of 256 keys, p50 against the echo; store+commit of 1,024.** Since 0.3.0 the index is
-  compiled (issue 22), since 0.3.1 a job's records are written in compiled passes, and since 0.3.2
-  every request but hello is decoded by one compiled pass from the protocol's specs (a 256-key
-  lookup's decode ~10 µs against ~15), replies go out in two plain sends instead of
-  `send_multipart` (whose enum flags cost 7-10 µs a reply), and the loop looks at its timers and
-  deadlines once per 5 ms while requests stream in. The echo floor sends as the daemon does, so
-  it got faster too (its round trip 122 µs in this page's run against 170-191 µs before): the
-  daemon's own 256-key lookup went from 246-258 µs to 164-172 µs, its ratio from 1.29-1.52x to
-  1.34-1.41x (two runs at load ~1.7-2). Server CPU per lookup, from /proc, with a probe that
-  alternates kvtierd, the same daemon answering lookups as the echo does, and the echo (each tree
-  with its own echo; /work/wt/probe/lkcpu.py): 0.3.2 1.22x and 1.15x the echo's round trip (load 1.4-3.1), 0.3.1 1.45x and 1.48x
-  (load 1.8-6.6). What is left of a lookup in-process (~20 µs against the echo's ~7.4 of msgpack):
-  the keys' bytes objects and hashes (~8 µs), the prefix pass, dispatch, the session, the reply;
-  at the socket the rest is the loop polling five descriptors where the echo polls one (~3 µs),
-  and the cache misses of doing more between two requests. A store+commit of 1,024 keys is spread
-  over some twenty compiled passes of 10-40 µs each (key table insert and find, the policy's
-  insert and victims, record sums, fills, the fence's marks), each mostly cache misses over a
-  large table; decoding its keys is ~12%.
+- **Lookup of 256 keys, p50 against the echo.** Since 0.3.0 the index is compiled (issue 22),
+  since 0.3.1 a job's records are written in compiled passes, since 0.3.2 every request but hello
+  is decoded by one compiled pass, replies go out in two plain sends and the loop tends its timers
+  once per 5 ms while requests stream in. 0.3.3 polls the client socket alone while requests
+  stream in (each ZMQ socket in a poll costs a mailbox check: 5 descriptors 5.5-5.9 µs a poll, one
+  socket 2.6-2.7) and takes a store+commit in fewer passes, which met the store+commit target
+  (2.73x in this page's run; 2.19, 2.60 and 2.39x in three more at load 2-8). Lookup of 256 keys:
+  1.33x in this page's run (the section rerun for 0.3.3 at a load average under 1; daemon 169 µs,
+  echo 127), 1.27, 1.28 and 1.31x in the three others.
+  The gap is per request, not per key: a 1-key lookup is 1.38x (142 µs against 103), 39 µs more,
+  about what a 256-key one adds (42 µs). In-process a lookup costs the daemon ~21 µs against the
+  echo's 7.5 µs of msgpack (~10.6 µs of it the decoder, ~4 µs of that siphash); at the socket the
+  daemon's CPU per request runs ~3x its in-process figure (the cache misses of doing more between
+  two requests), and a lookup reply's send measured 9.7 µs in the daemon against the echo's 5.9
+  with the same frames, not explained yet. A store+commit of 1,024 keys is spread over some
+  fifteen compiled passes, each mostly cache misses over a large table.
 - **CPU store+load against memcpy, small jobs.** The copy itself runs near memcpy speed (the CPU
   copier moves a block per `memmove` on a worker thread; timed alone it matches one-thread
   memcpy within noise, and a 1 GiB job's copy reaches 0.85-0.93x). What small jobs pay is four
@@ -435,32 +433,24 @@ that this one, at 3-4, missed.
   (load 7-10; in this page's run, load ~1, Mooncake measured 0.33x demote and 0.36x promote at
   64 KiB, Redis 0.67x and 0.60x).
 - **KV events: store throughput with the stream on against off.** Commit to subscriber (p99
-  2.7-7.1 ms; 0.3.0 in the same runs 5.4-6.4) and 200,000 blocks/s with memory flat are met (the
-  daemon's RssAnon in that run 110-116 MiB, 0.3.0's 154-165: no bytes object per logged key). On 0.3.0 the stream cost the daemon's
-  loop ~0.6-1.4 µs per stored key (CPU of the daemon on against off, B = 1,024 and 256): a bytes
-  object per key for the log (~50 µs a job of 256), NumPy's event rows and per-record arrays
-  (~45 µs a BlockRemoved), `send_multipart` (17 µs a batch); the bench's subscriber decoded every
-  event in Python (0.3-0.5 µs of the two CPUs per event). Now keys go from the entry records to
-  the wire as blobs, encoded by one compiled pass (native/kvevents.c, ~10 ns a BlockStored), and the
-  subscriber only reads the socket through the throughput slices, as a router does: the daemon's
-  extra CPU is ~0.05-0.2 µs per key at B = 1,024 and ~0.4-0.5 at B = 256, where what is left is
-  per job and per flush (the Recorder's Python, one batch every 2 ms). Alternating with 0.3.0 at a
-  load average of 2.6-3.8 (other work on the 2 CPUs): 0.735-0.924x at B = 256 and 0.817-0.917x at
-  B = 1,024, against 0.564-0.725x and 0.445-0.558x; one run at 0.619x and 0.643x when the other
-  work took 40% of the off daemon's throughput too. Nearly quiet (load 0.1-1.3), one pair:
-  0.885x and 0.873x against 0.647x and 0.679x, commit to subscriber p99 2.6 ms both. At load 3
-  the ratio moves with the machine more than with the code. 0.3.2 took out some Python per job and
-  per batch (the replay socket polled without building a poller, a namespace with nothing new
-  skipped, topics formatted once): 10-30% less extra daemon CPU per job with the stream on, which
-  the socket bench cannot tell apart from 0.3.1 (alternating pairs: 0.882/0.861x against
-  0.876/0.866x, 0.923/0.783x against 0.915/0.932x). What is left is mostly not Python: each batch's
-  PUB send wakes ZMQ's I/O thread (~25 µs of the loop a batch, whatever its size), the job's and
-  its eviction's keys are gathered from cold entry records (4-10 µs each at B = 256), and each key
-  is a BlockStored of ~125 bytes, as vLLM's own connector publishes an offloaded block (one per
-  key); the I/O thread and the subscriber share the 2 CPUs. Fewer bytes per key (a BlockStored
-  per run of keys, which vLLM's format allows but its connector does not do) or a longer flush
-  interval would each need deciding. This page's run (load ~2): 0.849x at B = 256 and 0.892x at
-  B = 1,024."""
+  5.7 ms with a batch every 5 ms) and 200,000 blocks/s with memory flat are met; the throughput
+  ratio is not: 0.879x (B = 256) and 0.907x (B = 1,024) in this page's run (the section rerun for
+  0.3.3 at a load average under 1), 0.970 and
+  0.948x, 0.929 and 0.887x in two earlier runs of this code. CPU per job, daemons alternating on a
+  quiet machine (/work/wt/probe/cpujob3.py): the stream adds 78 µs to a 256-key job (~15%) and 86
+  µs to a 1,024-key job (~10%), against 90 and 121 µs for 0.3.2 in the same run. 0.3.3 cut what
+  it could: one event per KV-cache group (~9 bytes a block on the wire instead of ~127), the
+  groups counted as the batch is written (no pass per record before), the common 8-byte hash
+  written at once, a job's keys gathered in one prefetched pass, a batch every 5 ms instead of 2.
+  What is left is touching memory, which on this VM costs ~1 ns a byte when cold (in-process,
+  thread time, 1,024-key jobs): per job the job's keys and its eviction's gathered from the entry
+  records (two cache lines a key: ~30 µs each) and the log's Python (~10-15 µs); per batch the
+  events written from blobs by then cold (~30 µs for two 1,024-key records), ZMQ's sends (~35
+  µs) and ~25 µs of Python. Measured and dropped: sending from a thread of its own (the GIL's
+  handoffs between the loop and the thread on 2 CPUs: 0.80x at B = 1,024), and writing each
+  record's events as the log appends it (the flush still paid for touching them, the appends
+  grew by more). Not tried: taking a store's keys from its request instead of its records
+  (~20-25 µs of a 1,024-key job's gather)."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
