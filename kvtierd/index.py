@@ -57,7 +57,7 @@ from .holds import Holder, Holds
 from .keytable import ALL_BITS, key_table
 from .namespaces import Namespace, Namespaces
 from .pages import FreeIds
-from .records import count_state, fill, key_runs, keys_of, new_records, record_sums, seal_records
+from .records import count_state, fill, key_run, key_runs, keys_of, new_records, record_sums, seal_records
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -380,6 +380,11 @@ class Index:
         """The entries' keys, a bytes object each (for those who name them: the second tier, the
         KV events log)."""
         return keys_of(self.view, slots)
+
+    def key_run(self, slots: np.ndarray) -> tuple[int, bytes, int] | None:
+        """The entries' keys as one (key length, blob, namespace slot), when they are of one length
+        and one namespace (the KV events log's usual case); None otherwise."""
+        return key_run(self.view, slots)
 
     def key_runs(self, slots: np.ndarray) -> list[tuple[int, bytes]]:
         """The entries' keys as (key length, blob) runs, one per distinct length (the KV events

@@ -274,37 +274,59 @@ done:
     return out;
 }
 
-/* key_blob(records, slots, record_bytes, key_len_at, key_at, max_key) -> (key_len, bytes) | None:
- * the keys of the records at ``slots``, one after another, when they all have one length (a vLLM
- * namespace's keys do); None when they do not (the caller splits them by length). One pass and
- * one bytes object: the event log keeps a job's keys as one blob. */
+/* key_blob(records, slots, record_bytes, key_len_at, key_at, max_key, ns_at) -> (key_len, bytes, ns) | None:
+ * the keys of the records at ``slots``, one after another, when they all have one length and one
+ * namespace (the u16 at ``ns_at``: one engine's entries, a vLLM namespace's keys all one length);
+ * None when they do not (the caller splits them). One pass and one bytes object: the event log
+ * keeps a job's keys as one blob, and the check that an eviction took one namespace's entries
+ * costs its observer no NumPy pass of its own. */
 PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    static const char usage[] = "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key, ns_at)";
+    if (nargs != 7) { PyErr_SetString(PyExc_TypeError, usage); return NULL; }
+    Py_ssize_t ns_at = PyLong_AsSsize_t(args[6]);
+    if (ns_at == -1 && PyErr_Occurred()) return NULL;
     KeyRows k;
-    if (key_rows_get(args, nargs, "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key)", &k) < 0)
+    if (key_rows_get(args, 6, usage, &k) < 0) return NULL;
+    if (ns_at < 0 || ns_at + 2 > k.rec_bytes) {
+        PyErr_SetString(PyExc_ValueError, "key_blob: the namespace field does not fit its record");
+        key_rows_release(&k);
         return NULL;
+    }
     PyObject *out = NULL, *blob = NULL;
     Py_ssize_t len = k.slots.n ? key_row(&k, 0)[k.at_len] : 0, i = 0;
+    uint16_t ns = 0;
+    if (k.slots.n) memcpy(&ns, key_row(&k, 0) + ns_at, 2);
     if (len <= k.max_key) blob = PyBytes_FromStringAndSize(NULL, k.slots.n * len);
     if (blob != NULL) {
         /* One pass, the blob written as the lengths are checked: the records are cold (a job's
          * entries lie anywhere in the table), so each is read once, asked for a few ahead. */
         uint8_t *p = (uint8_t *)PyBytes_AS_STRING(blob);
+        /* Each key but the last is copied in whole 8-byte words (its key field holds max_key
+         * bytes; the next key overwrites the excess): a few moves instead of a call to memcpy of a
+         * length it cannot know (256 keys in cache: 1.0 µs against 1.8). */
+        Py_ssize_t words = len + 7 <= k.max_key ? (len + 7) / 8 : 0, last = k.slots.n - 1;
         for (; i < k.slots.n; i++, p += len) {
             if (i + PREFETCH_AHEAD < k.slots.n) {
                 __builtin_prefetch(key_row(&k, i + PREFETCH_AHEAD) + k.at_len);
                 __builtin_prefetch(key_row(&k, i + PREFETCH_AHEAD) + k.at_key + k.max_key - 1);
             }
             const uint8_t *row = key_row(&k, i);
-            if (row[k.at_len] != len) break;
-            memcpy(p, row + k.at_key, (size_t)len);
+            uint16_t row_ns;
+            memcpy(&row_ns, row + ns_at, 2);
+            if (row[k.at_len] != len || row_ns != ns) break;
+            if (words && i < last) {
+                for (Py_ssize_t w = 0; w < words; w++) memcpy(p + 8 * w, row + k.at_key + 8 * w, 8);
+            } else {
+                memcpy(p, row + k.at_key, (size_t)len);
+            }
         }
     }
-    for (Py_ssize_t j = i; j < k.slots.n && !PyErr_Occurred(); j++) {   /* not one length: each in range? */
+    for (Py_ssize_t j = i; j < k.slots.n && !PyErr_Occurred(); j++) {   /* not one run: each in range? */
         Py_ssize_t n = key_row(&k, j)[k.at_len];
         if (n > k.max_key) PyErr_Format(PyExc_ValueError, "slot %d: key length %zd out of range", k.slots.v[j], n);
     }
     if (!PyErr_Occurred())
-        out = i == k.slots.n ? Py_BuildValue("nN", len, Py_NewRef(blob)) : Py_NewRef(Py_None);
+        out = i == k.slots.n ? Py_BuildValue("nNH", len, Py_NewRef(blob), ns) : Py_NewRef(Py_None);
     Py_XDECREF(blob);
     key_rows_release(&k);
     return out;

@@ -30,7 +30,7 @@ static PyMethodDef functions[] = {
     {"kv_events", (PyCFunction)(void (*)(void))kv_events, METH_FASTCALL,
      "kv_events(head, parts, tail, int_hash, stored, removed) -> (vLLM KV cache events of key blobs, events)"},
     {"key_blob", (PyCFunction)(void (*)(void))key_blob, METH_FASTCALL,
-     "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key) -> (key_len, keys) or None"},
+     "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key, ns_at) -> (key_len, keys, ns) or None"},
     {"xxh64", (PyCFunction)(void (*)(void))xxh64, METH_FASTCALL, "xxh64(data, seed=0) -> XXH64 of the bytes"},
     {"block_sums", (PyCFunction)(void (*)(void))block_sums, METH_FASTCALL,
      "block_sums(memory, head, keys, blocks, indices, shards) -> uint64 XXH64 of each bound block (GIL released)"},
