@@ -349,12 +349,14 @@ class Recorder(EntryEvents):
             self._followed[ns.slot] = ns
         return ns.slot
 
-    def ready(self, ns, slots: np.ndarray) -> None:
+    def wants_keys(self, ns) -> bool:
+        return self.follow_all or self._followed.get(ns.slot) is ns
+
+    def ready(self, ns, slots: np.ndarray, keys: tuple[int, bytes, int] | None = None) -> None:
         if self.follow_all or self._followed.get(ns.slot) is ns:
             at = self.follow(ns)
-            one = self.keys.key_run(slots)
-            if one is not None:                      # the usual case: one length, one record
-                self.log.append(at, Kind.STORED, None, one[0], one[1])
+            if keys is not None:                     # the usual case: gathered as they were sealed
+                self.log.append(at, Kind.STORED, None, keys[0], keys[1])
             else:
                 self.log.stored_runs(at, self.keys.key_runs(slots))
 

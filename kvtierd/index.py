@@ -338,12 +338,13 @@ class Index:
         ns = self.ns.at(int(self._ns_col[slots[0]]))
         chains = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE).reshape(n, ns.entry_pages)
         # Record by record: the tick, the record sum, and READY last (a record is complete before it
-        # says READY).
-        seal_records(self.view, slots, chains, ns.identity, self.tick, READY)
+        # says READY); the keys gathered in the same pass when a listener wants them.
+        events = self.events
+        run = seal_records(self.view, slots, chains, ns.identity, self.tick, READY, events.wants_keys(ns))
         self.policy.inserted(slots, np.frombuffer(self.keys.fingerprints(slots), np.uint64), chain, cold)
         self.entry_count[WRITING] -= n
         self.entry_count[READY] += n
-        self.events.ready(ns, slots)
+        events.ready(ns, slots, run)
 
     def abandon(self, slots: np.ndarray) -> None:
         """Forget the WRITING entries of a write that ended without them. Their pages stay taken:

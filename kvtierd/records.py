@@ -39,6 +39,7 @@ _TICK_AT = ENTRY_DTYPE.fields["tick"][1]
 _STATE_AT = ENTRY_DTYPE.fields["state"][1]
 _SEAL_LAYOUT = tuple(ENTRY_DTYPE.fields[name][1] for name in ("tick", "record_sum", "state"))
 _KEY_LAYOUT = (ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES)
+_RUN_LAYOUT = (_KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES, _NS_AT)
 _LAYOUT = (ENTRY_DTYPE.itemsize, *(ENTRY_DTYPE.fields[name][1] for name in (
     "state", "key_len", "ns", "page_count", "first_page", "tick", "checksum", "key", "record_sum")))
 
@@ -61,13 +62,14 @@ def record_sums(view: RegionView, slots: np.ndarray, chains: np.ndarray, counts:
 
 
 def seal_records(view: RegionView, slots: np.ndarray, chains: np.ndarray, identity: int, tick: int,
-                 state: int) -> None:
+                 state: int, keys: bool = False) -> tuple[int, bytes, int] | None:
     """A write's records made whole, each in turn: ``tick``, its record sum (``record_sums`` with
     chain row i of ``chains`` whole and namespace ``identity``), then ``state``, last — what
     ``fill`` of the tick, ``record_sums`` into the column and ``fill`` of the state do in three
-    passes, in one (a 1,024-key job's commit reads its records once)."""
-    _seal_records(view.entries, slots, np.ascontiguousarray(chains, np.uint32), identity, ENTRY_SUMMED,
-                  *_SEAL_LAYOUT, tick, int(state))
+    passes, in one (a 1,024-key job's commit reads its records once). ``keys``: also their keys,
+    gathered in the same pass, as ``key_run`` gives them (else None)."""
+    return _seal_records(view.entries, slots, np.ascontiguousarray(chains, np.uint32), identity, ENTRY_SUMMED,
+                         *_SEAL_LAYOUT, tick, int(state), _RUN_LAYOUT if keys else None)
 
 
 def count_state(view: RegionView, slots: np.ndarray, state: int) -> int:

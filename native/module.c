@@ -15,8 +15,8 @@ static PyMethodDef functions[] = {
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(records, record_bytes, slots, offset, width, value): one field of each slot's record set"},
     {"seal_records", (PyCFunction)(void (*)(void))seal_records, METH_FASTCALL,
-     "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state): a write's "
-     "records made whole: tick, record sum, then state"},
+     "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state[, keys]): a "
+     "write's records made whole: tick, record sum, then state; with keys, their keys as key_blob gives them"},
     {"new_records", (PyCFunction)(void (*)(void))new_records, METH_FASTCALL,
      "new_records(records, slots, template, pages, first_page_at, tick_at, tick): fresh records at slots"},
     {"any_held", (PyCFunction)(void (*)(void))any_held, METH_FASTCALL,
