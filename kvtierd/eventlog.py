@@ -12,8 +12,8 @@ cursor, and the log forgets its oldest records to stay within its memory budget.
   cursor = the last sequence number it applied) and ``read`` returns the records after it,
   batched (``max_keys``): one request, not one per event.
 - **Falling behind is told, never silent.** Memory is bounded by one budget for all namespaces
-  (``budget_bytes``): past it the oldest records go, whoever has read them or not, so a reader
-  that never reads costs nothing. A cursor the log can no longer continue (its records are gone,
+  (``budget_bytes``): past it the oldest records go (down to ``TRIM_SLACK`` below it), whoever
+  has read them or not, so a reader that never reads costs nothing. A cursor the log can no longer continue (its records are gone,
   another epoch, or none) gets ``reset``: the reader starts its view again from empty, and the
   reply carries, besides the records after the reset point, pages of a *snapshot* — the READY keys
   of a range of entry slots as they are at the time of the reply — until ``snapshot_next`` is None.
@@ -46,6 +46,11 @@ from .events import EntryEvents, Gone
 # A record holds at most this many keys (a batch is cut into several), so that any reply of at
 # least RECORD_KEYS keys moves a reader on by at least one record.
 RECORD_KEYS = 4096
+# Past its budget the log drops its oldest records until it is this share of the budget below it:
+# with the stream on every store job appends records, and a trim per append cost each ~1 µs of
+# the daemon's loop (through the daemon, thread time); a 32nd of the budget is ~27 store jobs of
+# 256 keys at the bench's 8 MiB.
+TRIM_SLACK = 1 / 32
 # What a record costs besides its keys (the Record, its slot in two containers), for the budget.
 RECORD_OVERHEAD = 200
 # Entry slots a snapshot page scans per NumPy pass, and at most per page: a page of a sparse
@@ -173,7 +178,7 @@ class EventLog:
         # Counters (kvtierd_events_*): keys appended by kind, keys dropped unread or not, reads
         # that reset a reader, snapshot keys sent.
         self.appended = {Kind.STORED: 0, Kind.REMOVED: 0}
-        self.news = 0                     # appends that added keys, ever: a reader's cheap "anything new?"
+        self.news = 0                     # records appended, ever: a reader's cheap "anything new?"
         self.removed_by_cause = dict.fromkeys((c.value for c in Cause), 0)
         self.dropped_keys = 0
         self.resets = 0
@@ -189,14 +194,15 @@ class EventLog:
         self.removed_runs(ns, _runs(keys), cause)
 
     def stored_runs(self, ns: Hashable, runs: Sequence[tuple[int, bytes]]) -> None:
-        """``stored`` of keys given as (key length, blob) runs (``Index.key_runs``): no bytes
-        object per key on the daemon's path."""
-        self._append(ns, Kind.STORED, None, runs)
+        """``stored`` of keys given as (key length, blob) runs: no bytes object per key."""
+        for key_len, blob in runs:
+            self.append(ns, Kind.STORED, None, key_len, blob)
 
     def removed_runs(self, ns: Hashable, runs: Sequence[tuple[int, bytes]], cause: Cause) -> None:
         """``removed`` of keys given as (key length, blob) runs."""
-        cause = cause.value if type(cause) is Cause else Cause(cause).value
-        self.removed_by_cause[cause] += self._append(ns, Kind.REMOVED, cause, runs)
+        cause = Cause(cause).value
+        for key_len, blob in runs:
+            self.append(ns, Kind.REMOVED, cause, key_len, blob)
 
     def forget(self, ns: Hashable) -> None:
         """The namespace is gone (its slot reclaimed for another): its log ends; a reader of it
@@ -209,39 +215,39 @@ class EventLog:
             held = log.records[log.head:]
             self.bytes -= sum(len(r.keys) + RECORD_OVERHEAD for r in held)
 
-    def _append(self, ns: Hashable, kind: Kind, cause: str | None, runs: Sequence[tuple[int, bytes]]) -> int:
-        """Append the runs as records; returns how many keys they held. A store job's keys are one
-        run of one record: that case takes no loop over parts (it runs for every job of the
-        daemon while the stream is on)."""
-        added, log = 0, None
-        for key_len, blob in runs:
-            size = len(blob)
-            if not size:
-                continue
-            if log is None:
-                log = self._log(ns)
+    def append(self, ns: Hashable, kind: Kind, cause: str | None, key_len: int, blob: bytes) -> int:
+        """One run of keys (``blob``: ``key_len`` bytes each) as the next record of ``ns``'s log,
+        several when it holds more than RECORD_KEYS keys; ``cause``: a removal's ``Cause`` value
+        (None for a store). Returns how many keys. The observer's path (``Recorder``): it runs for
+        every store job and every eviction while the daemon publishes its stream, so the usual
+        case is one record's bookkeeping and nothing else (through a daemon, thread time, 0.3.3's
+        append took ~5 µs a record of 256 keys, as much as gathering the keys)."""
+        if not blob:
+            return 0
+        count = len(blob) // key_len
+        if count > RECORD_KEYS:
             step = key_len * RECORD_KEYS
-            for begin in range(0, size, step) if size > step else (0,):
-                part = blob[begin:begin + step] if size > step else blob
-                count = len(part) // key_len
-                log.seq += 1
-                log.keys += count
-                record = Record(log.seq, kind, cause, key_len, part, log.keys, count)
-                log.records.append(record)
-                self._fifo.append((log, record))
-                self.bytes += len(part) + RECORD_OVERHEAD
-                added += count
-        if added:
-            self.appended[kind] += added
-            self.news += 1
-            if self.bytes > self.budget_bytes:
-                self._trim()
-        return added
+            return sum([self.append(ns, kind, cause, key_len, blob[at:at + step]) for at in range(0, len(blob), step)])
+        log = self._logs.get(ns) or self._log(ns)
+        log.seq += 1
+        log.keys += count
+        record = Record(log.seq, kind, cause, key_len, blob, log.keys, count)
+        log.records.append(record)
+        self._fifo.append((log, record))
+        self.bytes += len(blob) + RECORD_OVERHEAD
+        self.appended[kind] += count
+        if cause is not None:
+            self.removed_by_cause[cause] += count
+        self.news += 1
+        if self.bytes > self.budget_bytes:
+            self._trim()
+        return count
 
     def _trim(self) -> None:
-        """Drop the oldest records (of any namespace) until the log is within its budget."""
-        fifo = self._fifo
-        while self.bytes > self.budget_bytes and fifo:
+        """Drop the oldest records (of any namespace) until the log is TRIM_SLACK of its budget
+        below it: one trim per some appends, not one per append."""
+        fifo, floor = self._fifo, self.budget_bytes - int(self.budget_bytes * TRIM_SLACK)
+        while self.bytes > floor and fifo:
             log, record = fifo.popleft()
             if not log.live:
                 continue                  # its bytes left the budget when it was forgotten
@@ -308,20 +314,29 @@ class EventLog:
 
 # The index's reasons for entries leaving, as a removal record names them (ABORTED: never READY,
 # never announced: no record).
-CAUSES = {Gone.EVICTED: Cause.EVICTED, Gone.AHEAD: Cause.EVICTED, Gone.CLEARED: Cause.CLEARED,
-          Gone.RECLAIMED: Cause.RECLAIMED, Gone.REGION_REPLACED: Cause.REGION_REPLACED}
+CAUSES = {Gone.EVICTED: Cause.EVICTED.value, Gone.AHEAD: Cause.EVICTED.value, Gone.CLEARED: Cause.CLEARED.value,
+          Gone.RECLAIMED: Cause.RECLAIMED.value, Gone.REGION_REPLACED: Cause.REGION_REPLACED.value}
+
+
+class KeySource(Protocol):
+    """The keys of entry slots, read from their records (``kvtierd.index.Index``)."""
+
+    def key_run(self, slots: np.ndarray) -> tuple[int, bytes, int] | None:
+        """(key length, blob, namespace slot) when the entries are of one length and one namespace."""
+
+    def key_runs(self, slots: np.ndarray) -> list[tuple[int, bytes]]:
+        """(key length, blob) runs of any entries."""
 
 
 class Recorder(EntryEvents):
     """The index's events into the event log, for the namespaces someone follows (see the module
     docstring). ``follow_all``: every namespace (the daemon's own KV events stream is on)."""
 
-    def __init__(self, log: EventLog, key_runs: Callable[[np.ndarray], list[tuple[int, bytes]]],
-                 follow_all: bool = False):
-        """``key_runs``: the keys of entry slots as (key length, blob) runs (``Index.key_runs``),
-        asked only for a namespace someone follows."""
+    def __init__(self, log: EventLog, keys: KeySource, follow_all: bool = False):
+        """``keys``: where the keys of entry slots come from, asked only for a namespace someone
+        follows."""
         self.log = log
-        self.key_runs = key_runs
+        self.keys = keys
         self.follow_all = follow_all
         self._followed: dict[int, object] = {}      # table slot → the namespace whose log it holds
 
@@ -334,23 +349,42 @@ class Recorder(EntryEvents):
             self._followed[ns.slot] = ns
         return ns.slot
 
-    def ready(self, ns, slots: np.ndarray) -> None:
+    def wants_keys(self, ns) -> bool:
+        return self.follow_all or self._followed.get(ns.slot) is ns
+
+    def ready(self, ns, slots: np.ndarray, keys: tuple[int, bytes, int] | None = None) -> None:
         if self.follow_all or self._followed.get(ns.slot) is ns:
-            self.log.stored_runs(self.follow(ns), self.key_runs(slots))
+            at = self.follow(ns)
+            if keys is not None:                     # the usual case: gathered as they were sealed
+                self.log.append(at, Kind.STORED, None, keys[0], keys[1])
+            else:
+                self.log.stored_runs(at, self.keys.key_runs(slots))
 
     def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
         if cause is Gone.ABORTED or not self._followed or not len(slots):
             return
         first = int(namespaces[0])
-        if (namespaces == first).all():               # the usual case: one namespace's entries
-            followed = [(first, slots)] if first in self._followed else []
-        else:
-            followed = [(n, slots[namespaces == n]) for n in np.unique(namespaces).tolist() if n in self._followed]
-        for n, mine in followed:
-            self.log.removed_runs(n, self.key_runs(mine), CAUSES[cause])
-            if cause is Gone.RECLAIMED:
-                self.log.forget(n)
-                del self._followed[n]
+        if first in self._followed:
+            # The usual case, one followed namespace's entries of one key length: the pass that
+            # gathers the keys also tells that they are (no NumPy pass over the namespaces).
+            one = self.keys.key_run(slots)
+            if one is not None:
+                self.log.append(first, Kind.REMOVED, CAUSES[cause], one[0], one[1])
+                if cause is Gone.RECLAIMED:
+                    self._forget(first)
+                return
+        elif (namespaces == first).all():
+            return                                    # one namespace's, and nobody follows it
+        for n in np.unique(namespaces).tolist():
+            if n in self._followed:
+                self.log.removed_runs(n, self.keys.key_runs(slots[namespaces == n]), CAUSES[cause])
+                if cause is Gone.RECLAIMED:
+                    self._forget(n)
+
+    def _forget(self, n: int) -> None:
+        """The namespace of table slot ``n`` was reclaimed: its log ends."""
+        self.log.forget(n)
+        del self._followed[n]
 
 
 def _runs(keys: Sequence[bytes]) -> list[tuple[int, bytes]]:

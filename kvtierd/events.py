@@ -10,7 +10,8 @@ Calls are batch-shaped: a job's or an eviction's entries in one call, as an arra
 never a call per key (jobs carry thousands of keys, and the index's per-key work is what bounds
 the daemon's keys/s). A listener that needs the keys asks the index for them (``Index.keys_of``,
 or ``Index.key_runs`` for one blob per key length: the records are whole until the hook
-returns); most never need them.
+returns), or, for ``ready``, says it ``wants_keys`` and gets them gathered as the entries were
+sealed; most never need them.
 """
 
 from __future__ import annotations
@@ -38,8 +39,16 @@ class Gone(str, enum.Enum):
 class EntryEvents:
     """A listener of the index's entries; every hook does nothing unless overridden."""
 
-    def ready(self, ns: "Namespace", slots: np.ndarray) -> None:
-        """The entries of ``slots`` (all of ``ns``, in the write's key order) became READY."""
+    def wants_keys(self, ns: "Namespace") -> bool:
+        """Whether ``ready`` of ``ns``'s entries should come with their keys: the index gathers
+        them in the pass that makes the entries READY, with each record in cache (the KV events
+        log's, asked for every store job while the daemon publishes its stream)."""
+        return False
+
+    def ready(self, ns: "Namespace", slots: np.ndarray, keys: tuple[int, bytes, int] | None = None) -> None:
+        """The entries of ``slots`` (all of ``ns``, in the write's key order) became READY.
+        ``keys``: when a listener ``wants_keys`` of ``ns``, their keys as ``Index.key_run`` gives
+        them (None when they are not of one length; ask the index)."""
 
     def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
         """The entries of ``slots`` (with their namespaces' table slots) leave the index for
@@ -55,9 +64,15 @@ class Events(EntryEvents):
     def subscribe(self, listener: EntryEvents) -> None:
         self._listeners.append(listener)
 
-    def ready(self, ns: "Namespace", slots: np.ndarray) -> None:
+    def wants_keys(self, ns: "Namespace") -> bool:
         for listener in self._listeners:
-            listener.ready(ns, slots)
+            if listener.wants_keys(ns):
+                return True
+        return False
+
+    def ready(self, ns: "Namespace", slots: np.ndarray, keys: tuple[int, bytes, int] | None = None) -> None:
+        for listener in self._listeners:
+            listener.ready(ns, slots, keys)
 
     def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
         for listener in self._listeners:

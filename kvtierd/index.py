@@ -57,7 +57,7 @@ from .holds import Holder, Holds
 from .keytable import ALL_BITS, key_table
 from .namespaces import Namespace, Namespaces
 from .pages import FreeIds
-from .records import count_state, fill, key_runs, keys_of, new_records, record_sums, seal_records
+from .records import count_state, fill, key_run, key_runs, keys_of, new_records, record_sums, seal_records
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -338,12 +338,13 @@ class Index:
         ns = self.ns.at(int(self._ns_col[slots[0]]))
         chains = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE).reshape(n, ns.entry_pages)
         # Record by record: the tick, the record sum, and READY last (a record is complete before it
-        # says READY).
-        seal_records(self.view, slots, chains, ns.identity, self.tick, READY)
+        # says READY); the keys gathered in the same pass when a listener wants them.
+        events = self.events
+        run = seal_records(self.view, slots, chains, ns.identity, self.tick, READY, events.wants_keys(ns))
         self.policy.inserted(slots, np.frombuffer(self.keys.fingerprints(slots), np.uint64), chain, cold)
         self.entry_count[WRITING] -= n
         self.entry_count[READY] += n
-        self.events.ready(ns, slots)
+        events.ready(ns, slots, run)
 
     def abandon(self, slots: np.ndarray) -> None:
         """Forget the WRITING entries of a write that ended without them. Their pages stay taken:
@@ -380,6 +381,11 @@ class Index:
         """The entries' keys, a bytes object each (for those who name them: the second tier, the
         KV events log)."""
         return keys_of(self.view, slots)
+
+    def key_run(self, slots: np.ndarray) -> tuple[int, bytes, int] | None:
+        """The entries' keys as one (key length, blob, namespace slot), when they are of one length
+        and one namespace (the KV events log's usual case); None otherwise."""
+        return key_run(self.view, slots)
 
     def key_runs(self, slots: np.ndarray) -> list[tuple[int, bytes]]:
         """The entries' keys as (key length, blob) runs, one per distinct length (the KV events

@@ -53,7 +53,6 @@ import zmq
 from zmq.backend import zmq_poll
 
 from . import kvevents_wire as wire
-from .contract.events import Kind
 from .eventlog import EventLog
 
 log = logging.getLogger(__name__)
@@ -227,10 +226,11 @@ class KvEventsPublisher:
         batch = wire.Batch(self.hash_form)
         if got.reset:
             batch.all_cleared()
-        keys = 0
-        for record in got.records:
-            (batch.stored if record.kind is Kind.STORED else batch.removed)(record.key_len, record.keys)
-            keys += record.count
+        records = got.records
+        # A record's kind is the batch's part kind (Kind.STORED 0, REMOVED 1); its keys' count is
+        # that of every record up to it (``upto``) less that before the first.
+        batch.changes([(record.kind, record.key_len, record.keys) for record in records])
+        keys = records[-1].upto - records[0].upto + records[0].count if records else 0
         for key_len, blob in got.snapshot:
             batch.stored(key_len, blob)
             keys += len(blob) // key_len

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import Iterable
 
 import msgpack
 
 from ._native import kv_events
+from .contract.events import Kind
 
 MEDIUM = "CPU"
 GROUP_BYTES = 4
@@ -55,7 +57,7 @@ def _removed_map(hashes: list, group: int) -> dict:
 _STORED_HEADER = b"\xde\x00\x09"
 _HASH_MARK = b"\xc0"           # placeholder of the hash in the templates below
 _GROUP_MARK = b"\x7f"          # placeholder of the group (any fixint)
-_STORED, _REMOVED = 0, 1       # kinds of a part for kv_events
+_STORED, _REMOVED = int(Kind.STORED), int(Kind.REMOVED)    # kinds of a part for kv_events: a record's
 
 
 def _template(mapping: dict, header: bytes | None = None, array: bool = False) -> tuple[bytes, bytes, bytes]:
@@ -89,21 +91,23 @@ class Batch:
 
     def stored(self, key_len: int, blob: bytes) -> None:
         """One BlockStored per key of the blob, in order."""
-        if key_len > GROUP_BYTES and blob:
-            self._add((_STORED, key_len, blob), len(blob))
+        self.changes(((_STORED, key_len, blob),))
 
     def removed(self, key_len: int, blob: bytes) -> None:
         """One BlockRemoved per KV-cache group of the blob's keys (in the order the groups first
         come), with their hashes in order."""
-        if key_len > GROUP_BYTES and blob:
-            self._add((_REMOVED, key_len, blob), len(blob))
+        self.changes(((_REMOVED, key_len, blob),))
+
+    def changes(self, parts: Iterable[tuple[int, int, bytes]]) -> None:
+        """``stored`` (kind 0) or ``removed`` (kind 1) of each (kind, key length, blob), in order:
+        a read's records in one call (a call per record was most of a flush's Python)."""
+        kept = [part for part in parts if part[1] > GROUP_BYTES and part[2]]
+        self.nbytes += sum([len(part[2]) for part in kept])
+        self._parts += kept
 
     def all_cleared(self) -> None:
-        self._add(_ALL_CLEARED, len(_ALL_CLEARED))
-
-    def _add(self, part, nbytes: int) -> None:
-        self.nbytes += nbytes
-        self._parts.append(part)
+        self.nbytes += len(_ALL_CLEARED)
+        self._parts.append(_ALL_CLEARED)
 
     def __bool__(self) -> bool:
         """Whether it has an event."""

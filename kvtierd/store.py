@@ -93,7 +93,7 @@ class Store:
                          clock, checksums, **job_limits)
         self.tier = tier(self.index, self.writes, events, clock)
         self.event_log = EventLog(TableSnapshot(view.entries), events_log_bytes)
-        self.recorder = Recorder(self.event_log, self.index.key_runs)
+        self.recorder = Recorder(self.event_log, self.index)
         events.subscribe(self.recorder)
         # session → (log key, epoch, cursor) of its last read: how far behind each reader is
         self._readers: dict[Session, tuple[int, int, int]] = {}

@@ -274,38 +274,45 @@ done:
     return out;
 }
 
-/* key_blob(records, slots, record_bytes, key_len_at, key_at, max_key) -> (key_len, bytes) | None:
- * the keys of the records at ``slots``, one after another, when they all have one length (a vLLM
- * namespace's keys do); None when they do not (the caller splits them by length). One pass and
- * one bytes object: the event log keeps a job's keys as one blob. */
+/* key_blob(records, slots, record_bytes, key_len_at, key_at, max_key, ns_at) -> (key_len, bytes, ns) | None:
+ * the keys of the records at ``slots``, one after another, when they all have one length and one
+ * namespace (the u16 at ``ns_at``: one engine's entries, a vLLM namespace's keys all one length);
+ * None when they do not (the caller splits them). One pass and one bytes object: the event log
+ * keeps a job's keys as one blob, and the check that an eviction took one namespace's entries
+ * costs its observer no NumPy pass of its own. */
 PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    static const char usage[] = "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key, ns_at)";
+    if (nargs != 7) { PyErr_SetString(PyExc_TypeError, usage); return NULL; }
+    Py_ssize_t ns_at = PyLong_AsSsize_t(args[6]);
+    if (ns_at == -1 && PyErr_Occurred()) return NULL;
     KeyRows k;
-    if (key_rows_get(args, nargs, "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key)", &k) < 0)
+    if (key_rows_get(args, 6, usage, &k) < 0) return NULL;
+    if (ns_at < 0 || ns_at + 2 > k.rec_bytes) {
+        PyErr_SetString(PyExc_ValueError, "key_blob: the namespace field does not fit its record");
+        key_rows_release(&k);
         return NULL;
-    PyObject *out = NULL, *blob = NULL;
-    Py_ssize_t len = k.slots.n ? key_row(&k, 0)[k.at_len] : 0, i = 0;
-    if (len <= k.max_key) blob = PyBytes_FromStringAndSize(NULL, k.slots.n * len);
-    if (blob != NULL) {
+    }
+    PyObject *out = NULL;
+    KeyRun run = {.at_len = k.at_len, .at_key = k.at_key, .max_key = k.max_key, .at_ns = ns_at};
+    Py_ssize_t i = 0;
+    if (key_run_start(&run, k.slots.n ? key_row(&k, 0) : NULL, k.slots.n) == 0 && run.blob != NULL) {
         /* One pass, the blob written as the lengths are checked: the records are cold (a job's
          * entries lie anywhere in the table), so each is read once, asked for a few ahead. */
-        uint8_t *p = (uint8_t *)PyBytes_AS_STRING(blob);
-        for (; i < k.slots.n; i++, p += len) {
+        for (; i < k.slots.n; i++) {
             if (i + PREFETCH_AHEAD < k.slots.n) {
                 __builtin_prefetch(key_row(&k, i + PREFETCH_AHEAD) + k.at_len);
                 __builtin_prefetch(key_row(&k, i + PREFETCH_AHEAD) + k.at_key + k.max_key - 1);
             }
-            const uint8_t *row = key_row(&k, i);
-            if (row[k.at_len] != len) break;
-            memcpy(p, row + k.at_key, (size_t)len);
+            if (!key_run_add(&run, key_row(&k, i), i)) break;
         }
     }
-    for (Py_ssize_t j = i; j < k.slots.n && !PyErr_Occurred(); j++) {   /* not one length: each in range? */
+    for (Py_ssize_t j = i; j < k.slots.n && !PyErr_Occurred(); j++) {   /* not one run: each in range? */
         Py_ssize_t n = key_row(&k, j)[k.at_len];
         if (n > k.max_key) PyErr_Format(PyExc_ValueError, "slot %d: key length %zd out of range", k.slots.v[j], n);
     }
     if (!PyErr_Occurred())
-        out = i == k.slots.n ? Py_BuildValue("nN", len, Py_NewRef(blob)) : Py_NewRef(Py_None);
-    Py_XDECREF(blob);
+        out = key_run_finish(&run);
+    Py_XDECREF(run.blob);
     key_rows_release(&k);
     return out;
 }

@@ -15,8 +15,8 @@ static PyMethodDef functions[] = {
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(records, record_bytes, slots, offset, width, value): one field of each slot's record set"},
     {"seal_records", (PyCFunction)(void (*)(void))seal_records, METH_FASTCALL,
-     "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state): a write's "
-     "records made whole: tick, record sum, then state"},
+     "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state[, keys]): a "
+     "write's records made whole: tick, record sum, then state; with keys, their keys as key_blob gives them"},
     {"new_records", (PyCFunction)(void (*)(void))new_records, METH_FASTCALL,
      "new_records(records, slots, template, pages, first_page_at, tick_at, tick): fresh records at slots"},
     {"any_held", (PyCFunction)(void (*)(void))any_held, METH_FASTCALL,
@@ -30,7 +30,7 @@ static PyMethodDef functions[] = {
     {"kv_events", (PyCFunction)(void (*)(void))kv_events, METH_FASTCALL,
      "kv_events(head, parts, tail, int_hash, stored, removed) -> (vLLM KV cache events of key blobs, events)"},
     {"key_blob", (PyCFunction)(void (*)(void))key_blob, METH_FASTCALL,
-     "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key) -> (key_len, keys) or None"},
+     "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key, ns_at) -> (key_len, keys, ns) or None"},
     {"xxh64", (PyCFunction)(void (*)(void))xxh64, METH_FASTCALL, "xxh64(data, seed=0) -> XXH64 of the bytes"},
     {"block_sums", (PyCFunction)(void (*)(void))block_sums, METH_FASTCALL,
      "block_sums(memory, head, keys, blocks, indices, shards) -> uint64 XXH64 of each bound block (GIL released)"},

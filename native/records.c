@@ -319,16 +319,20 @@ done:
     return result;
 }
 
-/* seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state): a
+/* seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state[, keys]): a
  * write's records made whole in one pass, record by record: ``tick``, then the record sum (as
  * record_sums gives it, with namespace ``identity`` and chain row i: n rows of uint32), then the
  * one-byte ``state``, last (a record says READY only once it is complete). Replaces a column
  * fill, record_sums, NumPy's scatter of the sums and a second fill: each of a 1,024-key job's
- * records is read from memory once, not three times. */
+ * records is read from memory once, not three times. ``keys`` (key_len_at, key_at, max_key,
+ * ns_at): the records' keys are also gathered as they are sealed, and returned as key_blob gives
+ * them ((key_len, bytes, ns), or None when they are not one run); the KV events log takes a
+ * store's keys from here, with each record in cache, rather than from a pass of its own.
+ * Without it: None. */
 PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
+    if (nargs != 10 && nargs != 11) {
         PyErr_SetString(PyExc_TypeError,
-                        "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state)");
+                        "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state[, keys])");
         return NULL;
     }
     uint64_t identity = PyLong_AsUnsignedLongLongMask(args[3]);
@@ -337,6 +341,9 @@ PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     uint64_t tick = PyLong_AsUnsignedLongLongMask(args[8]);
     long state = PyLong_AsLong(args[9]);
     if (PyErr_Occurred()) return NULL;
+    KeyRun run = {.blob = NULL};
+    bool keys = nargs == 11 && args[10] != Py_None;
+    if (keys && !PyArg_ParseTuple(args[10], "nnnn", &run.at_len, &run.at_key, &run.max_key, &run.at_ns)) return NULL;
     Py_buffer records = {0}, chains = {0};
     Slots s = {0};
     Words mask = {0};
@@ -347,12 +354,15 @@ PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (rows_get(args[0], args[1], rec_bytes, &records, &s) < 0) goto done;
     Py_ssize_t n = s.n, width = chains.ndim == 2 ? chains.shape[1] : (n ? chains.len / 4 / n : 0);
     if (chains.itemsize != 4 || (n && chains.len != n * width * 4) || tick_at < 0 || tick_at + 8 > rec_bytes ||
-        sum_at < 0 || sum_at + 8 > rec_bytes || state_at < 0 || state_at >= rec_bytes || state < 0 || state > 255) {
+        sum_at < 0 || sum_at + 8 > rec_bytes || state_at < 0 || state_at >= rec_bytes || state < 0 || state > 255 ||
+        (keys && (run.at_len < 0 || run.at_len >= rec_bytes || run.at_key < 0 || run.max_key < 0 ||
+                  run.at_key + run.max_key > rec_bytes || run.at_ns < 0 || run.at_ns + 2 > rec_bytes))) {
         PyErr_SetString(PyExc_ValueError, "seal_records: one uint32 chain row per slot, fields within the record");
         goto done;
     }
     uint8_t *base = records.buf, state_byte = (uint8_t)state;
     const uint32_t *links = chains.buf;
+    if (keys && key_run_start(&run, n ? base + (Py_ssize_t)s.v[0] * rec_bytes : NULL, n) < 0) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint8_t *rec = base + (Py_ssize_t)s.v[i] * rec_bytes;
         memcpy(rec + tick_at, &tick, 8);
@@ -360,10 +370,11 @@ PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         memcpy(rec + sum_at, &sum, 8);
         __atomic_signal_fence(__ATOMIC_RELEASE);     /* the state byte is written after the rest */
         rec[state_at] = state_byte;
+        if (run.blob != NULL) key_run_add(&run, rec, i);
     }
-    result = Py_None;
-    Py_INCREF(result);
+    result = keys ? key_run_finish(&run) : Py_NewRef(Py_None);
 done:
+    Py_XDECREF(run.blob);
     if (records.obj) { slots_release(&s); PyBuffer_Release(&records); }
     if (chains.obj) PyBuffer_Release(&chains);
     words_release(&mask);

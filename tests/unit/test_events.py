@@ -16,9 +16,14 @@ class Recorder(EntryEvents):
         self.index = index
         self.heard: list[tuple] = []
 
-    def ready(self, ns, slots):
+    def wants_keys(self, ns):
+        return True
+
+    def ready(self, ns, slots, run=None):
         assert isinstance(slots, np.ndarray)
         keys = self.held(slots, np.full(len(slots), ns.slot))
+        # the keys gathered as the entries were sealed are theirs, in order, under their namespace
+        assert run == (len(keys[0]), b"".join(keys), ns.slot) if len({len(k) for k in keys}) == 1 else run is None
         self.heard.append(("ready", ns.id.model, sorted(keys)))
 
     def leaving(self, cause, slots, namespaces):

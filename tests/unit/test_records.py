@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtierd.contract.protocol import MAX_KEY_BYTES
-from kvtierd.contract.region_format import ENTRY_DTYPE, Geometry
+from kvtierd.contract.region_format import ENTRY_DTYPE, EntryState, Geometry
 from kvtierd.contract.region_sums import entry_record_sums
 from kvtierd.contract.region_view import RegionView
-from kvtierd.records import count_state, fill, key_hashes, key_runs, keys_of, new_records, record_sums, seal_records
+from kvtierd.records import count_state, fill, key_hashes, key_run, key_runs, keys_of, new_records, record_sums, seal_records
 
 
 def random_view(seed: int, slots: int) -> RegionView:
@@ -51,8 +51,30 @@ def test_seal_records_is_the_tick_the_formats_sum_and_the_state(seed, width, tic
     want["tick"][slots] = tick
     want["record_sum"][slots] = entry_record_sums(want.view(np.uint8).reshape(40, -1)[slots], chains, None, identity)
     want["state"][slots] = state
-    seal_records(view, slots, chains, identity, tick, state)
+    assert seal_records(view, slots, chains, identity, tick, state) is None
     assert view.entries.tobytes() == want.tobytes()        # those fields of those records, nothing else
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, MAX_KEY_BYTES), other=st.sampled_from(
+    [None, "length", "namespace"]), at=st.integers(0, 24))
+def test_seal_records_gathers_the_keys_as_key_run_does(seed, length, other, at):
+    """With ``keys`` the pass also gives the records' keys (as sealed) as one run when they are of
+    one length and one namespace, None when one record breaks the run; the records end the same."""
+    view = random_view(seed, 40)
+    rng = np.random.default_rng(seed + 1)
+    slots = rng.choice(40, 25, replace=False).astype(np.int32)
+    view.entries["key_len"][slots], view.entries["ns"][slots] = length, 3
+    if other == "length":
+        view.entries["key_len"][slots[at]] = length % MAX_KEY_BYTES + 1
+    elif other == "namespace":
+        view.entries["ns"][slots[at]] = 4
+    chains = rng.integers(0, 2**32, (25, 2), dtype=np.uint64).astype(np.uint32)
+    plain = RegionView(bytearray(view.raw), None, view.geometry)
+    seal_records(plain, slots, chains, 5, 9, EntryState.READY)
+    run = seal_records(view, slots, chains, 5, 9, EntryState.READY, keys=True)
+    assert view.entries.tobytes() == plain.entries.tobytes()
+    assert run == (None if other else (length, b"".join(keys_of(view, slots)), 3)) == key_run(view, slots)
 
 
 def test_key_hashes_are_pythons_hash_of_each_key():
