@@ -25,6 +25,7 @@ import zmq
 
 from kvtierd.contract import protocol as P
 from kvtierd.contract.codes import ErrorCode
+from kvtierd.server import REPLY_QUEUE_PER_PEER
 
 from .ranks import CacheSpec, all_call
 from .test_faults import assert_settled, attach, clobber, load_and_verify, store_all
@@ -33,7 +34,11 @@ from .test_tp_roundtrip import keys_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 FRAMES = 10_000
-WINDOW = 1_000
+# The daemon queues at most REPLY_QUEUE_PER_PEER replies for a peer (ZMQ's SNDHWM), and ZMQ learns
+# of a peer's reads in steps of half that mark: a window of the whole mark loses a reply now and
+# then on a loaded machine (5 of 19 runs while benchmarks shared the 2 CPUs), half of it never does
+# (docs/reliability.md).
+WINDOW = REPLY_QUEUE_PER_PEER // 2
 CTX = mp.get_context("spawn")
 
 
