@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import signal
 import time
@@ -322,8 +323,11 @@ class Server:
             self._drain(sock, self.handle)
             if self._watched != watched:
                 return
+            # Rounded up, as the loop's own poll is: rounded down, every request of the turn's last
+            # millisecond found the socket empty (its client waits for the reply just sent) and went
+            # round the whole loop (the tier's and the stream's pumps, a poll of every socket).
             wait = until - time.monotonic()
-            ready = zmq.zmq_poll(items, max(0, int(wait * 1000))) if wait > 0 else ()
+            ready = zmq.zmq_poll(items, math.ceil(wait * 1000)) if wait > 0 else ()
             if len(ready) != 1 or ready[0][0] is not sock:
                 return
 
