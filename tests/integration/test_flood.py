@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 FRAMES = 10_000
 # The daemon queues at most REPLY_QUEUE_PER_PEER replies for a peer (ZMQ's SNDHWM), and ZMQ learns
 # of a peer's reads in steps of half that mark: a window of the whole mark loses a reply now and
-# then on a loaded machine (5 of 19 runs while benchmarks shared the 2 CPUs), half of it never does
+# then on a loaded machine (5 of 19 runs while benchmarks shared the 2 CPUs); half of it leaves room for that lag
 # (docs/reliability.md).
 WINDOW = REPLY_QUEUE_PER_PEER // 2
 CTX = mp.get_context("spawn")
