@@ -313,22 +313,23 @@ latency, throughput and restart targets than a quiet one: the run before issue 1
 average of 0.4-1.6, met the 4-client lookup throughput (4.7e6 keys/s) and the restart (1.45 s)
 that this one, at 3-4, missed.
 
-- **Lookup of 256 keys, p50 against the echo.** Since 0.3.0 the index is compiled (issue 22),
-  since 0.3.1 a job's records are written in compiled passes, since 0.3.2 every request but hello
-  is decoded by one compiled pass, replies go out in two plain sends and the loop tends its timers
-  once per 5 ms while requests stream in. 0.3.3 polls the client socket alone while requests
-  stream in (each ZMQ socket in a poll costs a mailbox check: 5 descriptors 5.5-5.9 µs a poll, one
-  socket 2.6-2.7) and takes a store+commit in fewer passes, which met the store+commit target
-  (2.73x in this page's run; 2.19, 2.60 and 2.39x in three more at load 2-8). Lookup of 256 keys:
-  1.33x in this page's run (the section rerun for 0.3.3 at a load average under 1; daemon 169 µs,
-  echo 127), 1.27, 1.28 and 1.31x in the three others.
-  The gap is per request, not per key: a 1-key lookup is 1.38x (142 µs against 103), 39 µs more,
-  about what a 256-key one adds (42 µs). In-process a lookup costs the daemon ~21 µs against the
-  echo's 7.5 µs of msgpack (~10.6 µs of it the decoder, ~4 µs of that siphash); at the socket the
-  daemon's CPU per request runs ~3x its in-process figure (the cache misses of doing more between
-  two requests), and a lookup reply's send measured 9.7 µs in the daemon against the echo's 5.9
-  with the same frames, not explained yet. A store+commit of 1,024 keys is spread over some
-  fifteen compiled passes, each mostly cache misses over a large table.
+- **Lookup of 256 keys, p50 against the echo.** Met in this page's run (1.26x: daemon 105 µs,
+  echo 83, load average under 1), after 1.27-1.41x in the runs of 0.3.2 and 0.3.3. Since 0.3.0 the
+  index is compiled (issue 22), since 0.3.1 a job's records are written in compiled passes, since
+  0.3.2 every request but hello is decoded by one compiled pass, replies go out in two plain sends
+  and the loop tends its timers once per 5 ms while requests stream in; 0.3.3 polls the client
+  socket alone while requests stream in, and 0.3.4 keeps that poll waiting through the last
+  millisecond of each 5 ms turn (rounded down, 14-20% of B=1 lookups took the loop's whole turn;
+  now ~2%). The margin is thin and the figure moves with the machine's load: under load the gap
+  grows (a B=1 lookup 49-52 µs against the echo's 45 when quiet, 78-94 against 66 under other
+  benches), a few µs of CPU amplified by waiting for a core (each request passes through four
+  threads on 2 shared vCPUs). What the daemon adds hot, in-process, receive to reply sent, is
+  ~1.1-1.5 µs at B=1 and ~6 µs at B=256, mostly per key: the decoder's siphash (~9 ns a key) and
+  distinctness check, a bytes object per key (~3 µs per 256 keys), then the table probe; at the
+  socket the daemon's CPU per request (20.8 µs against the echo's 16.4, `perf stat -t`, fewer
+  syscalls than the echo) is user-space Python at ~3x its hot figure (cache misses). A
+  store+commit of 1,024 keys is spread over some fifteen compiled passes, each mostly cache
+  misses over a large table.
 - **CPU store+load against memcpy, small jobs.** The copy itself runs near memcpy speed (the CPU
   copier moves a block per `memmove` on a worker thread; timed alone it matches one-thread
   memcpy within noise, and a 1 GiB job's copy reaches 0.85-0.93x). What small jobs pay is four
@@ -433,24 +434,23 @@ that this one, at 3-4, missed.
   (load 7-10; in this page's run, load ~1, Mooncake measured 0.33x demote and 0.36x promote at
   64 KiB, Redis 0.67x and 0.60x).
 - **KV events: store throughput with the stream on against off.** Commit to subscriber (p99
-  5.7 ms with a batch every 5 ms) and 200,000 blocks/s with memory flat are met; the throughput
-  ratio is not: 0.879x (B = 256) and 0.907x (B = 1,024) in this page's run (the section rerun for
-  0.3.3 at a load average under 1), 0.970 and
-  0.948x, 0.929 and 0.887x in two earlier runs of this code. CPU per job, daemons alternating on a
-  quiet machine (/work/wt/probe/cpujob3.py): the stream adds 78 µs to a 256-key job (~15%) and 86
-  µs to a 1,024-key job (~10%), against 90 and 121 µs for 0.3.2 in the same run. 0.3.3 cut what
-  it could: one event per KV-cache group (~9 bytes a block on the wire instead of ~127), the
-  groups counted as the batch is written (no pass per record before), the common 8-byte hash
-  written at once, a job's keys gathered in one prefetched pass, a batch every 5 ms instead of 2.
-  What is left is touching memory, which on this VM costs ~1 ns a byte when cold (in-process,
-  thread time, 1,024-key jobs): per job the job's keys and its eviction's gathered from the entry
-  records (two cache lines a key: ~30 µs each) and the log's Python (~10-15 µs); per batch the
-  events written from blobs by then cold (~30 µs for two 1,024-key records), ZMQ's sends (~35
-  µs) and ~25 µs of Python. Measured and dropped: sending from a thread of its own (the GIL's
-  handoffs between the loop and the thread on 2 CPUs: 0.80x at B = 1,024), and writing each
-  record's events as the log appends it (the flush still paid for touching them, the appends
-  grew by more). Not tried: taking a store's keys from its request instead of its records
-  (~20-25 µs of a 1,024-key job's gather)."""
+  5.4 ms with a batch every 5 ms) and 200,000 blocks/s with memory flat are met; the throughput
+  ratio is not quite: 0.928x (B = 256) and 0.954x (B = 1,024) in this page's run (load average
+  under 1), 0.930 and 0.927x in a rerun right after; over four runs alternating with 0.3.3 on a
+  busy machine 0.3.4's median was 0.95 and 0.945x against 0.92 and 0.92x. Through a daemon, 0.3.3's
+  stream added ~53 µs of CPU to a 256-key job: ~4 µs with nothing recorded, ~36 µs with the
+  records kept but not published, the rest publishing; and of the recording, appending the
+  records (Python, its caches cold between requests) cost more than gathering the keys. 0.3.4
+  gathers a store's keys in the pass that makes its entries READY, an eviction's in one pass that
+  also checks their namespace, appends a record with one call and hands a flush's records to the
+  batch at once: in-process the stream's cost per job went from +23 to +17 µs (B = 256) and from
+  +47 to +23-35 µs (B = 1,024). What is left per job is the record's Python bookkeeping (~2 µs
+  a record, but ~3x that through the daemon, as every Python step of the loop between requests),
+  the keys copied twice (the job's and its eviction's), and per batch the events written from
+  blobs by then cold and ZMQ's sends (~25 µs of the loop per batch whatever its size). Measured
+  and dropped: sending from a thread of its own (the GIL's handoffs on 2 CPUs: 0.80x at
+  B = 1,024), writing each record's events as the log appends it. Not tried: the log's append in
+  compiled code, records made at the flush rather than per job."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
