@@ -99,24 +99,23 @@ static inline uint64_t group_of(const uint8_t *key, Py_ssize_t key_len) {
     return __builtin_bswap32(v);
 }
 
-/* The distinct groups of a blob's keys in the order they first come, and each key's position in
- * its group's run: ``order`` lists the keys group by group (each group's keys in blob order).
- * A small open-addressing map of groups keeps it one pass whatever the keys (a namespace's keys
- * need not be vLLM's: every key may have a group of its own). Returns the group count, -1 on no
- * memory. ``groups``, ``counts`` and ``order`` hold n entries each; ``order`` is left unwritten
- * when the keys are one group (the blob's order is theirs). */
+/* How many of a blob's first keys share the first key's group: all of them in the usual blob, one
+ * vLLM engine's keys of one KV-cache group. */
+static Py_ssize_t same_group(const uint8_t *blob, Py_ssize_t key_len, Py_ssize_t n, uint64_t *first) {
+    Py_ssize_t same = 0;
+    *first = n ? group_of(blob, key_len) : 0;
+    while (same < n && group_of(blob + same * key_len, key_len) == *first) same++;
+    return same;
+}
+
+/* The distinct groups of a blob's keys of several groups (``same_group`` said they are not one),
+ * in the order they first come, and each key's position in its group's run: ``order`` lists the
+ * keys group by group (each group's keys in blob order). A small open-addressing map of groups
+ * keeps it one pass whatever the keys (a namespace's keys need not be vLLM's: every key may have
+ * a group of its own). Returns the group count, -1 on no memory. ``groups``, ``counts`` and
+ * ``order`` hold n entries each. */
 static Py_ssize_t group_runs(const uint8_t *blob, Py_ssize_t key_len, Py_ssize_t n, uint64_t *groups,
                              Py_ssize_t *counts, Py_ssize_t *order) {
-    /* The usual blob, one vLLM engine's keys of one KV-cache group: one run, no map (the map's
-     * allocation and a probe per key were ~12 µs of a 1,024-key removal's ~20). */
-    Py_ssize_t same = 0;
-    uint64_t first = n ? group_of(blob, key_len) : 0;
-    while (same < n && group_of(blob + same * key_len, key_len) == first) same++;
-    if (same == n) {                               /* ``order`` unused: the blob's order */
-        groups[0] = first;
-        counts[0] = n;
-        return n ? 1 : 0;
-    }
     Py_ssize_t cap = 16;
     while (cap < 2 * n) cap <<= 1;
     Py_ssize_t *table = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)cap), *which = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
@@ -142,9 +141,12 @@ static Py_ssize_t group_runs(const uint8_t *blob, Py_ssize_t key_len, Py_ssize_t
 typedef struct {
     int kind;                 /* 0: BlockStored, 1: BlockRemoved, per group; 2: bytes as they are (one event) */
     Py_ssize_t key_len, n;
-    Py_ssize_t events;        /* kinds 0 and 1: its groups (group_runs); kind 2: 1 */
-    uint64_t *groups;         /* kinds 0 and 1: the group runs (n entries each, in kv_events' arrays) */
-    Py_ssize_t *counts, *order;
+    Py_ssize_t events;        /* kinds 0 and 1: its groups; kind 2: 1 */
+    uint64_t *groups;         /* kinds 0 and 1: the group runs: ``one_group`` and ``one_count`` when */
+    Py_ssize_t *counts;       /* the keys are one group (``order`` unused: the blob's order), else */
+    Py_ssize_t *order;        /* n entries each in kv_events' arrays (group_runs) */
+    uint64_t one_group;
+    Py_ssize_t one_count;
     Py_buffer blob;
 } Part;
 
@@ -189,11 +191,100 @@ static int template_get(PyObject *obj, Template *t) {
     return 0;
 }
 
+/* A batch's parts made ready to write: the group runs of each part of keys, and how many bytes
+ * and events they make. ``scratch`` holds the per-key arrays of the parts of several groups
+ * (freed by parts_free). */
+typedef struct {
+    uint64_t *groups;
+    Py_ssize_t *counts, *order;
+} Scratch;
+
+static void parts_free(Part *parts, Py_ssize_t held, Scratch *scratch) {
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&parts[i].blob);
+    PyMem_Free(scratch->groups);
+    PyMem_Free(scratch->counts);
+    PyMem_Free(scratch->order);
+}
+
+/* One part: bytes (one event, as it is) or (kind, key_len, blob). 0, or -1 with the error set. */
+static int part_get(PyObject *item, Part *part) {
+    PyObject *blob;
+    part->events = 1;
+    if (PyBytes_Check(item)) {
+        part->kind = 2;
+        blob = item;
+    } else if (!PyArg_ParseTuple(item, "inO", &part->kind, &part->key_len, &blob)) {
+        return -1;
+    }
+    if (PyObject_GetBuffer(blob, &part->blob, PyBUF_SIMPLE) < 0) return -1;
+    if (part->kind != 2) {
+        if ((part->kind != 0 && part->kind != 1) || part->key_len <= GROUP_BYTES || part->blob.len % part->key_len) {
+            PyBuffer_Release(&part->blob);
+            PyErr_SetString(PyExc_ValueError, "kv_events: a part is (0 or 1, key length > 4, whole keys)");
+            return -1;
+        }
+        part->n = part->blob.len / part->key_len;
+    }
+    return 0;
+}
+
+/* The group runs of the parts of keys; their events added to *events, at most how many bytes
+ * they take to *size. 0, or -1 on no memory.
+ *
+ * Per-key scratch only for the parts of several groups: a flush's usual parts are one group
+ * each, and three arrays of 8 bytes a key, allocated and freed at every flush, made glibc give
+ * the heap's top back to the kernel and fault it in again (a flush of ~6,000 keys took 145 µs
+ * of the daemon's thread against ~30 µs in-process, most of it page faults; 2-vCPU VM). */
+static int parts_group(const Form *f, Part *parts, Py_ssize_t count, Scratch *scratch, Py_ssize_t *events,
+                       Py_ssize_t *size) {
+    Py_ssize_t mixed = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Part *part = &parts[i];
+        if (part->kind == 2) continue;
+        part->groups = &part->one_group;
+        part->counts = &part->one_count;
+        part->one_count = part->n;
+        if (same_group(part->blob.buf, part->key_len, part->n, &part->one_group) < part->n) {
+            part->one_count = -1;                  /* several groups: group_runs below */
+            mixed += part->n;
+        } else {
+            part->events = part->n ? 1 : 0;
+        }
+    }
+    if (mixed) {
+        scratch->groups = PyMem_Malloc(sizeof(uint64_t) * (size_t)mixed);
+        scratch->counts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)mixed);
+        scratch->order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)mixed);
+        if (!scratch->groups || !scratch->counts || !scratch->order) return -1;
+    }
+    for (Py_ssize_t i = 0, at = 0; i < count; i++) {
+        Part *part = &parts[i];
+        if (part->kind != 2 && part->one_count < 0) {
+            part->groups = scratch->groups + at;
+            part->counts = scratch->counts + at;
+            part->order = scratch->order + at;
+            at += part->n;
+            part->events = group_runs(part->blob.buf, part->key_len, part->n, part->groups, part->counts, part->order);
+            if (part->events < 0) return -1;
+        }
+        *events += part->events;
+        *size += part_bound(f, part);
+    }
+    return 0;
+}
+
+static int form_get(PyObject *const *args, Form *f) {
+    int int_hash = PyObject_IsTrue(args[0]);
+    if (int_hash < 0) return -1;
+    f->int_hash = int_hash;
+    return template_get(args[1], &f->stored) < 0 || template_get(args[2], &f->removed) < 0 ? -1 : 0;
+}
+
 /* kv_events(head, parts, tail, int_hash, stored, removed) -> (bytes, events): head, an array
  * header for the events, each part's events, then tail. A part is bytes (one event, written as
  * it is) or (kind, key_len, blob): kind 0 one BlockStored, kind 1 one BlockRemoved, per group of
- * the keys (groups in the order they first come, a group's hashes in blob order). The groups are
- * counted first (the array header says how many events follow), then the bytes written.
+ * the keys (groups in the order they first come, a group's hashes in blob order). The groups are counted
+ * first (the array header says how many events follow), then the bytes written.
  * ``stored``/``removed``: (before, middle, after) templates around the hash array and the
  * group. Keys are longer than their 4-byte group (the caller skips others). */
 PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -206,71 +297,30 @@ PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "kv_events: head and tail must be bytes, parts a list");
         return NULL;
     }
-    f.int_hash = PyObject_IsTrue(args[3]);
-    if (template_get(args[4], &f.stored) < 0 || template_get(args[5], &f.removed) < 0) return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, keys = 0, events = 0;
+    if (form_get(args + 3, &f) < 0) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, events = 0;
     Py_ssize_t head_n = PyBytes_GET_SIZE(args[0]), tail_n = PyBytes_GET_SIZE(args[2]);
     Part *parts = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Part));
+    Scratch scratch = {0};
     PyObject *out = NULL;
-    uint64_t *groups = NULL;
-    Py_ssize_t *counts = NULL, *order = NULL;
     if (parts == NULL) return PyErr_NoMemory();
-    for (; held < count; held++) {
-        PyObject *item = PyList_GET_ITEM(args[1], held), *blob;
-        Part *part = &parts[held];
-        if (PyBytes_Check(item)) {
-            part->kind = 2;
-            blob = item;
-        } else if (!PyArg_ParseTuple(item, "inO", &part->kind, &part->key_len, &blob)) {
-            goto done;
-        }
-        if (PyObject_GetBuffer(blob, &part->blob, PyBUF_SIMPLE) < 0) goto done;
-        if (part->kind != 2) {
-            if ((part->kind != 0 && part->kind != 1) || part->key_len <= GROUP_BYTES || part->blob.len % part->key_len) {
-                PyBuffer_Release(&part->blob);
-                PyErr_SetString(PyExc_ValueError, "kv_events: a part is (0 or 1, key length > 4, whole keys)");
-                goto done;
-            }
-            part->n = part->blob.len / part->key_len;
-            keys += part->n;
-        }
-    }
-    groups = PyMem_Malloc(sizeof(uint64_t) * (size_t)(keys ? keys : 1));
-    counts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(keys ? keys : 1));
-    order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(keys ? keys : 1));
-    if (!groups || !counts || !order) { PyErr_NoMemory(); goto done; }
+    for (; held < count; held++)
+        if (part_get(PyList_GET_ITEM(args[1], held), &parts[held]) < 0) goto done;
     Py_ssize_t size = head_n + 5 + tail_n;
-    for (Py_ssize_t i = 0, at = 0; i < count; i++) {
-        Part *part = &parts[i];
-        part->events = 1;
-        if (part->kind != 2) {
-            part->groups = groups + at;
-            part->counts = counts + at;
-            part->order = order + at;
-            at += part->n;
-            part->events = group_runs(part->blob.buf, part->key_len, part->n, part->groups, part->counts, part->order);
-            if (part->events < 0) { PyErr_NoMemory(); goto done; }
-        }
-        events += part->events;
-        size += part_bound(&f, part);
-    }
+    if (parts_group(&f, parts, count, &scratch, &events, &size) < 0) { PyErr_NoMemory(); goto done; }
     PyObject *bytes = PyBytes_FromStringAndSize(NULL, size);
     if (bytes == NULL) goto done;
     uint8_t *start = (uint8_t *)PyBytes_AS_STRING(bytes), *p = start;
-    const char *head = PyBytes_AS_STRING(args[0]), *tail = PyBytes_AS_STRING(args[2]);
-    memcpy(p, head, (size_t)head_n);
+    memcpy(p, PyBytes_AS_STRING(args[0]), (size_t)head_n);
     p = put_array_header(p + head_n, events);
     for (Py_ssize_t i = 0; i < count; i++) p = put_part(&f, p, &parts[i]);
-    memcpy(p, tail, (size_t)tail_n);
+    memcpy(p, PyBytes_AS_STRING(args[2]), (size_t)tail_n);
     p += tail_n;
     if (_PyBytes_Resize(&bytes, p - start) == 0)       /* shrinks in place; on failure bytes is NULL, the error set */
         out = Py_BuildValue("Nn", bytes, events);
 done:
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&parts[i].blob);
+    parts_free(parts, held, &scratch);
     PyMem_Free(parts);
-    PyMem_Free(groups);
-    PyMem_Free(counts);
-    PyMem_Free(order);
     return out;
 }
 
