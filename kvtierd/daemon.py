@@ -21,6 +21,7 @@ import zmq
 from .config import Config, format_size
 from .contract.paths import DaemonPaths, check_socket_path
 from .contract.region_format import WRITER_SLOTS
+from .heap import keep_freed_heap
 from .kvevents_pub import KvEventsPublisher, NoStream, topic_of
 from .region import Region, RegionError
 from .server import Server
@@ -265,6 +266,7 @@ class Daemon:
 
 def run(config: Config) -> int:
     setup_logging(config.log_level)
+    log.info("%s", keep_freed_heap())
     try:
         daemon = Daemon(config)
     except (RegionError, ValueError, OSError, RuntimeError) as exc:
