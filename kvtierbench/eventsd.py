@@ -98,10 +98,11 @@ class _Node:
     """A daemon (publishing or not) with a rank session, its region filled."""
 
     def __init__(self, ctx: Context, name: str, publish: bool, seed: int):
-        # An event log of 8 MiB: full within the sustained run's first third, so that the memory
-        # measured after it shows growth, not the log filling its budget (64 MiB by default).
-        flags = ("--kv-events-endpoint", f"ipc://{ctx.path(name)}.pub", "--events-log-bytes", "8MiB") if publish \
-            else ()
+        # An event log of 8 MiB and a replay buffer of 500 batches (~2.5 s of them): both full
+        # within the sustained run's first third, so that the memory measured after it shows
+        # growth, not them filling their bounds (64 MiB and 10,000 batches by default).
+        flags = ("--kv-events-endpoint", f"ipc://{ctx.path(name)}.pub", "--events-log-bytes", "8MiB",
+                 "--kv-events-buffer-batches", "500") if publish else ()
         self.daemon = bench_daemon(ctx.path(name), region_size(PAGES, CONTROL_PAGE), CONTROL_PAGE, *flags)
         self.daemon.start()
         self.endpoint = flags[1] if publish else None

@@ -119,8 +119,8 @@ class KvEventsPublisher:
         self._clock, self._monotonic = clock, monotonic
         self._cursors: dict[Hashable, _Cursor] = {}
         self._turn = 0
-        self._buffer: deque[tuple[int, bytes, float, wire.Batch]] = deque()   # (seq, topic, ts, batch), oldest first
-        self._buffered_bytes = 0
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque()   # (seq, topic, payload) as sent, oldest first
+        self._buffered_bytes = 0      # of the payloads
         self._replays: deque[_Replay] = deque()
         self._last_resync = float("-inf")
         self.flush_interval = flush_interval
@@ -239,8 +239,10 @@ class KvEventsPublisher:
         return bool(batch), keys
 
     def _send(self, topic: bytes, batch: wire.Batch) -> None:
-        """Publish the batch under the next sequence number and keep it for replays (its keys, not
-        its encoded bytes: a replay encodes it again, to the same bytes)."""
+        """Publish the batch under the next sequence number and keep its payload for replays: ~9
+        bytes a key, against the 36 of a vLLM key's blob (0.3.4 kept the batch's blobs and encoded
+        them again for a replay; holding them kept 64 MiB of key blobs alive, each written by a
+        store job and read by a flush, where the log's budget alone would have let them go)."""
         self.seq += 1
         ts = self._clock()
         payload, events = batch.encode(ts)
@@ -249,10 +251,10 @@ class KvEventsPublisher:
         self.pub.send(topic, _MORE)
         self.pub.send(self.seq.to_bytes(8, "big"), _MORE)
         self.pub.send(payload)
-        self._buffer.append((self.seq, topic, ts, batch))
-        self._buffered_bytes += batch.nbytes
+        self._buffer.append((self.seq, topic, payload))
+        self._buffered_bytes += len(payload)
         while len(self._buffer) > self.buffer_batches or self._buffered_bytes > self.buffer_bytes:
-            self._buffered_bytes -= self._buffer.popleft()[3].nbytes
+            self._buffered_bytes -= len(self._buffer.popleft()[2])
         self.counters["batches"] += 1
         self.counters["events"] += events
         self.counters["bytes"] += len(payload)
@@ -297,12 +299,12 @@ class KvEventsPublisher:
             self.resync()
         sent = 0
         try:
-            for seq, topic, ts, batch in self._buffer:
+            for seq, topic, payload in self._buffer:
                 if seq < replay.start or seq <= replay.sent_through or not topic.startswith(replay.prefix):
                     continue
                 if sent == budget:
                     return sent
-                self.replay.send_multipart((replay.identity, b"", topic, seq.to_bytes(8, "big"), batch.encode(ts)[0]),
+                self.replay.send_multipart((replay.identity, b"", topic, seq.to_bytes(8, "big"), payload),
                                            flags=zmq.NOBLOCK)
                 replay.sent_through = seq
                 sent += 1

@@ -77,16 +77,13 @@ _ALL_CLEARED = _pack({"type": "AllBlocksCleared"})
 
 
 class Batch:
-    """One KVEventBatch being put together: events appended in order, their bytes written by
-    ``encode``. It keeps the blobs it was given (not the encoded bytes: 36 bytes a vLLM key
-    rather than ~127), so that holding it for a replay costs the keys' bytes, and ``encode``
-    gives the same bytes again. How many events it makes is known once encoded (a removal makes
-    one per KV-cache group, counted as the bytes are written: a pass over the keys the daemon's
-    loop does not make)."""
+    """One KVEventBatch being put together: events appended in order (the blobs as given, no
+    copy), their bytes written by ``encode``. How many events it makes is known once encoded (a
+    removal makes one per KV-cache group, counted as the bytes are written: a pass over the keys
+    the daemon's loop does not make)."""
 
     def __init__(self, form: HashForm = HashForm.INT):
         self.form = form
-        self.nbytes = 0                   # bytes it holds (the blobs and packed parts)
         self._parts: list = []            # bytes as they are, or (kind, key length, blob) for kv_events
 
     def stored(self, key_len: int, blob: bytes) -> None:
@@ -101,12 +98,9 @@ class Batch:
     def changes(self, parts: Iterable[tuple[int, int, bytes]]) -> None:
         """``stored`` (kind 0) or ``removed`` (kind 1) of each (kind, key length, blob), in order:
         a read's records in one call (a call per record was most of a flush's Python)."""
-        kept = [part for part in parts if part[1] > GROUP_BYTES and part[2]]
-        self.nbytes += sum([len(part[2]) for part in kept])
-        self._parts += kept
+        self._parts += [part for part in parts if part[1] > GROUP_BYTES and part[2]]
 
     def all_cleared(self) -> None:
-        self.nbytes += len(_ALL_CLEARED)
         self._parts.append(_ALL_CLEARED)
 
     def __bool__(self) -> bool:
