@@ -100,7 +100,8 @@ static inline uint64_t group_of(const uint8_t *key, Py_ssize_t key_len) {
 }
 
 /* How many of a blob's first keys share the first key's group: all of them in the usual blob, one
- * vLLM engine's keys of one KV-cache group. */
+ * vLLM engine's keys of one KV-cache group, which then needs no map (group_runs' map and a probe
+ * per key were ~12 µs of a 1,024-key removal's ~20). */
 static Py_ssize_t same_group(const uint8_t *blob, Py_ssize_t key_len, Py_ssize_t n, uint64_t *first) {
     Py_ssize_t same = 0;
     *first = n ? group_of(blob, key_len) : 0;
@@ -191,100 +192,11 @@ static int template_get(PyObject *obj, Template *t) {
     return 0;
 }
 
-/* A batch's parts made ready to write: the group runs of each part of keys, and how many bytes
- * and events they make. ``scratch`` holds the per-key arrays of the parts of several groups
- * (freed by parts_free). */
-typedef struct {
-    uint64_t *groups;
-    Py_ssize_t *counts, *order;
-} Scratch;
-
-static void parts_free(Part *parts, Py_ssize_t held, Scratch *scratch) {
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&parts[i].blob);
-    PyMem_Free(scratch->groups);
-    PyMem_Free(scratch->counts);
-    PyMem_Free(scratch->order);
-}
-
-/* One part: bytes (one event, as it is) or (kind, key_len, blob). 0, or -1 with the error set. */
-static int part_get(PyObject *item, Part *part) {
-    PyObject *blob;
-    part->events = 1;
-    if (PyBytes_Check(item)) {
-        part->kind = 2;
-        blob = item;
-    } else if (!PyArg_ParseTuple(item, "inO", &part->kind, &part->key_len, &blob)) {
-        return -1;
-    }
-    if (PyObject_GetBuffer(blob, &part->blob, PyBUF_SIMPLE) < 0) return -1;
-    if (part->kind != 2) {
-        if ((part->kind != 0 && part->kind != 1) || part->key_len <= GROUP_BYTES || part->blob.len % part->key_len) {
-            PyBuffer_Release(&part->blob);
-            PyErr_SetString(PyExc_ValueError, "kv_events: a part is (0 or 1, key length > 4, whole keys)");
-            return -1;
-        }
-        part->n = part->blob.len / part->key_len;
-    }
-    return 0;
-}
-
-/* The group runs of the parts of keys; their events added to *events, at most how many bytes
- * they take to *size. 0, or -1 on no memory.
- *
- * Per-key scratch only for the parts of several groups: a flush's usual parts are one group
- * each, and three arrays of 8 bytes a key, allocated and freed at every flush, made glibc give
- * the heap's top back to the kernel and fault it in again (a flush of ~6,000 keys took 145 µs
- * of the daemon's thread against ~30 µs in-process, most of it page faults; 2-vCPU VM). */
-static int parts_group(const Form *f, Part *parts, Py_ssize_t count, Scratch *scratch, Py_ssize_t *events,
-                       Py_ssize_t *size) {
-    Py_ssize_t mixed = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        Part *part = &parts[i];
-        if (part->kind == 2) continue;
-        part->groups = &part->one_group;
-        part->counts = &part->one_count;
-        part->one_count = part->n;
-        if (same_group(part->blob.buf, part->key_len, part->n, &part->one_group) < part->n) {
-            part->one_count = -1;                  /* several groups: group_runs below */
-            mixed += part->n;
-        } else {
-            part->events = part->n ? 1 : 0;
-        }
-    }
-    if (mixed) {
-        scratch->groups = PyMem_Malloc(sizeof(uint64_t) * (size_t)mixed);
-        scratch->counts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)mixed);
-        scratch->order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)mixed);
-        if (!scratch->groups || !scratch->counts || !scratch->order) return -1;
-    }
-    for (Py_ssize_t i = 0, at = 0; i < count; i++) {
-        Part *part = &parts[i];
-        if (part->kind != 2 && part->one_count < 0) {
-            part->groups = scratch->groups + at;
-            part->counts = scratch->counts + at;
-            part->order = scratch->order + at;
-            at += part->n;
-            part->events = group_runs(part->blob.buf, part->key_len, part->n, part->groups, part->counts, part->order);
-            if (part->events < 0) return -1;
-        }
-        *events += part->events;
-        *size += part_bound(f, part);
-    }
-    return 0;
-}
-
-static int form_get(PyObject *const *args, Form *f) {
-    int int_hash = PyObject_IsTrue(args[0]);
-    if (int_hash < 0) return -1;
-    f->int_hash = int_hash;
-    return template_get(args[1], &f->stored) < 0 || template_get(args[2], &f->removed) < 0 ? -1 : 0;
-}
-
 /* kv_events(head, parts, tail, int_hash, stored, removed) -> (bytes, events): head, an array
  * header for the events, each part's events, then tail. A part is bytes (one event, written as
  * it is) or (kind, key_len, blob): kind 0 one BlockStored, kind 1 one BlockRemoved, per group of
- * the keys (groups in the order they first come, a group's hashes in blob order). The groups are counted
- * first (the array header says how many events follow), then the bytes written.
+ * the keys (groups in the order they first come, a group's hashes in blob order). The groups are
+ * counted first (the array header says how many events follow), then the bytes written.
  * ``stored``/``removed``: (before, middle, after) templates around the hash array and the
  * group. Keys are longer than their 4-byte group (the caller skips others). */
 PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -297,17 +209,66 @@ PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "kv_events: head and tail must be bytes, parts a list");
         return NULL;
     }
-    if (form_get(args + 3, &f) < 0) return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, events = 0;
+    f.int_hash = PyObject_IsTrue(args[3]);
+    if (template_get(args[4], &f.stored) < 0 || template_get(args[5], &f.removed) < 0) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, mixed = 0, events = 0;
     Py_ssize_t head_n = PyBytes_GET_SIZE(args[0]), tail_n = PyBytes_GET_SIZE(args[2]);
     Part *parts = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Part));
-    Scratch scratch = {0};
     PyObject *out = NULL;
+    uint64_t *groups = NULL;
+    Py_ssize_t *counts = NULL, *order = NULL;
     if (parts == NULL) return PyErr_NoMemory();
-    for (; held < count; held++)
-        if (part_get(PyList_GET_ITEM(args[1], held), &parts[held]) < 0) goto done;
+    for (; held < count; held++) {
+        PyObject *item = PyList_GET_ITEM(args[1], held), *blob;
+        Part *part = &parts[held];
+        part->events = 1;
+        if (PyBytes_Check(item)) {
+            part->kind = 2;
+            blob = item;
+        } else if (!PyArg_ParseTuple(item, "inO", &part->kind, &part->key_len, &blob)) {
+            goto done;
+        }
+        if (PyObject_GetBuffer(blob, &part->blob, PyBUF_SIMPLE) < 0) goto done;
+        if (part->kind == 2) continue;
+        if ((part->kind != 0 && part->kind != 1) || part->key_len <= GROUP_BYTES || part->blob.len % part->key_len) {
+            PyBuffer_Release(&part->blob);
+            PyErr_SetString(PyExc_ValueError, "kv_events: a part is (0 or 1, key length > 4, whole keys)");
+            goto done;
+        }
+        part->n = part->blob.len / part->key_len;
+        part->groups = &part->one_group;
+        part->counts = &part->one_count;
+        part->one_count = part->n;
+        part->events = part->n ? 1 : 0;
+        if (same_group(part->blob.buf, part->key_len, part->n, &part->one_group) < part->n) {
+            part->one_count = -1;                  /* several groups: group_runs below */
+            mixed += part->n;
+        }
+    }
+    /* Per-key scratch only for the parts of several groups: a flush's usual parts are one group
+     * each, and three arrays of 8 bytes a key, allocated and freed at every flush, made glibc give
+     * the heap's top back to the kernel and fault it in again (a flush of ~6,000 keys took 145 µs
+     * of the daemon's thread against ~30 µs in-process, most of it page faults; 2-vCPU VM). */
+    if (mixed) {
+        groups = PyMem_Malloc(sizeof(uint64_t) * (size_t)mixed);
+        counts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)mixed);
+        order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)mixed);
+        if (!groups || !counts || !order) { PyErr_NoMemory(); goto done; }
+    }
     Py_ssize_t size = head_n + 5 + tail_n;
-    if (parts_group(&f, parts, count, &scratch, &events, &size) < 0) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0, at = 0; i < count; i++) {
+        Part *part = &parts[i];
+        if (part->kind != 2 && part->one_count < 0) {
+            part->groups = groups + at;
+            part->counts = counts + at;
+            part->order = order + at;
+            at += part->n;
+            part->events = group_runs(part->blob.buf, part->key_len, part->n, part->groups, part->counts, part->order);
+            if (part->events < 0) { PyErr_NoMemory(); goto done; }
+        }
+        events += part->events;
+        size += part_bound(&f, part);
+    }
     PyObject *bytes = PyBytes_FromStringAndSize(NULL, size);
     if (bytes == NULL) goto done;
     uint8_t *start = (uint8_t *)PyBytes_AS_STRING(bytes), *p = start;
@@ -319,8 +280,11 @@ PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (_PyBytes_Resize(&bytes, p - start) == 0)       /* shrinks in place; on failure bytes is NULL, the error set */
         out = Py_BuildValue("Nn", bytes, events);
 done:
-    parts_free(parts, held, &scratch);
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&parts[i].blob);
     PyMem_Free(parts);
+    PyMem_Free(groups);
+    PyMem_Free(counts);
+    PyMem_Free(order);
     return out;
 }
 
