@@ -201,7 +201,10 @@ class TierLink:
             self.socket.send(msgpack.packb({"op": op, "id": rid, **fields}, use_bin_type=True), zmq.NOBLOCK)
         except zmq.Again:
             self.counters["busy"] += 1
-            raise LinkBusy("the tier companion's socket is full") from None
+            # Full, or its companion just died and the link has not heard yet (ZMQ then has no
+            # peer to queue for): either way nothing was sent, and the caller drops it as busy.
+            raise LinkBusy("the tier companion's socket takes no request now (full, or its companion just "
+                           "stopped)") from None
         lane = "data" if op in FENCED_OPS else "meta"
         self.inflight[rid] = Request(rid, op, self.clock() + self.deadlines[lane], context)
         return rid
