@@ -678,7 +678,11 @@ def test_blocks_kvtierd_promotes_from_its_second_tier_are_hit_pending_then_hits(
                 store(manager, worker, keys(f"fill{job}", NUM_BLOCKS), job, range(NUM_BLOCKS))
                 until(lambda: daemon.stats()["tier"]["demoting_blocks"] == 0)
             tier = daemon.stats()["tier"]
-            assert tier["demoted_blocks"] >= 4 and sum(tier["demote_dropped_blocks"].values()) == 0, tier
+            # A fill job may need room before the demoter took every block ahead of it: those go
+            # undemoted, counted "pressure" (docs/operations.md; CI saw 5 under load). The four
+            # blocks the request needs are checked by its lookups and load below.
+            dropped = tier["demote_dropped_blocks"]
+            assert tier["demoted_blocks"] >= 4 and dropped["busy"] == dropped["down"] == dropped["failed"] == 0, tier
             ctx = request(manager, ks, "promoted")
             steps = [prefix_lookup(manager, ks, ctx)]
             assert steps[0] == [LookupResult.HIT_PENDING] * 4          # deferred, not computed
