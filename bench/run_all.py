@@ -437,25 +437,22 @@ that this one, at 3-4, missed.
   (load 7-10; in this page's run, load ~1, Mooncake measured 0.33x demote and 0.36x promote at
   64 KiB, Redis 0.67x and 0.60x).
 - **KV events: store throughput with the stream on against off.** Commit to subscriber (p99
-  5.5 ms with a batch every 5 ms) and 200,000 blocks/s with memory flat are met; the throughput
-  ratio is not: 0.902x (B = 256) and 0.904x (B = 1,024) in this page's run, 1.03 and 0.868x in the
-  run before it. Five more runs of `kvtierctl bench --only events` on this code gave 0.916-0.989
-  (median 0.932) and 0.915-0.941 (median 0.937); six of 0.3.4's, alternating with them,
-  0.889-0.947 (median 0.945) and 0.885-0.994 (median 0.925): the run-to-run spread on this VM
-  is wider than the gap to the goal, and two daemons of one build and settings differed by 1-2%
-  in one run. Per-thread CPU of a 256-key store job (12 alternating rounds): the daemon's loop
-  +23-27 µs of ~195 (a flush every 5 ms ~130-160 µs of it: the events written from cold blobs
-  48-65 µs, the payload's send 40 µs, ~28 µs of Python; recording a job the rest), its ZMQ I/O
-  thread +4 µs, the subscriber +4-8 µs and the client, which does nothing differently, +0-6 µs.
-  In-process with the caches flushed between jobs, recording alone costs +35 µs a job (+13
-  warm), most of it reading the evicted entries' records (~17 µs for 256 cold ones). 0.3.5
-  removes page faults that some daemons took at every flush (1.3 a job) and keeps the replay
-  buffer as payloads; it does not lower the steady cost. Measured and dropped: sending from a
-  thread of its own (the GIL's handoffs on 2 CPUs: 0.80x at B = 1,024), writing each record's
-  events as the log appends it (0.3.4, and in a compiled pass in 0.3.5: no better in-process),
-  smaller bounds for the log and the replay buffer, a longer prefetch distance for the evicted
-  records. Not tried: the log's records kept in compiled code, the flush's encoding and send on a
-  thread of their own outside the GIL (docs/events.md, Cost)."""
+  5.9 ms with a batch every 5 ms) and 200,000 blocks/s with memory flat are met; the throughput
+  ratio is not: 0.92x (B = 256) and 0.927x (B = 1,024) in this page's run. Since 0.3.6 the bench
+  compares two daemons of each kind, since two of one build and settings differ by 1-2%; three
+  more runs on this code gave 1.02, 0.97 and 0.934 at B = 256 (met in about half the runs) and
+  0.927, 0.939 and 0.938 at B = 1,024 (missed by 1-3% in every one). Per call, in the daemon's
+  loop (thread CPU of its functions, 8 alternating rounds of 256-key jobs): recording a job's
+  removal +12-14 µs (the 256 evicted entries' keys read from their records, cold, each on a page
+  of its own), recording its store +6-8 µs (the keys copied as the records are sealed, ~3 µs of
+  Python a record appended to the log), the stream's turns +12-16 µs (a flush every ~8-10 jobs:
+  72-81 µs writing the batch from cold blobs and handing it to ZMQ, ~40-50 µs of Python reading
+  the log). Measured and dropped in 0.3.6: writing and sending each batch on a compiled thread of
+  its own outside the GIL (the stream's turns fell from 12.3 to 7.0 µs a job, the loop's whole
+  CPU per job did not, nor did the ratio: 0.894-0.996 and 0.918-0.944 with two daemons of each);
+  before it, a Python sender thread (0.80x), writing each record's events as the log appends it,
+  smaller bounds, a longer prefetch distance. What is left would take the per-job recording out
+  of Python and read the evicted keys without a page walk each (docs/events.md, Cost)."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
@@ -570,9 +567,10 @@ or above 0.8x in all but one (promote at 64 KiB in the first run); Mooncake is n
 misses stand. With TCP on loopback both engines' transfers are CPU work on the same two CPUs as
 the hashing, so the overlap has little idle time to hide in here; with RDMA it would have more.""",
     "events": """Through real daemons (`kvtierbench/eventsd.py`): store jobs of B = 256 and 1,024 fresh
-keys (store + commit from one rank session; the region full, so every store also evicts B) on a
-daemon publishing its KV events stream (`kv_events_endpoint`) to a subscriber process, against a
-daemon without it, the two alternating in slices (each side first in turn; medians); the time from
+keys (store + commit from one rank session; the region full, so every store also evicts B) on two
+daemons publishing their KV events streams (`kv_events_endpoint`) to a subscriber process, against
+two daemons without it, the four taking turns in slices (each first in turn; the median slice of
+each side); the time from
 a commit's return to the subscriber holding the batch that names the job's last key (jobs of 256
 every 5 ms); 200,000 blocks/s offered in jobs of 1,024 to the publishing daemon (its event log
 8 MiB, full within the first third), its anonymous memory (RssAnon: the region is a shared
