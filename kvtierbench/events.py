@@ -63,7 +63,7 @@ class _Stream:
         self.log = EventLog(TableSnapshot(np.zeros(1024, ENTRY_DTYPE)), 8 << 20)
         self.pub = KvEventsPublisher(context, self.log, lambda: {0: TOPIC}, f"ipc://{ctx.path(name)}.pub",
                                      buffer_bytes=8 << 20, flush_keys=1 << 20)
-        self.proc, self.conn = eventsd.start_subscriber(self.pub.endpoint, _counted)
+        self.proc, self.conn = eventsd.start_subscriber([self.pub.endpoint], _counted)
         deadline = time.monotonic() + 10      # until the subscription reached the publisher
         self.pub.flush()
         while not self.conn.poll(0.05):

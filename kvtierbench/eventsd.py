@@ -129,10 +129,9 @@ class _Node:
         self.daemon.stop()
 
 
-def start_subscriber(endpoints: str | list[str], describe, describing: bool = True):
-    """(process, pipe) of a ``subscriber`` process, connected to the endpoint(s)."""
+def start_subscriber(endpoints: list[str], describe, describing: bool = True):
+    """(process, pipe) of a ``subscriber`` process, connected to the endpoints."""
     conn, child = mp.Pipe()
-    endpoints = [endpoints] if isinstance(endpoints, str) else endpoints
     proc = mp.get_context("spawn").Process(target=subscriber, args=(endpoints, child, describe, describing),
                                            daemon=True)
     proc.start()
@@ -168,8 +167,16 @@ def _latency(node: _Node, rounds: int) -> dict:
 
 def run(ctx: Context, quick: bool) -> dict:
     slices, seconds = (3, 0.5) if quick else (7, 1.5)
-    offs = [_Node(ctx, f"events-off{i}", False, 2 * i + 1) for i in range(PAIRS)]
-    ons = [_Node(ctx, f"events-on{i}", True, 2 * i + 2) for i in range(PAIRS)]
+    nodes: list[_Node] = []                                     # off, on, off, on, ...
+    try:
+        for i in range(PAIRS):
+            nodes += [_Node(ctx, f"events-off{i}", False, 2 * i + 1), _Node(ctx, f"events-on{i}", True, 2 * i + 2)]
+    except BaseException:                                       # one did not start: stop those that did
+        for node in nodes:
+            node.close()
+        raise
+    turns = [("on" if i % 2 else "off", node) for i, node in enumerate(nodes)]
+    ons = nodes[1::2]
     on = ons[0]                                                 # the latency and sustained runs
     # Through the throughput slices the subscriber only reads the socket, as a router's does: what
     # it does with the events is the router's cost (decoding them in this bench's Python took
@@ -181,7 +188,6 @@ def run(ctx: Context, quick: bool) -> dict:
         rows = []
         for batch in BATCHES:
             rates = {"off": [], "on": []}
-            turns = [pair for i in range(PAIRS) for pair in (("off", offs[i]), ("on", ons[i]))]
             for i in range(slices):                              # take turns, each first in turn
                 order = turns[i % len(turns):] + turns[:i % len(turns)]
                 for side, node in order if i % 2 == 0 else order[::-1]:
@@ -209,7 +215,7 @@ def run(ctx: Context, quick: bool) -> dict:
         events = on.daemon.stats()["events"]
     finally:
         seen = stop_subscriber(proc, conn)
-        for node in offs + ons:
+        for node in nodes:
             node.close()
     lat = np.array([t - committed[h] for t, h in seen if h in committed])
     latency = {"keys": 256, "batches": len(lat), "p50_us": pct(lat, 50) * 1e6, "p99_us": pct(lat, 99) * 1e6}
