@@ -92,6 +92,7 @@ def _cost(batch: int, rounds: int) -> dict:
         for keys in jobs:
             t0 = time.thread_time_ns()
             log.stored(0, keys)
+            log.settle()                  # the daemon's loop takes the queued append after the reply
             t1 = time.thread_time_ns()
             pub.flush()
             t2 = time.thread_time_ns()

@@ -20,9 +20,13 @@ cursor, and the log forgets its oldest records to stay within its memory budget.
   Applying records and pages in reply order gives exactly the READY keys (tests/unit/
   test_events.py proves it for any interleaving): a page taken at time t lists what its slots hold
   at t, every change after t comes as a record, and pages only add keys.
-- **Consistency with the index.** The observer must append before the daemon serves the next
-  request, and the snapshot reads the entry table, whose state byte says READY exactly while the
-  index does (kvtierd.index): then a snapshot page and the records agree at every read.
+- **Consistency with the index.** What the observer appends is queued and taken into the logs
+  (``settle``) once the request's reply is sent, before the daemon serves the next request, and
+  by every read first; the snapshot reads the entry table, whose state byte says READY exactly
+  while the index does (kvtierd.index): then a snapshot page and the records agree at every read.
+  The queue keeps the log's bookkeeping off the replies of the store and commit requests that
+  record (a store's keys are gathered as its records are sealed, an eviction's as its victims'
+  states are checked: both passes the index makes anyway).
 - **Fed by the index's events** (``Recorder``, a listener of ``kvtierd.events``): a namespace's
   log is kept from its first read on (``follow``; every namespace's while the daemon publishes
   its own stream), so that a namespace nobody follows costs nothing; its first read resets onto
@@ -51,6 +55,9 @@ RECORD_KEYS = 4096
 # the daemon's loop (through the daemon, thread time); a 32nd of the budget is ~27 store jobs of
 # 256 keys at the bench's 8 MiB.
 TRIM_SLACK = 1 / 32
+# Appends queued before the log takes them (``EventLog.append``): a request's, a few (a store and
+# its eviction's); the bound holds the queue's memory where nothing settles it.
+PENDING_RUNS = 64
 # What a record costs besides its keys (the Record, its slot in two containers), for the budget.
 RECORD_OVERHEAD = 200
 # Entry slots a snapshot page scans per NumPy pass, and at most per page: a page of a sparse
@@ -178,7 +185,8 @@ class EventLog:
         # Counters (kvtierd_events_*): keys appended by kind, keys dropped unread or not, reads
         # that reset a reader, snapshot keys sent.
         self.appended = {Kind.STORED: 0, Kind.REMOVED: 0}
-        self.news = 0                     # records appended, ever: a reader's cheap "anything new?"
+        self._news = 0                    # records appended, ever: a reader's cheap "anything new?"
+        self._pending: list[tuple] = []   # appends not yet taken into the logs (``settle``)
         self.removed_by_cause = dict.fromkeys((c.value for c in Cause), 0)
         self.dropped_keys = 0
         self.resets = 0
@@ -207,6 +215,7 @@ class EventLog:
     def forget(self, ns: Hashable) -> None:
         """The namespace is gone (its slot reclaimed for another): its log ends; a reader of it
         is reset (to a namespace that has nothing) on its next read."""
+        self.settle()
         if ns in self._logs and self.forgetting is not None:
             self.forgetting(ns)
         log = self._logs.pop(ns, None)
@@ -215,19 +224,33 @@ class EventLog:
             held = log.records[log.head:]
             self.bytes -= sum(len(r.keys) + RECORD_OVERHEAD for r in held)
 
-    def append(self, ns: Hashable, kind: Kind, cause: str | None, key_len: int, blob: bytes) -> int:
+    def append(self, ns: Hashable, kind: Kind, cause: str | None, key_len: int, blob: bytes) -> None:
         """One run of keys (``blob``: ``key_len`` bytes each) as the next record of ``ns``'s log,
         several when it holds more than RECORD_KEYS keys; ``cause``: a removal's ``Cause`` value
-        (None for a store). Returns how many keys. The observer's path (``Recorder``): it runs for
-        every store job and every eviction while the daemon publishes its stream, so the usual
-        case is one record's bookkeeping and nothing else (through a daemon, thread time, 0.3.3's
-        append took ~5 µs a record of 256 keys, as much as gathering the keys)."""
-        if not blob:
-            return 0
+        (None for a store). The observer's path (``Recorder``), inside the store and commit
+        requests while the daemon publishes its stream: it only queues the run, and the log takes
+        it (``settle``) once the request's reply is sent, or first thing when it is read, or
+        when PENDING_RUNS are queued (a log used without a server)."""
+        if blob:
+            self._pending.append((ns, kind, cause, key_len, blob))
+            if len(self._pending) >= PENDING_RUNS:
+                self.settle()
+
+    def settle(self) -> None:
+        """Take the queued appends into the logs, in order (the server's loop, after each reply;
+        every read first). Through a daemon, thread time, a record's bookkeeping was ~3 µs of a
+        store job's reply, twice a job with the eviction's (0.3.6)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        for ns, kind, cause, key_len, blob in pending:
+            self._append(ns, kind, cause, key_len, blob)
+
+    def _append(self, ns: Hashable, kind: Kind, cause: str | None, key_len: int, blob: bytes) -> int:
         count = len(blob) // key_len
         if count > RECORD_KEYS:
             step = key_len * RECORD_KEYS
-            return sum([self.append(ns, kind, cause, key_len, blob[at:at + step]) for at in range(0, len(blob), step)])
+            return sum([self._append(ns, kind, cause, key_len, blob[at:at + step]) for at in range(0, len(blob), step)])
         log = self._logs.get(ns) or self._log(ns)
         log.seq += 1
         log.keys += count
@@ -238,10 +261,16 @@ class EventLog:
         self.appended[kind] += count
         if cause is not None:
             self.removed_by_cause[cause] += count
-        self.news += 1
+        self._news += 1
         if self.bytes > self.budget_bytes:
             self._trim()
         return count
+
+    @property
+    def news(self) -> int:
+        """Records appended, ever: a reader's cheap "anything new?"."""
+        self.settle()
+        return self._news
 
     def _trim(self) -> None:
         """Drop the oldest records (of any namespace) until the log is TRIM_SLACK of its budget
@@ -269,6 +298,7 @@ class EventLog:
 
         A cursor of another epoch, or one the log no longer continues, or None, resets the
         reader: the reply starts a snapshot from slot 0 at the log's newest record."""
+        self.settle()
         log = self._log(ns)
         reset = cursor is None or epoch != log.epoch or not log.floor <= cursor <= log.seq
         if reset:
@@ -291,11 +321,13 @@ class EventLog:
 
     def head(self, ns: Hashable) -> tuple[int, int] | None:
         """(epoch, sequence number of the newest record) of ``ns``'s log; None: no log."""
+        self.settle()
         log = self._logs.get(ns)
         return None if log is None else (log.epoch, log.seq)
 
     def lag(self, ns: Hashable, epoch: int, cursor: int) -> int | None:
         """Keys appended to ``ns``'s log after ``cursor`` (None: the cursor is not continuable)."""
+        self.settle()
         log = self._logs.get(ns)
         if log is None or epoch != log.epoch or not log.floor <= cursor <= log.seq:
             return None
@@ -307,6 +339,7 @@ class EventLog:
 
     def stats(self) -> dict:
         """The log's part of ``StatsReply.events`` (docs/operations.md, kvtierd_events_*)."""
+        self.settle()
         return {"log_bytes": self.bytes, "log_budget_bytes": self.budget_bytes, "namespaces": len(self._logs),
                 "stored_keys": self.appended[Kind.STORED], "removed_keys": dict(self.removed_by_cause),
                 "dropped_keys": self.dropped_keys, "resets": self.resets, "snapshot_keys": self.snapshot_keys}
@@ -360,14 +393,18 @@ class Recorder(EntryEvents):
             else:
                 self.log.stored_runs(at, self.keys.key_runs(slots))
 
-    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
+    def wants_leaving_keys(self) -> bool:
+        return bool(self._followed)
+
+    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray,
+                keys: tuple[int, bytes, int] | None = None) -> None:
         if cause is Gone.ABORTED or not self._followed or not len(slots):
             return
         first = int(namespaces[0])
         if first in self._followed:
             # The usual case, one followed namespace's entries of one key length: the pass that
             # gathers the keys also tells that they are (no NumPy pass over the namespaces).
-            one = self.keys.key_run(slots)
+            one = keys or self.keys.key_run(slots)
             if one is not None:
                 self.log.append(first, Kind.REMOVED, CAUSES[cause], one[0], one[1])
                 if cause is Gone.RECLAIMED:

@@ -10,8 +10,9 @@ Calls are batch-shaped: a job's or an eviction's entries in one call, as an arra
 never a call per key (jobs carry thousands of keys, and the index's per-key work is what bounds
 the daemon's keys/s). A listener that needs the keys asks the index for them (``Index.keys_of``,
 or ``Index.key_runs`` for one blob per key length: the records are whole until the hook
-returns), or, for ``ready``, says it ``wants_keys`` and gets them gathered as the entries were
-sealed; most never need them.
+returns), or says it wants them and gets them gathered in a pass the index makes anyway: for
+``ready`` (``wants_keys``) as the entries are sealed, for ``leaving`` (``wants_leaving_keys``)
+as their states are checked; most never need them.
 """
 
 from __future__ import annotations
@@ -50,9 +51,18 @@ class EntryEvents:
         ``keys``: when a listener ``wants_keys`` of ``ns``, their keys as ``Index.key_run`` gives
         them (None when they are not of one length; ask the index)."""
 
-    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
+    def wants_leaving_keys(self) -> bool:
+        """Whether ``leaving`` should come with the entries' keys, gathered in the index's first
+        pass over their records (which namespaces they are of is in those records): an eviction's
+        entries are cold, and a pass of the listener's own waits on their memory again."""
+        return False
+
+    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray,
+                keys: tuple[int, bytes, int] | None = None) -> None:
         """The entries of ``slots`` (with their namespaces' table slots) leave the index for
-        ``cause``; they are freed when this returns."""
+        ``cause``; they are freed when this returns. ``keys``: when a listener
+        ``wants_leaving_keys``, their keys as ``Index.key_run`` gives them, if the index gathered
+        them (None: not gathered, or not of one length and namespace; ask the index)."""
 
 
 class Events(EntryEvents):
@@ -74,6 +84,13 @@ class Events(EntryEvents):
         for listener in self._listeners:
             listener.ready(ns, slots, keys)
 
-    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
+    def wants_leaving_keys(self) -> bool:
         for listener in self._listeners:
-            listener.leaving(cause, slots, namespaces)
+            if listener.wants_leaving_keys():
+                return True
+        return False
+
+    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray,
+                keys: tuple[int, bytes, int] | None = None) -> None:
+        for listener in self._listeners:
+            listener.leaving(cause, slots, namespaces, keys)

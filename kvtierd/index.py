@@ -57,7 +57,7 @@ from .holds import Holder, Holds
 from .keytable import ALL_BITS, key_table
 from .namespaces import Namespace, Namespaces
 from .pages import FreeIds
-from .records import count_state, fill, key_run, key_runs, keys_of, new_records, record_sums, seal_records
+from .records import count_state, count_state_keys, fill, key_run, key_runs, keys_of, new_records, record_sums, seal_records
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -190,9 +190,12 @@ class Index:
                                                f"engines or by blocks the second tier is moving ({len(unused)}): "
                                                "retry in a few seconds")
 
-    def _busy(self, slots: np.ndarray) -> bool:
-        """Whether a writer or a reader may still touch any of these entries' pages."""
-        return count_state(self.view, slots, READY) != len(slots) or self.holds.any_held(slots)
+    def _busy(self, slots: np.ndarray, ready: int | None = None) -> bool:
+        """Whether a writer or a reader may still touch any of these entries' pages (``ready``:
+        how many of them are READY, when the caller has counted them)."""
+        if ready is None:
+            ready = count_state(self.view, slots, READY)
+        return ready != len(slots) or self.holds.any_held(slots)
 
     def namespace_at(self, slot: int) -> Namespace:
         """The namespace recorded in table slot ``slot``."""
@@ -435,19 +438,23 @@ class Index:
         given to two owners at once is a wrong block for someone (invariant 12)."""
         if not len(slots):
             return
-        if self._busy(slots):
+        # The first pass over the entries' records, cold for an eviction's: a listener that wants
+        # their keys gets them from it.
+        ready, keys = count_state_keys(self.view, slots, READY) if self.events.wants_leaving_keys() else (None, None)
+        if self._busy(slots, ready):
             raise RuntimeError(f"{cause.value}: an entry a writer or a reader may still touch cannot be freed")
         pages = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE)
-        self._forget(slots, cause)
+        self._forget(slots, cause, keys)
         self.pages.free(pages)
         self.counters[_COUNTED[cause]] += len(slots)
 
-    def _forget(self, slots: np.ndarray, cause: Gone) -> None:
-        """Entries leave: the listeners hear it (their records still whole), then out of the table
-        first (state FREE), the key table and the policy."""
+    def _forget(self, slots: np.ndarray, cause: Gone, keys: tuple[int, bytes, int] | None = None) -> None:
+        """Entries leave: the listeners hear it (their records still whole; ``keys``: as
+        ``key_run`` gives them, when gathered already), then out of the table first (state FREE),
+        the key table and the policy."""
         if not len(slots):
             return
-        self.events.leaving(cause, slots, self._ns_col[slots].astype(np.intp))
+        self.events.leaving(cause, slots, self._ns_col[slots].astype(np.intp), keys)
         ready = count_state(self.view, slots, READY)
         fill(self.view, slots, "state", FREE)
         fill(self.view, slots, "record_sum", 0)   # a stale record whose state byte came back to READY is no entry

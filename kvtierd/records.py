@@ -77,6 +77,12 @@ def count_state(view: RegionView, slots: np.ndarray, state: int) -> int:
     return _count_state(view.entries, ENTRY_DTYPE.itemsize, slots, _STATE_AT, int(state))
 
 
+def count_state_keys(view: RegionView, slots: np.ndarray, state: int) -> tuple[int, tuple[int, bytes, int] | None]:
+    """``count_state``, and the records' keys as ``key_run`` gives them, gathered in the same pass
+    (the first over an eviction's cold records: the keys come with its cache misses)."""
+    return _count_state(view.entries, ENTRY_DTYPE.itemsize, slots, _STATE_AT, int(state), _RUN_LAYOUT)
+
+
 def fill(view: RegionView, slots: np.ndarray, name: str, value: int) -> None:
     """Field ``name`` of the records at ``slots`` set to ``value`` (``entries[name][slots] = value``
     without NumPy's strided scatter)."""

@@ -388,6 +388,7 @@ class Server:
                     continue
             sock.send(identity, SNDMORE)
             sock.send(self._encode(reply))
+            self.store.replied()
 
     def _send_later(self, sock: zmq.Socket, identity: bytes, reply: dict) -> None:
         if sock in (self.sock, self.admin):       # not closed meanwhile (the daemon stopped)

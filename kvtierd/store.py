@@ -252,6 +252,11 @@ class Store:
         self._readers[session] = (key, read.epoch, read.seq)
         return read
 
+    def replied(self) -> None:
+        """A request's reply is sent: what waited for it runs before the next request (the event
+        log's appends: ``EventLog.settle``)."""
+        self.event_log.settle()
+
     def events_stats(self) -> dict:
         """The event log's counters, and how far its readers are behind (the worst, in keys)."""
         live = self.attachments.sessions

@@ -22,7 +22,8 @@ static PyMethodDef functions[] = {
     {"any_held", (PyCFunction)(void (*)(void))any_held, METH_FASTCALL,
      "any_held(pins, leases, slots) -> whether any of the slots is pinned or leased"},
     {"count_state", (PyCFunction)(void (*)(void))count_state, METH_FASTCALL,
-     "count_state(records, record_bytes, slots, state_at, state) -> how many of the slots' records hold state"},
+     "count_state(records, record_bytes, slots, state_at, state[, keys]) -> how many of the slots' records hold "
+     "state; with keys, (that, their keys as key_blob gives them)"},
     {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL,
      "hold(mine, other, slots, step) -> (changed, int32 slots that leave or re-enter the policy)"},
     {"keys_ok", (PyCFunction)(void (*)(void))keys_ok, METH_FASTCALL,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvtier.events import EventView
 from kvtierd.contract.events import Cause, Kind, split_keys
 from kvtierd.contract.replies import EventsReply
-from kvtierd.eventlog import RECORD_KEYS
+from kvtierd.eventlog import PENDING_RUNS, RECORD_KEYS
 from tests.eventlog import Table
 
 
@@ -189,3 +189,28 @@ def test_memory_stays_within_the_budget_when_nobody_reads():
     stats = log.stats()
     assert stats["stored_keys"] == 6600 * 256 and stats["log_bytes"] == log.bytes
     assert stats["dropped_keys"] == log.dropped_keys and stats["namespaces"] == 1
+
+
+def test_appends_are_queued_until_the_reply_is_sent_and_every_read_takes_them_first():
+    """A store's and an eviction's appends are only queued (the server's loop settles them once the
+    reply is sent); a read, the head, the lag, the stats and a forget take them first, in order; and
+    the queue holds at most PENDING_RUNS runs where nothing settles it."""
+    table = Table(8, 1 << 20)
+    log = table.log
+    log.stored(0, [b"a" * 36, b"b" * 36])
+    log.removed(0, [b"a" * 36], Cause.EVICTED)
+    assert len(log._pending) == 2 and log._logs == {}
+    assert log.head(0)[1] == 2 and not log._pending                     # taken by the read, in order
+    got = log.read(0, None, None, None, 10)
+    log.stored(0, [b"c" * 36])
+    again = log.read(0, got.epoch, 0, None, 10)
+    assert [(r.kind, r.keys) for r in again.records] == [(Kind.STORED, b"a" * 36 + b"b" * 36),
+                                                         (Kind.REMOVED, b"a" * 36), (Kind.STORED, b"c" * 36)]
+    log.stored(1, [b"d" * 36])
+    assert log.stats()["stored_keys"] == 4 and log.lag(0, got.epoch, 3) == 0
+    log.stored(1, [b"e" * 36])
+    log.forget(1)                                                      # its queued record went first
+    assert log.stats()["namespaces"] == 1 and log.news == 5
+    for i in range(PENDING_RUNS):
+        log.stored(0, [bytes([i]) * 36])
+    assert not log._pending and log.news == 5 + PENDING_RUNS            # a full queue is taken at once

@@ -26,9 +26,17 @@ class Recorder(EntryEvents):
         assert run == (len(keys[0]), b"".join(keys), ns.slot) if len({len(k) for k in keys}) == 1 else run is None
         self.heard.append(("ready", ns.id.model, sorted(keys)))
 
-    def leaving(self, cause, slots, namespaces):
+    def wants_leaving_keys(self):
+        return True
+
+    def leaving(self, cause, slots, namespaces, run=None):
         # told before they go: the index still holds them
         keys = self.held(slots, namespaces)
+        # gathered as they were checked, for every way but an aborted write's (never READY), when
+        # they are of one length and one namespace
+        one = len({len(k) for k in keys}) == 1 and len(set(namespaces.tolist())) == 1
+        assert run == ((len(keys[0]), b"".join(keys), int(namespaces[0])) if one and cause is not Gone.ABORTED
+                       else None)
         models = sorted({self.index.namespace_at(int(n)).id.model for n in namespaces.tolist()})
         self.heard.append((cause, models, sorted(keys)))
 

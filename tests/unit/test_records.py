@@ -12,7 +12,7 @@ from kvtierd.contract.protocol import MAX_KEY_BYTES
 from kvtierd.contract.region_format import ENTRY_DTYPE, EntryState, Geometry
 from kvtierd.contract.region_sums import entry_record_sums
 from kvtierd.contract.region_view import RegionView
-from kvtierd.records import count_state, fill, key_hashes, key_run, key_runs, keys_of, new_records, record_sums, seal_records
+from kvtierd.records import count_state, count_state_keys, fill, key_hashes, key_run, key_runs, keys_of, new_records, record_sums, seal_records
 
 
 def random_view(seed: int, slots: int) -> RegionView:
@@ -114,6 +114,33 @@ def test_count_state_counts_as_numpy_would(seed, states, count):
     slots = rng.choice(40, count, replace=True).astype(np.int32)
     for state in range(states + 1):
         assert count_state(view, slots, state) == int(np.count_nonzero(view.entries["state"][slots] == state))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, MAX_KEY_BYTES), other=st.sampled_from(
+    [None, "length", "namespace"]), at=st.integers(0, 24), count=st.integers(0, 25))
+def test_count_state_keys_is_count_state_and_key_run_in_one_pass(seed, length, other, at, count):
+    """The count as count_state gives it, and the keys as key_run does: one run when they are of
+    one length and one namespace, None when one record breaks it (wherever it is) or none is
+    given; the records are only read."""
+    view = random_view(seed, 40)
+    rng = np.random.default_rng(seed + 1)
+    view.entries["state"] = rng.integers(0, 3, 40)
+    slots = rng.choice(40, count, replace=False).astype(np.int32)
+    view.entries["key_len"][slots], view.entries["ns"][slots] = length, 3
+    if other == "length" and at < count:
+        view.entries["key_len"][slots[at]] = length % MAX_KEY_BYTES + 1
+    elif other == "namespace" and at < count:
+        view.entries["ns"][slots[at]] = 4
+    before = view.entries.tobytes()
+    got = count_state_keys(view, slots, 1)
+    assert got == (count_state(view, slots, 1), key_run(view, slots))
+    broken = other is not None and at < count and count > 1     # one record unlike the others
+    assert (got[1] is None) == (broken or not count)
+    if got[1] is not None:
+        assert got[1] == (int(view.entries["key_len"][slots[0]]), b"".join(keys_of(view, slots)),
+                          int(view.entries["ns"][slots[0]]))
+    assert view.entries.tobytes() == before
 
 
 @settings(max_examples=40, deadline=None)
