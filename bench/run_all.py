@@ -436,23 +436,16 @@ that this one, at 3-4, missed.
   with them; hashing one part of a batch while another part transfers did not bring it back
   (load 7-10; in this page's run, load ~1, Mooncake measured 0.33x demote and 0.36x promote at
   64 KiB, Redis 0.67x and 0.60x).
-- **KV events: store throughput with the stream on against off.** Commit to subscriber (p99
-  5.9 ms with a batch every 5 ms) and 200,000 blocks/s with memory flat are met; the throughput
-  ratio is not: 0.92x (B = 256) and 0.927x (B = 1,024) in this page's run. Since 0.3.6 the bench
-  compares two daemons of each kind, since two of one build and settings differ by 1-2%; three
-  more runs on this code gave 1.02, 0.97 and 0.934 at B = 256 (met in about half the runs) and
-  0.927, 0.939 and 0.938 at B = 1,024 (missed by 1-3% in every one). Per call, in the daemon's
-  loop (thread CPU of its functions, 8 alternating rounds of 256-key jobs): recording a job's
-  removal +12-14 µs (the 256 evicted entries' keys read from their records, cold, each on a page
-  of its own), recording its store +6-8 µs (the keys copied as the records are sealed, ~3 µs of
-  Python a record appended to the log), the stream's turns +12-16 µs (a flush every ~8-10 jobs:
-  72-81 µs writing the batch from cold blobs and handing it to ZMQ, ~40-50 µs of Python reading
-  the log). Measured and dropped in 0.3.6: writing and sending each batch on a compiled thread of
-  its own outside the GIL (the stream's turns fell from 12.3 to 7.0 µs a job, the loop's whole
-  CPU per job did not, nor did the ratio: 0.894-0.996 and 0.918-0.944 with two daemons of each);
-  before it, a Python sender thread (0.80x), writing each record's events as the log appends it,
-  smaller bounds, a longer prefetch distance. What is left would take the per-job recording out
-  of Python and read the evicted keys without a page walk each (docs/events.md, Cost)."""
+- **KV events: store throughput with the stream on against off.** Met in this page's run (0.963x
+  at B = 256, 0.965x at B = 1,024), with a thin margin. Each is the median of three sets of fresh
+  daemons (0.963, 0.954, 0.965 and 0.971, 0.965, 0.937 here), since the daemons of one run differ
+  from those of another by up to 4%; two more runs of this bench gave 0.958 and 0.931 (missed),
+  0.956 and 0.964. The daemons of 0.3.6 and before missed it at B = 1,024 in every run (0.91-0.94,
+  warmed up); 0.3.7 gathers an eviction's keys in its first pass over the victims' records and
+  takes the log's bookkeeping off the replies, which cut what the stream adds to a job's store
+  and commit requests from +17.8 to +5.0 µs at B = 256 and from +35.5 to +23.5 µs at B = 1,024
+  (thread time). What is left on the requests' path is reading the evicted keys from their cold
+  records (docs/events.md, Cost)."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
@@ -569,8 +562,9 @@ the hashing, so the overlap has little idle time to hide in here; with RDMA it w
     "events": """Through real daemons (`kvtierbench/eventsd.py`): store jobs of B = 256 and 1,024 fresh
 keys (store + commit from one rank session; the region full, so every store also evicts B) on two
 daemons publishing their KV events streams (`kv_events_endpoint`) to a subscriber process, against
-two daemons without it, the four taking turns in slices (each first in turn; the median slice of
-each side); the time from
+two daemons without it, the four warmed up (2.5 s of stores each, untimed) and then taking turns
+in slices (each first in turn; the median slice of each side), in three sets of fresh daemons
+(the ratio: the median of the three sets'); the time from
 a commit's return to the subscriber holding the batch that names the job's last key (jobs of 256
 every 5 ms); 200,000 blocks/s offered in jobs of 1,024 to the publishing daemon (its event log
 8 MiB, full within the first third), its anonymous memory (RssAnon: the region is a shared
