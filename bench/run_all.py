@@ -563,8 +563,8 @@ the hashing, so the overlap has little idle time to hide in here; with RDMA it w
 keys (store + commit from one rank session; the region full, so every store also evicts B) on two
 daemons publishing their KV events streams (`kv_events_endpoint`) to a subscriber process, against
 two daemons without it, the four warmed up (2.5 s of stores each, untimed) and then taking turns
-in slices (each first in turn; the median slice of each side), in three sets of fresh daemons
-(the ratio: the median of the three sets'); the time from
+in slices of 1.5 s (four rounds, each daemon first in one; the median slice of each side), in
+three sets of fresh daemons (the ratio: the median of the three sets'); the time from
 a commit's return to the subscriber holding the batch that names the job's last key (jobs of 256
 every 5 ms); 200,000 blocks/s offered in jobs of 1,024 to the publishing daemon (its event log
 8 MiB, full within the first third), its anonymous memory (RssAnon: the region is a shared

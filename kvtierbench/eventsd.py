@@ -5,9 +5,10 @@ holds the log and the stream in isolation).
   as ``control`` measures the control plane; the region full, so every store also evicts B) on
   daemons publishing their KV events streams to a subscriber process (which reads every batch off
   its sockets, as a router does, without decoding it), against the same on daemons without it:
-  two of each (``PAIRS``), taking turns in slices so that all see the same machine: keys/s, the
-  median slice on / the median slice off, in each of ``TRIALS`` sets of fresh daemons, and the
-  median of the trials' ratios (goal >= 0.95x). Two daemons of one build and settings differ by
+  two of each (``PAIRS``), taking turns in slices of 1.5 s so that all see the same machine (four
+  rounds, each daemon first in one, the order rotated a round): keys/s, the median slice on / the
+  median slice off, in each of ``TRIALS`` sets of fresh daemons, and the median of the sets'
+  ratios (goal >= 0.95x). Two daemons of one build and settings differ by
   1-2% (where their memory happens to lie), and the daemons of one run by up to 4% from those of
   another: with one set, the ratio said as much of which daemons were started as of the stream.
   Before the slices every daemon stores untimed for ``WARM_S``: the publishing daemons' event
@@ -142,23 +143,35 @@ def start_subscriber(endpoints: list[str], describe, describing: bool = True):
     proc = mp.get_context("spawn").Process(target=subscriber, args=(endpoints, child, describe, describing),
                                            daemon=True)
     proc.start()
-    conn.recv()
+    child.close()                 # the subscriber's end: a subscriber that dies ends the pipe (EOFError)
+    _recv(conn)
     return proc, conn
+
+
+def _recv(conn, timeout: float = 60.0):
+    """The subscriber's next message; an error, not a hang, when it does not answer."""
+    if not conn.poll(timeout):
+        raise RuntimeError(f"events bench: the subscriber process did not answer in {timeout:.0f} s")
+    return conn.recv()
 
 
 def start_describing(conn) -> None:
     """Have a subscriber started with ``describing=False`` describe every batch from now on."""
     conn.send("describe")
-    while conn.recv() != "describing":                        # past its "joined"
+    while _recv(conn) != "describing":                        # past its "joined"
         pass
 
 
 def stop_subscriber(proc, conn) -> list:
     """What the subscriber saw (``describe`` of each batch)."""
-    conn.send("stop")
-    while not isinstance(seen := conn.recv(), list):       # past its "joined"
-        pass
-    proc.join(10)
+    try:
+        conn.send("stop")
+        while not isinstance(seen := _recv(conn), list):     # past its "joined"
+            pass
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
     return seen
 
 
@@ -187,13 +200,13 @@ def _start_nodes(ctx: Context, trial: int) -> list[_Node]:
     return nodes
 
 
-def _throughput(nodes: list[_Node], batch: int, slices: int, seconds: float) -> dict[str, list[float]]:
-    """Keys/s of each slice, by side: the daemons take turns, each first in turn."""
+def _throughput(nodes: list[_Node], batch: int, seconds: float) -> dict[str, list[float]]:
+    """Keys/s of each slice, by side: as many rounds as daemons, each round one slice of each
+    daemon, the order rotated by one a round (every daemon takes every place in the round once)."""
     turns = [("on" if i % 2 else "off", node) for i, node in enumerate(nodes)]
     rates: dict[str, list[float]] = {"off": [], "on": []}
-    for i in range(slices):
-        order = turns[i % len(turns):] + turns[:i % len(turns)]
-        for side, node in order if i % 2 == 0 else order[::-1]:
+    for i in range(len(turns)):
+        for side, node in turns[i:] + turns[:i]:
             rates[side].append(node.slice(batch, seconds))
     return rates
 
@@ -217,7 +230,7 @@ def _sustained(on: _Node, seconds: float) -> dict:
 
 
 def run(ctx: Context, quick: bool) -> dict:
-    trials, slices, seconds = (1, 3, 0.5) if quick else (TRIALS, 3, 1.5)
+    trials, seconds = (1, 0.25) if quick else (TRIALS, 1.5)
     rates = {batch: {"off": [], "on": [], "trials": []} for batch in BATCHES}
     for trial in range(trials):
         nodes = _start_nodes(ctx, trial)
@@ -227,13 +240,14 @@ def run(ctx: Context, quick: bool) -> dict:
         # took 0.3-0.5 µs of the two CPUs per event, a third of a store's whole cost at B = 1,024).
         # In the last trial it describes the batches (decodes their last event) from the latency
         # run on, which runs on that trial's first publishing daemon, and the sustained run after it.
-        proc, conn = start_subscriber([node.endpoint for node in ons], last_stored, describing=False)
+        proc = conn = None
         try:
+            proc, conn = start_subscriber([node.endpoint for node in ons], last_stored, describing=False)
             time.sleep(0.3)                                     # the subscription reaches the daemons
             for node in nodes:                                  # warm up, untimed (the module docstring)
                 node.slice(BATCHES[-1], WARM_S / 3 if quick else WARM_S)
             for batch in BATCHES:
-                got = _throughput(nodes, batch, slices, seconds)
+                got = _throughput(nodes, batch, seconds)
                 rates[batch]["off"] += got["off"]
                 rates[batch]["on"] += got["on"]
                 rates[batch]["trials"].append(ratio(statistics.median(got["on"]), statistics.median(got["off"])))
@@ -242,9 +256,12 @@ def run(ctx: Context, quick: bool) -> dict:
                 committed = _latency(ons[0], 100 if quick else 600)
                 sustained = _sustained(ons[0], 3.0 if quick else 15.0)
         finally:
-            seen = stop_subscriber(proc, conn)
-            for node in nodes:
-                node.close()
+            try:
+                if proc is not None:
+                    seen = stop_subscriber(proc, conn)
+            finally:
+                for node in nodes:
+                    node.close()
     rows = []
     for batch in BATCHES:
         got = rates[batch]

@@ -21,8 +21,9 @@ cursor, and the log forgets its oldest records to stay within its memory budget.
   test_events.py proves it for any interleaving): a page taken at time t lists what its slots hold
   at t, every change after t comes as a record, and pages only add keys.
 - **Consistency with the index.** What the observer appends is queued and taken into the logs
-  (``settle``) once the request's reply is sent, before the daemon serves the next request, and
-  by every read first; the snapshot reads the entry table, whose state byte says READY exactly
+  (``settle``) once the reply of the request that made it is sent, and first thing by every read
+  (the daemon's own stream reads at every turn of its loop; appends made outside a request, by
+  the second tier's turn or a timer, wait for the next read or reply); the snapshot reads the entry table, whose state byte says READY exactly
   while the index does (kvtierd.index): then a snapshot page and the records agree at every read.
   The queue keeps the log's bookkeeping off the replies of the store and commit requests that
   record (a store's keys are gathered as its records are sealed, an eviction's as its victims'
@@ -56,7 +57,8 @@ RECORD_KEYS = 4096
 # 256 keys at the bench's 8 MiB.
 TRIM_SLACK = 1 / 32
 # Appends queued before the log takes them (``EventLog.append``): a request's, a few (a store and
-# its eviction's); the bound holds the queue's memory where nothing settles it.
+# its eviction's); the bound holds the queue where nothing settles it. Each run is a blob its
+# request made anyway (an operator's clear of everything, one); taking it trims the log to budget.
 PENDING_RUNS = 64
 # What a record costs besides its keys (the Record, its slot in two containers), for the budget.
 RECORD_OVERHEAD = 200
@@ -243,8 +245,12 @@ class EventLog:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        for ns, kind, cause, key_len, blob in pending:
-            self._append(ns, kind, cause, key_len, blob)
+        for at, (ns, kind, cause, key_len, blob) in enumerate(pending):
+            try:
+                self._append(ns, kind, cause, key_len, blob)
+            except BaseException:
+                self._pending[:0] = pending[at + 1:]     # the runs after a failed one stay queued, in order
+                raise
 
     def _append(self, ns: Hashable, kind: Kind, cause: str | None, key_len: int, blob: bytes) -> int:
         count = len(blob) // key_len

@@ -51,7 +51,7 @@ static inline const uint8_t *key_row(const KeyRows *k, Py_ssize_t i) {
 
 /* A run of keys copied into one blob as each record is at hand (key_blob; seal_records, whose pass
  * reads the whole record anyway): kept while every record has the first one's key length and
- * namespace (the u16 at at_ns). Each key but the last is copied in whole 8-byte words (the key
+ * namespace (the u16 at at_ns). Each key of 8 bytes or more but the last is copied in whole 8-byte words (the key
  * field holds max_key bytes; the next key overwrites the excess): a few moves instead of a call
  * to memcpy of a length it cannot know (256 keys in cache: 1.0 µs against 1.8). */
 typedef struct {
@@ -71,7 +71,9 @@ static inline int key_run_start(KeyRun *r, const uint8_t *first, Py_ssize_t n) {
     r->len = first[r->at_len];
     memcpy(&r->ns, first + r->at_ns, 2);
     if (r->len > r->max_key) return 0;
-    r->words = r->len + 7 <= r->max_key ? (r->len + 7) / 8 : 0;
+    /* Whole words only from 8 bytes a key: a shorter key's word would write past the blob's end
+     * (key n-2's word ends at (n-1)*len + 7, inside the blob only when len >= 7). */
+    r->words = r->len >= 8 && r->len + 7 <= r->max_key ? (r->len + 7) / 8 : 0;
     r->blob = PyBytes_FromStringAndSize(NULL, n * r->len);
     if (r->blob == NULL) return -1;
     r->p = (uint8_t *)PyBytes_AS_STRING(r->blob);

@@ -214,3 +214,25 @@ def test_appends_are_queued_until_the_reply_is_sent_and_every_read_takes_them_fi
     for i in range(PENDING_RUNS):
         log.stored(0, [bytes([i]) * 36])
     assert not log._pending and log.news == 5 + PENDING_RUNS            # a full queue is taken at once
+
+
+def test_a_run_that_fails_to_be_taken_leaves_the_runs_after_it_queued(monkeypatch):
+    """settle raises (a bug) for one run: the runs after it stay queued, in order, and the next
+    read takes them."""
+    log = Table(8, 1 << 20).log
+    for name in (b"a", b"b", b"c"):
+        log.stored(0, [name * 36])
+    take = log._append
+
+    def failing(ns, kind, cause, key_len, blob):
+        if blob == b"b" * 36:
+            raise MemoryError
+        return take(ns, kind, cause, key_len, blob)
+
+    monkeypatch.setattr(log, "_append", failing)
+    with pytest.raises(MemoryError):
+        log.settle()
+    assert [run[4] for run in log._pending] == [b"c" * 36]
+    monkeypatch.setattr(log, "_append", take)
+    got = log.read(0, None, None, None, 10)
+    assert [r.keys for r in log.read(0, got.epoch, 0, None, 10).records] == [b"a" * 36, b"c" * 36]

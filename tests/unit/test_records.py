@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,6 +18,8 @@ from kvtierd.contract.region_format import ENTRY_DTYPE, EntryState, Geometry
 from kvtierd.contract.region_sums import entry_record_sums
 from kvtierd.contract.region_view import RegionView
 from kvtierd.records import count_state, count_state_keys, fill, key_hashes, key_run, key_runs, keys_of, new_records, record_sums, seal_records
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def random_view(seed: int, slots: int) -> RegionView:
@@ -203,3 +210,24 @@ def test_a_key_length_out_of_range_is_refused_wherever_it_is(bad_at, other_lengt
     view.entries["key_len"][bad_at] = MAX_KEY_BYTES + 1
     with pytest.raises(ValueError, match="out of range"):
         key_runs(view, slots)
+
+
+def test_short_keys_are_gathered_within_their_blob():
+    """Keys of 1-7 bytes are copied exactly, never as whole words past the blob's end: under
+    Python's debug allocator, which checks the bytes after every object when it is freed, a write
+    past a blob is a fatal error (0.3.6 wrote up to 6 bytes past it for keys under 7 bytes)."""
+    script = """
+import numpy as np
+from kvtierd.records import count_state_keys, key_run, keys_of
+from tests.unit.test_records import random_view
+view = random_view(3, 40)
+slots = np.arange(40, dtype=np.int32)
+for length in range(1, 9):
+    view.entries["key_len"], view.entries["ns"] = length, 3
+    for _ in range(50):
+        want = (length, b"".join(keys_of(view, slots)), 3)
+        assert key_run(view, slots) == want and count_state_keys(view, slots, 1)[1] == want
+"""
+    env = {**os.environ, "PYTHONMALLOC": "debug"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
