@@ -8,7 +8,6 @@
 #include <string.h>
 
 #define GROUP_BYTES 4
-#define PREFETCH_AHEAD 8
 
 typedef struct {
     const uint8_t *before, *middle, *after;       /* around the hash array, then the group */

@@ -62,6 +62,9 @@ typedef struct {
     uint8_t *p;
 } KeyRun;
 
+/* How many records ahead a pass over cold records asks for (key_blob, count_state with keys). */
+#define PREFETCH_AHEAD 8
+
 /* Start a run of n keys at the first record; -1 (an error set) only when out of memory. A first
  * key length over max_key starts no run. */
 static inline int key_run_start(KeyRun *r, const uint8_t *first, Py_ssize_t n) {
