@@ -271,7 +271,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("events_log_bytes", "size", "64MiB", "Memory for the event log: per namespace that an engine (or the "
             "daemon's own KV events stream) follows, the keys that became READY and that left, for readers to "
             "catch up from; past it the oldest records go, and a reader that had not read them is resynced "
-            "from a snapshot.", lo=1 << 20, hi=1 << 40),
+            "from a snapshot. Besides it, once a namespace is followed, a copy of the entries' keys: 65 bytes "
+            "per page of the region (a thousandth of it at 64KiB pages).", lo=1 << 20, hi=1 << 40),
     Setting("kv_events_endpoint", "str", "", "ZMQ endpoint where the daemon publishes the node's KV cache events in "
             "vLLM's KVEventBatch format (e.g. tcp://*:5557, ipc:///run/kvtierd/events.pub), one topic per "
             "namespace, for routers that index per node; empty: off."),

@@ -23,11 +23,12 @@ cursor, and the log forgets its oldest records to stay within its memory budget.
 - **Consistency with the index.** What the observer appends is queued and taken into the logs
   (``settle``) once the reply of the request that made it is sent, and first thing by every read
   (the daemon's own stream reads at every turn of its loop; appends made outside a request, by
-  the second tier's turn or a timer, wait for the next read or reply); the snapshot reads the entry table, whose state byte says READY exactly
-  while the index does (kvtierd.index): then a snapshot page and the records agree at every read.
-  The queue keeps the log's bookkeeping off the replies of the store and commit requests that
-  record (a store's keys are gathered as its records are sealed, an eviction's as its victims'
-  states are checked: both passes the index makes anyway).
+  the second tier's turn or a timer, wait for the next read or reply); the snapshot reads the
+  entry table, whose state byte says READY exactly while the index does (kvtierd.index): then a
+  snapshot page and the records agree at every read. The queue keeps the keys' reads and the
+  log's bookkeeping off the replies of the store and commit requests that record: the Recorder
+  queues slots, and the keys are read when the log takes them (``Recorder`` says how that stays
+  exact).
 - **Fed by the index's events** (``Recorder``, a listener of ``kvtierd.events``): a namespace's
   log is kept from its first read on (``follow``; every namespace's while the daemon publishes
   its own stream), so that a namespace nobody follows costs nothing; its first read resets onto
@@ -40,13 +41,17 @@ from __future__ import annotations
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Protocol, Sequence
+from typing import Callable, Hashable, Iterable, Protocol, Sequence
 
 import numpy as np
 
 from .contract.events import Cause, Kind
-from .contract.region_format import EntryState
 from .events import EntryEvents, Gone
+from .keycopies import KeyCopies
+from .records import ready_slots
+
+# A run of keys to append: (namespace, kind, cause, key length, blob).
+Run = tuple[Hashable, Kind, str | None, int, bytes]
 
 # A record holds at most this many keys (a batch is cut into several), so that any reply of at
 # least RECORD_KEYS keys moves a reader on by at least one record.
@@ -56,9 +61,10 @@ RECORD_KEYS = 4096
 # the daemon's loop (through the daemon, thread time); a 32nd of the budget is ~27 store jobs of
 # 256 keys at the bench's 8 MiB.
 TRIM_SLACK = 1 / 32
-# Appends queued before the log takes them (``EventLog.append``): a request's, a few (a store and
-# its eviction's); the bound holds the queue where nothing settles it. Each run is a blob its
-# request made anyway (an operator's clear of everything, one); taking it trims the log to budget.
+# Appends queued before the log takes them (``EventLog.append_later``): a request's, a few (a store
+# and its eviction's); the bound holds the queue where nothing settles it. Each holds a request's
+# slots or a blob it made anyway (an operator's clear of everything, one); taking it trims the log
+# to budget.
 PENDING_RUNS = 64
 # What a record costs besides its keys (the Record, its slot in two containers), for the budget.
 RECORD_OVERHEAD = 200
@@ -100,15 +106,11 @@ class TableSnapshot:
 
     def ready_keys(self, ns: int, start: int, limit: int) -> tuple[list[tuple[int, bytes]], int, int | None]:
         table = self.entries
-        # A record's first four bytes are state, key_len and ns (little-endian u2): one strided
-        # word per slot says whether it is a READY entry of ``ns``, half the reads of two fields.
-        words = np.ndarray((len(table),), "<u4", table, 0, (table.itemsize,))
-        want, mask = int(EntryState.READY) | ns << 16, 0xFFFF00FF
         total, pos, slots = len(table), start, []
         found, stop = 0, min(total, start + self.max_scan_slots)
         while pos < stop and found < limit:
             end = min(stop, pos + self.scan_slots)
-            hit = np.flatnonzero(words[pos:end] & mask == want) + pos
+            hit = ready_slots(table, ns, pos, end)
             if found + len(hit) >= limit:
                 hit = hit[:limit - found]
                 end = int(hit[-1]) + 1
@@ -188,7 +190,7 @@ class EventLog:
         # that reset a reader, snapshot keys sent.
         self.appended = {Kind.STORED: 0, Kind.REMOVED: 0}
         self._news = 0                    # records appended, ever: a reader's cheap "anything new?"
-        self._pending: list[tuple] = []   # appends not yet taken into the logs (``settle``)
+        self._pending: list[Callable[[], Iterable[Run]]] = []   # appends not yet taken (``settle``)
         self.removed_by_cause = dict.fromkeys((c.value for c in Cause), 0)
         self.dropped_keys = 0
         self.resets = 0
@@ -229,14 +231,20 @@ class EventLog:
     def append(self, ns: Hashable, kind: Kind, cause: str | None, key_len: int, blob: bytes) -> None:
         """One run of keys (``blob``: ``key_len`` bytes each) as the next record of ``ns``'s log,
         several when it holds more than RECORD_KEYS keys; ``cause``: a removal's ``Cause`` value
-        (None for a store). The observer's path (``Recorder``), inside the store and commit
-        requests while the daemon publishes its stream: it only queues the run, and the log takes
-        it (``settle``) once the request's reply is sent, or first thing when it is read, or
-        when PENDING_RUNS are queued (a log used without a server)."""
+        (None for a store). Queued, as ``append_later``'s runs are."""
         if blob:
-            self._pending.append((ns, kind, cause, key_len, blob))
-            if len(self._pending) >= PENDING_RUNS:
-                self.settle()
+            self.append_later(lambda: ((ns, kind, cause, key_len, blob),))
+
+    def append_later(self, runs: Callable[[], Iterable[Run]]) -> None:
+        """Runs of keys, each (ns, kind, cause, key length, blob) as ``append`` takes them, that
+        ``runs()`` gives when the log takes them (``settle``), in order with every other append:
+        the observer's path (``Recorder``), inside the store and commit requests, which reads the
+        keys and does the log's bookkeeping once the request's reply is sent. The log settles
+        first thing when it is read, and by itself when PENDING_RUNS are queued (a log used
+        without a server)."""
+        self._pending.append(runs)
+        if len(self._pending) >= PENDING_RUNS:
+            self.settle()
 
     def settle(self) -> None:
         """Take the queued appends into the logs, in order (the server's loop, after each reply;
@@ -245,9 +253,11 @@ class EventLog:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        for at, (ns, kind, cause, key_len, blob) in enumerate(pending):
+        for at, runs in enumerate(pending):
             try:
-                self._append(ns, kind, cause, key_len, blob)
+                for ns, kind, cause, key_len, blob in runs():
+                    if blob:
+                        self._append(ns, kind, cause, key_len, blob)
             except BaseException:
                 self._pending[:0] = pending[at + 1:]     # the runs after a failed one stay queued, in order
                 raise
@@ -357,72 +367,67 @@ CAUSES = {Gone.EVICTED: Cause.EVICTED.value, Gone.AHEAD: Cause.EVICTED.value, Go
           Gone.RECLAIMED: Cause.RECLAIMED.value, Gone.REGION_REPLACED: Cause.REGION_REPLACED.value}
 
 
-class KeySource(Protocol):
-    """The keys of entry slots, read from their records (``kvtierd.index.Index``)."""
-
-    def key_run(self, slots: np.ndarray) -> tuple[int, bytes, int] | None:
-        """(key length, blob, namespace slot) when the entries are of one length and one namespace."""
-
-    def key_runs(self, slots: np.ndarray) -> list[tuple[int, bytes]]:
-        """(key length, blob) runs of any entries."""
-
-
 class Recorder(EntryEvents):
     """The index's events into the event log, for the namespaces someone follows (see the module
-    docstring). ``follow_all``: every namespace (the daemon's own KV events stream is on)."""
+    docstring). ``follow_all``: every namespace (the daemon's own KV events stream is on).
 
-    def __init__(self, log: EventLog, keys: KeySource, follow_all: bool = False):
-        """``keys``: where the keys of entry slots come from, asked only for a namespace someone
-        follows."""
+    Neither hook reads a key: each queues the entries' slots (``EventLog.append_later``), and
+    when the log takes them, after the request's reply, a store's keys are read from its records
+    (then still in cache) into the key copies (``kvtierd.keycopies``), and a removal's from the
+    copies, its records being reused by then. Two rules keep that exact: records are rewritten only
+    after entries leave, and entries leave only with no store's keys waiting to be read
+    (``leaving`` settles the log first when one waits: with a server, never, the log settles
+    after every reply); the copies and the followed namespaces change only in the queue's order
+    (``follow`` settles first)."""
+
+    def __init__(self, log: EventLog, keys: KeyCopies, follow_all: bool = False):
         self.log = log
-        self.keys = keys
+        self.keys = keys                            # the copies of the followed entries' keys
         self.follow_all = follow_all
         self._followed: dict[int, object] = {}      # table slot → the namespace whose log it holds
+        self._unread_stores = 0                     # store runs queued, their keys not read yet
 
     def follow(self, ns) -> int:
         """Keep ``ns``'s log from now on (a reader asks for it); returns its key in the log."""
         owner = self._followed.get(ns.slot)
         if owner is not ns:
+            self.log.settle()                        # the queue's removals name what was followed
             if owner is not None:
                 self.log.forget(ns.slot)             # the slot changed hands without a removal to tell
             self._followed[ns.slot] = ns
+            self.keys.put_namespace(ns.slot)       # what it holds now; ``ready`` copies the rest
         return ns.slot
 
-    def wants_keys(self, ns) -> bool:
-        return self.follow_all or self._followed.get(ns.slot) is ns
-
-    def ready(self, ns, slots: np.ndarray, keys: tuple[int, bytes, int] | None = None) -> None:
+    def ready(self, ns, slots: np.ndarray) -> None:
         if self.follow_all or self._followed.get(ns.slot) is ns:
             at = self.follow(ns)
-            if keys is not None:                     # the usual case: gathered as they were sealed
-                self.log.append(at, Kind.STORED, None, keys[0], keys[1])
-            else:
-                self.log.stored_runs(at, self.keys.key_runs(slots))
+            self._unread_stores += 1
+            self.log.append_later(lambda slots=slots.copy(): self._stored(at, slots))
 
-    def wants_leaving_keys(self) -> bool:
-        return bool(self._followed)
+    def _stored(self, at: int, slots: np.ndarray) -> list[Run]:
+        self._unread_stores -= 1
+        return [(at, Kind.STORED, None, key_len, blob) for key_len, blob in self.keys.put(slots)]
 
-    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray,
-                keys: tuple[int, bytes, int] | None = None) -> None:
+    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
         if cause is Gone.ABORTED or not self._followed or not len(slots):
             return
         first = int(namespaces[0])
-        if first in self._followed:
-            # The usual case, one followed namespace's entries of one key length: the pass that
-            # gathers the keys also tells that they are (no NumPy pass over the namespaces).
-            one = keys or self.keys.key_run(slots)
-            if one is not None:
-                self.log.append(first, Kind.REMOVED, CAUSES[cause], one[0], one[1])
-                if cause is Gone.RECLAIMED:
-                    self._forget(first)
-                return
-        elif (namespaces == first).all():
+        if first not in self._followed and (namespaces == first).all():
             return                                    # one namespace's, and nobody follows it
-        for n in np.unique(namespaces).tolist():
-            if n in self._followed:
-                self.log.removed_runs(n, self.keys.key_runs(slots[namespaces == n]), CAUSES[cause])
-                if cause is Gone.RECLAIMED:
+        if self._unread_stores:
+            self.log.settle()                         # their records are whole until this returns
+        self.log.append_later(lambda slots=slots.copy(): self._removed(CAUSES[cause], slots, namespaces))
+        if cause is Gone.RECLAIMED:
+            for n in np.unique(namespaces).tolist():
+                if n in self._followed:
                     self._forget(n)
+
+    def _removed(self, cause: str, slots: np.ndarray, namespaces: np.ndarray) -> list[Run]:
+        first = int(namespaces[0])
+        if (namespaces == first).all():               # the usual case: one namespace's
+            return [(first, Kind.REMOVED, cause, key_len, blob) for key_len, blob in self.keys.runs(slots)]
+        return [(n, Kind.REMOVED, cause, key_len, blob) for n in np.unique(namespaces).tolist() if n in self._followed
+                for key_len, blob in self.keys.runs(slots[namespaces == n])]
 
     def _forget(self, n: int) -> None:
         """The namespace of table slot ``n`` was reclaimed: its log ends."""

@@ -57,7 +57,7 @@ from .holds import Holder, Holds
 from .keytable import ALL_BITS, key_table
 from .namespaces import Namespace, Namespaces
 from .pages import FreeIds
-from .records import count_state, count_state_keys, fill, key_run, key_runs, keys_of, new_records, record_sums, seal_records
+from .records import count_state, fill, keys_of, new_records, record_sums, seal_records
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -190,12 +190,9 @@ class Index:
                                                f"engines or by blocks the second tier is moving ({len(unused)}): "
                                                "retry in a few seconds")
 
-    def _busy(self, slots: np.ndarray, ready: int | None = None) -> bool:
-        """Whether a writer or a reader may still touch any of these entries' pages (``ready``:
-        how many of them are READY, when the caller has counted them)."""
-        if ready is None:
-            ready = count_state(self.view, slots, READY)
-        return ready != len(slots) or self.holds.any_held(slots)
+    def _busy(self, slots: np.ndarray) -> bool:
+        """Whether a writer or a reader may still touch any of these entries' pages."""
+        return count_state(self.view, slots, READY) != len(slots) or self.holds.any_held(slots)
 
     def namespace_at(self, slot: int) -> Namespace:
         """The namespace recorded in table slot ``slot``."""
@@ -341,13 +338,12 @@ class Index:
         ns = self.ns.at(int(self._ns_col[slots[0]]))
         chains = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE).reshape(n, ns.entry_pages)
         # Record by record: the tick, the record sum, and READY last (a record is complete before it
-        # says READY); the keys gathered in the same pass when a listener wants them.
-        events = self.events
-        run = seal_records(self.view, slots, chains, ns.identity, self.tick, READY, events.wants_keys(ns))
+        # says READY).
+        seal_records(self.view, slots, chains, ns.identity, self.tick, READY)
         self.policy.inserted(slots, np.frombuffer(self.keys.fingerprints(slots), np.uint64), chain, cold)
         self.entry_count[WRITING] -= n
         self.entry_count[READY] += n
-        events.ready(ns, slots, run)
+        self.events.ready(ns, slots)
 
     def abandon(self, slots: np.ndarray) -> None:
         """Forget the WRITING entries of a write that ended without them. Their pages stay taken:
@@ -381,19 +377,8 @@ class Index:
                                                                              ns.pages_per_shard)
 
     def keys_of(self, slots: np.ndarray) -> list[bytes]:
-        """The entries' keys, a bytes object each (for those who name them: the second tier, the
-        KV events log)."""
+        """The entries' keys, a bytes object each (for those who name them: the second tier)."""
         return keys_of(self.view, slots)
-
-    def key_run(self, slots: np.ndarray) -> tuple[int, bytes, int] | None:
-        """The entries' keys as one (key length, blob, namespace slot), when they are of one length
-        and one namespace (the KV events log's usual case); None otherwise."""
-        return key_run(self.view, slots)
-
-    def key_runs(self, slots: np.ndarray) -> list[tuple[int, bytes]]:
-        """The entries' keys as (key length, blob) runs, one per distinct length (the KV events
-        log keeps blobs, not a bytes object per key)."""
-        return key_runs(self.view, slots)
 
     # ------------------------------------------------------------------ eviction and freeing
     def victims(self, need: int = -1, exclude: np.ndarray = NO_SLOTS) -> np.ndarray:
@@ -438,23 +423,19 @@ class Index:
         given to two owners at once is a wrong block for someone (invariant 12)."""
         if not len(slots):
             return
-        # The first pass over the entries' records, cold for an eviction's: a listener that wants
-        # their keys gets them from it.
-        ready, keys = count_state_keys(self.view, slots, READY) if self.events.wants_leaving_keys() else (None, None)
-        if self._busy(slots, ready):
+        if self._busy(slots):
             raise RuntimeError(f"{cause.value}: an entry a writer or a reader may still touch cannot be freed")
         pages = np.frombuffer(self.keys.pages(self.view.chain, slots), PAGES_DTYPE)
-        self._forget(slots, cause, keys)
+        self._forget(slots, cause)
         self.pages.free(pages)
         self.counters[_COUNTED[cause]] += len(slots)
 
-    def _forget(self, slots: np.ndarray, cause: Gone, keys: tuple[int, bytes, int] | None = None) -> None:
-        """Entries leave: the listeners hear it (their records still whole; ``keys``: as
-        ``key_run`` gives them, when gathered already), then out of the table first (state FREE),
-        the key table and the policy."""
+    def _forget(self, slots: np.ndarray, cause: Gone) -> None:
+        """Entries leave: the listeners hear it (their records still whole), then out of the table
+        first (state FREE), the key table and the policy."""
         if not len(slots):
             return
-        self.events.leaving(cause, slots, self._ns_col[slots].astype(np.intp), keys)
+        self.events.leaving(cause, slots, self._ns_col[slots].astype(np.intp))
         ready = count_state(self.view, slots, READY)
         fill(self.view, slots, "state", FREE)
         fill(self.view, slots, "record_sum", 0)   # a stale record whose state byte came back to READY is no entry

@@ -2,8 +2,8 @@
 whole table at recovery or a job's records at once; recovery's judgment of every READY record on
 its own, then of the sound ones against each other; a job's new records, its column writes and
 its commit's sealing pass (tick, record sum, then state); a count of the records in a state;
-entries' keys as blobs for the KV events log (``kvtierd._native``, bound here to the record
-layout of ``region_format``).
+the READY entries of a namespace, and entries' keys copied out for the KV events log
+(``kvtierd._native``, bound here to the record layout of ``region_format``).
 
 ``record_sums`` computes exactly ``region_format.entry_record_sums`` (the format's definition,
 which stays in NumPy for the client side and the offline tools: tests/unit/test_records.py checks
@@ -17,11 +17,11 @@ from typing import Callable
 
 import numpy as np
 
+from ._native import copy_keys as _copy_keys
 from ._native import count_state as _count_state
 from ._native import fill as _fill
 from ._native import judge_ready as _judge_ready
 from ._native import judge_related as _judge_related
-from ._native import key_blob as _key_blob
 from ._native import key_hashes as _key_hashes
 from ._native import new_records as _new_records
 from ._native import record_sums as _record_sums
@@ -33,13 +33,11 @@ from .contract.region_view import RegionView
 
 _KEY_LEN_AT = ENTRY_DTYPE.fields["key_len"][1]
 _KEY_AT = ENTRY_DTYPE.fields["key"][1]
-_NS_AT = ENTRY_DTYPE.fields["ns"][1]
 _FIRST_PAGE_AT = ENTRY_DTYPE.fields["first_page"][1]
 _TICK_AT = ENTRY_DTYPE.fields["tick"][1]
 _STATE_AT = ENTRY_DTYPE.fields["state"][1]
 _SEAL_LAYOUT = tuple(ENTRY_DTYPE.fields[name][1] for name in ("tick", "record_sum", "state"))
 _KEY_LAYOUT = (ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES)
-_RUN_LAYOUT = (_KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES, _NS_AT)
 _LAYOUT = (ENTRY_DTYPE.itemsize, *(ENTRY_DTYPE.fields[name][1] for name in (
     "state", "key_len", "ns", "page_count", "first_page", "tick", "checksum", "key", "record_sum")))
 
@@ -62,25 +60,18 @@ def record_sums(view: RegionView, slots: np.ndarray, chains: np.ndarray, counts:
 
 
 def seal_records(view: RegionView, slots: np.ndarray, chains: np.ndarray, identity: int, tick: int,
-                 state: int, keys: bool = False) -> tuple[int, bytes, int] | None:
+                 state: int) -> None:
     """A write's records made whole, each in turn: ``tick``, its record sum (``record_sums`` with
     chain row i of ``chains`` whole and namespace ``identity``), then ``state``, last — what
     ``fill`` of the tick, ``record_sums`` into the column and ``fill`` of the state do in three
-    passes, in one (a 1,024-key job's commit reads its records once). ``keys``: also their keys,
-    gathered in the same pass, as ``key_run`` gives them (else None)."""
-    return _seal_records(view.entries, slots, np.ascontiguousarray(chains, np.uint32), identity, ENTRY_SUMMED,
-                         *_SEAL_LAYOUT, tick, int(state), _RUN_LAYOUT if keys else None)
+    passes, in one (a 1,024-key job's commit reads its records once)."""
+    _seal_records(view.entries, slots, np.ascontiguousarray(chains, np.uint32), identity, ENTRY_SUMMED,
+                  *_SEAL_LAYOUT, tick, int(state))
 
 
 def count_state(view: RegionView, slots: np.ndarray, state: int) -> int:
     """How many of the slots' records are in ``state`` (one pass, no gathered column)."""
     return _count_state(view.entries, ENTRY_DTYPE.itemsize, slots, _STATE_AT, int(state))
-
-
-def count_state_keys(view: RegionView, slots: np.ndarray, state: int) -> tuple[int, tuple[int, bytes, int] | None]:
-    """``count_state``, and the records' keys as ``key_run`` gives them, gathered in the same pass
-    (the first over an eviction's cold records: the keys come with its cache misses)."""
-    return _count_state(view.entries, ENTRY_DTYPE.itemsize, slots, _STATE_AT, int(state), _RUN_LAYOUT)
 
 
 def fill(view: RegionView, slots: np.ndarray, name: str, value: int) -> None:
@@ -149,30 +140,22 @@ def keys_of(view: RegionView, slots: np.ndarray) -> list[bytes]:
     return rows_as_bytes(records[slots, _KEY_AT:_KEY_AT + MAX_KEY_BYTES], view.entries["key_len"][slots].astype(np.int64))
 
 
-def key_run(view: RegionView, slots: np.ndarray) -> tuple[int, bytes, int] | None:
-    """The keys of the records at ``slots`` as one (key length, blob, namespace slot) when they all
-    have one length and one namespace (one engine's entries: the usual case), in slot order; None
-    when they do not (``key_runs`` splits them). One compiled pass: for 256 keys ``keys_of`` took
-    ~50 µs, NumPy's gather of the column ~15 µs, this ~1 µs with the records in cache."""
+def ready_slots(entries: np.ndarray, ns: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """The slots in [start, stop) of the entry table ``entries`` whose records are READY entries of
+    the namespace in table slot ``ns``, in slot order. A record's first four bytes are state,
+    key_len and ns (little-endian u2): one strided word a slot says it, half the reads of two
+    fields."""
+    words = np.ndarray((len(entries),), "<u4", entries, 0, (entries.itemsize,))[start:stop]
+    return np.flatnonzero(words & 0xFFFF00FF == (int(EntryState.READY) | ns << 16)) + start
+
+
+def copy_keys(view: RegionView, slots: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> tuple[int, bytes] | None:
+    """Each slot's key field (MAX_KEY_BYTES) into ``rows[slot]`` and its key length into
+    ``lengths[slot]`` (``kvtierd.keycopies``), and the keys as one (key length, blob) when they
+    are of one length (None when not, or for no slots): one compiled pass."""
     if not len(slots):
         return None
-    return _key_blob(view.entries, slots, ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES, _NS_AT)
-
-
-def key_runs(view: RegionView, slots: np.ndarray) -> list[tuple[int, bytes]]:
-    """The keys of the records at ``slots`` as (key length, blob) runs, one per distinct length in
-    the order the lengths first come, in slot order within a length: no bytes object per key (the
-    event log keeps blobs)."""
-    one = key_run(view, slots)
-    if one is not None:
-        return [one[:2]]
-    if not len(slots):
-        return []
-    records = view.entries.view(np.uint8).reshape(len(view.entries), ENTRY_DTYPE.itemsize)
-    lengths = view.entries["key_len"][slots]
-    distinct, first = np.unique(lengths, return_index=True)
-    return [(int(n), records[slots[lengths == n], _KEY_AT:_KEY_AT + int(n)].tobytes())
-            for n in distinct[np.argsort(first)]]              # runs in the order their lengths first come
+    return _copy_keys(view.entries, slots, ENTRY_DTYPE.itemsize, _KEY_LEN_AT, _KEY_AT, MAX_KEY_BYTES, rows, lengths)
 
 
 def rows_as_bytes(rows: np.ndarray, lengths: np.ndarray) -> list[bytes]:

@@ -23,6 +23,7 @@ from .contract.namespace import NamespaceId, format_ranks
 from .contract.region_format import WRITER_SLOTS
 from .contract.region_view import RegionView
 from .eventlog import EventLog, EventsRead, Recorder, TableSnapshot
+from .keycopies import KeyCopies
 from .events import Events, Gone
 from .fence import Fence, Release
 from .holds import Holds
@@ -93,7 +94,7 @@ class Store:
                          clock, checksums, **job_limits)
         self.tier = tier(self.index, self.writes, events, clock)
         self.event_log = EventLog(TableSnapshot(view.entries), events_log_bytes)
-        self.recorder = Recorder(self.event_log, self.index)
+        self.recorder = Recorder(self.event_log, KeyCopies(view))
         events.subscribe(self.recorder)
         # session → (log key, epoch, cursor) of its last read: how far behind each reader is
         self._readers: dict[Session, tuple[int, int, int]] = {}

@@ -287,45 +287,97 @@ done:
     return out;
 }
 
-/* key_blob(records, slots, record_bytes, key_len_at, key_at, max_key, ns_at) -> (key_len, bytes, ns) | None:
- * the keys of the records at ``slots``, one after another, when they all have one length and one
- * namespace (the u16 at ``ns_at``: one engine's entries, a vLLM namespace's keys all one length);
- * None when they do not (the caller splits them). One pass and one bytes object: the event log
- * keeps a job's keys as one blob, and the check that an eviction took one namespace's entries
- * costs its observer no NumPy pass of its own. */
-PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    static const char usage[] = "key_blob(records, slots, record_bytes, key_len_at, key_at, max_key, ns_at)";
-    if (nargs != 7) { PyErr_SetString(PyExc_TypeError, usage); return NULL; }
-    Py_ssize_t ns_at = PyLong_AsSsize_t(args[6]);
-    if (ns_at == -1 && PyErr_Occurred()) return NULL;
+/* How many rows ahead a pass over cold rows asks for (copied_keys). */
+#define PREFETCH_AHEAD 8
+
+/* copy_keys(records, slots, record_bytes, key_len_at, key_at, max_key, rows, lengths) -> (key_len,
+ * bytes) | None: each slot's key field (all max_key bytes) into row ``slot`` of ``rows`` (max_key
+ * bytes a row) and its length into ``lengths[slot]`` (the KV events log's copies of the keys it
+ * follows, kvtierd.keycopies, taken from records in cache and read back after the records are
+ * reused); and the keys one after another, as copied_keys gives them, in the same pass. */
+PyObject *copy_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    static const char usage[] = "copy_keys(records, slots, record_bytes, key_len_at, key_at, max_key, rows, lengths)";
+    if (nargs != 8) { PyErr_SetString(PyExc_TypeError, usage); return NULL; }
     KeyRows k;
     if (key_rows_get(args, 6, usage, &k) < 0) return NULL;
-    if (ns_at < 0 || ns_at + 2 > k.rec_bytes) {
-        PyErr_SetString(PyExc_ValueError, "key_blob: the namespace field does not fit its record");
-        key_rows_release(&k);
-        return NULL;
+    Py_buffer rows = {0}, lengths = {0};
+    PyObject *out = NULL, *blob = NULL;
+    if (PyObject_GetBuffer(args[6], &rows, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (PyObject_GetBuffer(args[7], &lengths, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (k.max_key < 1 || rows.len != lengths.len * k.max_key) {
+        PyErr_SetString(PyExc_ValueError, "copy_keys: one row of max_key bytes and one length byte per slot");
+        goto done;
     }
-    PyObject *out = NULL;
-    KeyRun run = {.at_len = k.at_len, .at_key = k.at_key, .max_key = k.max_key, .at_ns = ns_at};
-    Py_ssize_t i = 0;
-    if (key_run_start(&run, k.slots.n ? key_row(&k, 0) : NULL, k.slots.n) == 0 && run.blob != NULL) {
-        /* One pass, the blob written as the lengths are checked: the records are cold (a job's
-         * entries lie anywhere in the table), so each is read once, asked for a few ahead. */
-        for (; i < k.slots.n; i++) {
-            if (i + PREFETCH_AHEAD < k.slots.n) {
-                __builtin_prefetch(key_row(&k, i + PREFETCH_AHEAD) + k.at_len);
-                __builtin_prefetch(key_row(&k, i + PREFETCH_AHEAD) + k.at_key + k.max_key - 1);
-            }
-            if (!key_run_add(&run, key_row(&k, i), i)) break;
+    for (Py_ssize_t i = 0; i < k.slots.n; i++)
+        if (k.slots.v[i] >= lengths.len) {
+            PyErr_Format(PyExc_ValueError, "copy_keys: slot %d has no row", k.slots.v[i]);
+            goto done;
+        }
+    uint8_t *to = rows.buf, *len = lengths.buf, *keys = NULL;
+    Py_ssize_t n = k.slots.n, key_len = n ? key_row(&k, 0)[k.at_len] : 0, words = key_words(key_len, k.max_key);
+    if (n && key_len <= k.max_key) {
+        blob = PyBytes_FromStringAndSize(NULL, n * key_len);
+        if (blob == NULL) goto done;
+        keys = (uint8_t *)PyBytes_AS_STRING(blob);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *rec = key_row(&k, i);
+        uint8_t *row = to + (Py_ssize_t)k.slots.v[i] * k.max_key;
+        if (k.max_key == 64) memcpy(row, rec + k.at_key, 64);     /* the protocol's: a few wide moves */
+        else memcpy(row, rec + k.at_key, (size_t)k.max_key);
+        len[k.slots.v[i]] = rec[k.at_len];
+        if (keys != NULL) {
+            if (rec[k.at_len] == key_len) key_put(keys, i, n, row, key_len, words);
+            else keys = NULL;
         }
     }
-    for (Py_ssize_t j = i; j < k.slots.n && !PyErr_Occurred(); j++) {   /* not one run: each in range? */
-        Py_ssize_t n = key_row(&k, j)[k.at_len];
-        if (n > k.max_key) PyErr_Format(PyExc_ValueError, "slot %d: key length %zd out of range", k.slots.v[j], n);
-    }
-    if (!PyErr_Occurred())
-        out = key_run_finish(&run);
-    Py_XDECREF(run.blob);
+    out = keys != NULL ? Py_BuildValue("nO", key_len, blob) : Py_NewRef(Py_None);
+done:
+    Py_XDECREF(blob);
+    if (rows.obj) PyBuffer_Release(&rows);
+    if (lengths.obj) PyBuffer_Release(&lengths);
     key_rows_release(&k);
+    return out;
+}
+
+/* copied_keys(rows, lengths, slots) -> (key_len, bytes) | None: the keys kept by copy_keys at
+ * ``slots``, one after another, when they all have one length (None when they do not, or for no
+ * slots: the caller splits them). The rows are cold when a removal is taken (its entries were
+ * copied when they became READY), so each is asked for a few ahead. */
+PyObject *copied_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "copied_keys(rows, lengths, slots)"); return NULL; }
+    Py_buffer rows = {0}, lengths = {0};
+    Slots s = {0};
+    PyObject *out = NULL, *blob = NULL;
+    if (PyObject_GetBuffer(args[0], &rows, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &lengths, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (slots_get(args[2], &s) < 0) goto done;
+    if (lengths.len < 1 || rows.len % lengths.len) {
+        PyErr_SetString(PyExc_ValueError, "copied_keys: one row and one length byte per slot");
+        goto done;
+    }
+    Py_ssize_t row_bytes = rows.len / lengths.len;
+    const uint8_t *from = rows.buf, *len = lengths.buf;
+    for (Py_ssize_t i = 0; i < s.n; i++)
+        if (s.v[i] < 0 || s.v[i] >= lengths.len) {
+            PyErr_Format(PyExc_ValueError, "copied_keys: slot %d has no row", s.v[i]);
+            goto done;
+        }
+    Py_ssize_t n = s.n, key_len = n ? len[s.v[0]] : 0, words = key_words(key_len, row_bytes);
+    if (n == 0 || key_len > row_bytes) { out = Py_NewRef(Py_None); goto done; }
+    blob = PyBytes_FromStringAndSize(NULL, n * key_len);
+    if (blob == NULL) goto done;
+    uint8_t *keys = (uint8_t *)PyBytes_AS_STRING(blob);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) __builtin_prefetch(from + (Py_ssize_t)s.v[i + PREFETCH_AHEAD] * row_bytes);
+        if (len[s.v[i]] != key_len) { out = Py_NewRef(Py_None); goto done; }
+        key_put(keys, i, n, from + (Py_ssize_t)s.v[i] * row_bytes, key_len, words);
+    }
+    out = Py_BuildValue("nO", key_len, blob);
+done:
+    Py_XDECREF(blob);
+    slots_release(&s);
+    if (lengths.obj) PyBuffer_Release(&lengths);
+    PyBuffer_Release(&rows);
     return out;
 }

@@ -49,63 +49,26 @@ static inline const uint8_t *key_row(const KeyRows *k, Py_ssize_t i) {
     return (const uint8_t *)k->records.buf + (Py_ssize_t)k->slots.v[i] * k->rec_bytes;
 }
 
-/* A run of keys copied into one blob as each record is at hand (key_blob; seal_records, whose pass
- * reads the whole record anyway): kept while every record has the first one's key length and
- * namespace (the u16 at at_ns). Each key of 8 bytes or more but the last is copied in whole 8-byte words (the key
- * field holds max_key bytes; the next key overwrites the excess): a few moves instead of a call
- * to memcpy of a length it cannot know (256 keys in cache: 1.0 µs against 1.8). */
-typedef struct {
-    Py_ssize_t at_len, at_key, max_key, at_ns;    /* the record layout */
-    Py_ssize_t len, words, n;                     /* key length, its whole words (0: copied exactly), keys */
-    uint16_t ns;
-    PyObject *blob;                               /* NULL: no run (not started, or broken) */
-    uint8_t *p;
-} KeyRun;
-
-/* How many records ahead a pass over cold records asks for (key_blob, count_state with keys). */
-#define PREFETCH_AHEAD 8
-
-/* Start a run of n keys at the first record; -1 (an error set) only when out of memory. A first
- * key length over max_key starts no run. */
-static inline int key_run_start(KeyRun *r, const uint8_t *first, Py_ssize_t n) {
-    r->blob = NULL;
-    r->n = n;
-    if (n == 0) return 0;
-    r->len = first[r->at_len];
-    memcpy(&r->ns, first + r->at_ns, 2);
-    if (r->len > r->max_key) return 0;
-    /* Whole words only from 8 bytes a key: a shorter key's word would write past the blob's end
-     * (key n-2's word ends at (n-1)*len + 7, inside the blob only when len >= 7). */
-    r->words = r->len >= 8 && r->len + 7 <= r->max_key ? (r->len + 7) / 8 : 0;
-    r->blob = PyBytes_FromStringAndSize(NULL, n * r->len);
-    if (r->blob == NULL) return -1;
-    r->p = (uint8_t *)PyBytes_AS_STRING(r->blob);
-    return 0;
+/* How many whole 8-byte words copy a key of ``len`` bytes from a field of ``max_key``: from 8 bytes a
+ * key, and only where the field holds the excess (0: copy it exactly). A shorter key's word would
+ * write past its blob's end (key n-2's word ends at (n-1)*len + 7, inside the blob only when
+ * len >= 7). */
+static inline Py_ssize_t key_words(Py_ssize_t len, Py_ssize_t max_key) {
+    return len >= 8 && len + 7 <= max_key ? (len + 7) / 8 : 0;
 }
 
-/* Key i of the run from its record; false (the run dropped) when the record breaks it. */
-static inline bool key_run_add(KeyRun *r, const uint8_t *row, Py_ssize_t i) {
-    uint16_t ns;
-    memcpy(&ns, row + r->at_ns, 2);
-    if (row[r->at_len] != r->len || ns != r->ns) {
-        Py_CLEAR(r->blob);
-        return false;
-    }
-    uint8_t *to = r->p + i * r->len;
-    if (r->words && i + 1 < r->n) {
-        for (Py_ssize_t w = 0; w < r->words; w++) memcpy(to + 8 * w, row + r->at_key + 8 * w, 8);
+/* Key i of n (``len`` bytes) to its place in a blob of keys: ``words`` whole words (key_words)
+ * but for the last key, which is copied exactly (the next key overwrites the excess): a few moves
+ * instead of a call to memcpy of a length it cannot know (1,024 keys of 36 bytes in cache: 2.7 µs
+ * against 6). */
+static inline void key_put(uint8_t *blob, Py_ssize_t i, Py_ssize_t n, const uint8_t *from, Py_ssize_t len,
+                           Py_ssize_t words) {
+    uint8_t *to = blob + i * len;
+    if (words && i + 1 < n) {
+        for (Py_ssize_t w = 0; w < words; w++) memcpy(to + 8 * w, from + 8 * w, 8);
     } else {
-        memcpy(to, row + r->at_key, (size_t)r->len);
+        memcpy(to, from, (size_t)len);
     }
-    return true;
-}
-
-/* (key length, blob, namespace) of a whole run, else None; the run's blob is handed over. */
-static inline PyObject *key_run_finish(KeyRun *r) {
-    if (r->blob == NULL) Py_RETURN_NONE;
-    PyObject *out = Py_BuildValue("nNH", r->len, r->blob, r->ns);
-    r->blob = NULL;
-    return out;
 }
 
 /* Zeroed anonymous memory for a big array, advised for transparent huge pages (common.c); munmap
@@ -247,7 +210,8 @@ PyObject *hold(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *keys_ok(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 int keys_distinct(PyObject *const *items, Py_ssize_t n);    /* 1, 0, or -1 with an exception */
 PyObject *kv_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs);   /* kvevents.c */
-PyObject *key_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *copy_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *copied_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *xxh64(PyObject *module, PyObject *const *args, Py_ssize_t nargs);        /* checksum.c */
 PyObject *block_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 

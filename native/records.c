@@ -319,32 +319,16 @@ done:
     return result;
 }
 
-/* A key run's record layout from its (key_len_at, key_at, max_key, ns_at) argument: 1, or 0 for
- * None (no keys wanted), -1 with an error set. */
-static int run_layout(PyObject *layout, KeyRun *run) {
-    if (layout == Py_None) return 0;
-    return PyArg_ParseTuple(layout, "nnnn", &run->at_len, &run->at_key, &run->max_key, &run->at_ns) ? 1 : -1;
-}
-
-static inline bool run_fits(const KeyRun *run, Py_ssize_t rec_bytes) {
-    return run->at_len >= 0 && run->at_len < rec_bytes && run->at_key >= 0 && run->max_key >= 0 &&
-           run->at_key + run->max_key <= rec_bytes && run->at_ns >= 0 && run->at_ns + 2 <= rec_bytes;
-}
-
-/* seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state[, keys]): a
+/* seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state): a
  * write's records made whole in one pass, record by record: ``tick``, then the record sum (as
  * record_sums gives it, with namespace ``identity`` and chain row i: n rows of uint32), then the
  * one-byte ``state``, last (a record says READY only once it is complete). Replaces a column
  * fill, record_sums, NumPy's scatter of the sums and a second fill: each of a 1,024-key job's
- * records is read from memory once, not three times. ``keys`` (key_len_at, key_at, max_key,
- * ns_at): the records' keys are also gathered as they are sealed, and returned as key_blob gives
- * them ((key_len, bytes, ns), or None when they are not one run); the KV events log takes a
- * store's keys from here, with each record in cache, rather than from a pass of its own.
- * Without it: None. */
+ * records is read from memory once, not three times. */
 PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10 && nargs != 11) {
+    if (nargs != 10) {
         PyErr_SetString(PyExc_TypeError,
-                        "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state[, keys])");
+                        "seal_records(records, slots, chains, identity, mask, tick_at, sum_at, state_at, tick, state)");
         return NULL;
     }
     uint64_t identity = PyLong_AsUnsignedLongLongMask(args[3]);
@@ -353,9 +337,6 @@ PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     uint64_t tick = PyLong_AsUnsignedLongLongMask(args[8]);
     long state = PyLong_AsLong(args[9]);
     if (PyErr_Occurred()) return NULL;
-    KeyRun run = {.blob = NULL};
-    int keys = nargs == 11 ? run_layout(args[10], &run) : 0;
-    if (keys < 0) return NULL;
     Py_buffer records = {0}, chains = {0};
     Slots s = {0};
     Words mask = {0};
@@ -366,14 +347,12 @@ PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (rows_get(args[0], args[1], rec_bytes, &records, &s) < 0) goto done;
     Py_ssize_t n = s.n, width = chains.ndim == 2 ? chains.shape[1] : (n ? chains.len / 4 / n : 0);
     if (chains.itemsize != 4 || (n && chains.len != n * width * 4) || tick_at < 0 || tick_at + 8 > rec_bytes ||
-        sum_at < 0 || sum_at + 8 > rec_bytes || state_at < 0 || state_at >= rec_bytes || state < 0 || state > 255 ||
-        (keys && !run_fits(&run, rec_bytes))) {
+        sum_at < 0 || sum_at + 8 > rec_bytes || state_at < 0 || state_at >= rec_bytes || state < 0 || state > 255) {
         PyErr_SetString(PyExc_ValueError, "seal_records: one uint32 chain row per slot, fields within the record");
         goto done;
     }
     uint8_t *base = records.buf, state_byte = (uint8_t)state;
     const uint32_t *links = chains.buf;
-    if (keys && key_run_start(&run, n ? base + (Py_ssize_t)s.v[0] * rec_bytes : NULL, n) < 0) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint8_t *rec = base + (Py_ssize_t)s.v[i] * rec_bytes;
         memcpy(rec + tick_at, &tick, 8);
@@ -381,38 +360,28 @@ PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         memcpy(rec + sum_at, &sum, 8);
         __atomic_signal_fence(__ATOMIC_RELEASE);     /* the state byte is written after the rest */
         rec[state_at] = state_byte;
-        if (run.blob != NULL) key_run_add(&run, rec, i);
     }
-    result = keys ? key_run_finish(&run) : Py_NewRef(Py_None);
+    result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(run.blob);
     if (records.obj) { slots_release(&s); PyBuffer_Release(&records); }
     if (chains.obj) PyBuffer_Release(&chains);
     words_release(&mask);
     return result;
 }
 
-/* count_state(records, record_bytes, slots, state_at, state[, keys]) -> int: how many of the slots'
+/* count_state(records, record_bytes, slots, state_at, state) -> int: how many of the slots'
  * records hold the one-byte ``state`` (NumPy's gather of the strided column, compare and count: ~6
- * µs for a job's 1,024 records, against one pass here). ``keys`` (key_len_at, key_at, max_key,
- * ns_at): also their keys, gathered in the same pass, and (count, what key_blob gives, or None
- * when they are not one run) returned. An eviction's first pass over its victims' records takes
- * their cache misses; the KV events log's keys then come with them, where a pass of their own
- * after it waited on the keys' second cache line again (1,024 cold records, in-process: counted
- * alone 18-24 µs, counted and gathered here 28-44, counted then gathered by key_blob 42-45). */
+ * µs for a job's 1,024 records, against one pass here). */
 PyObject *count_state(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 && nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "count_state(records, record_bytes, slots, state_at, state[, keys])");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "count_state(records, record_bytes, slots, state_at, state)");
         return NULL;
     }
     Py_ssize_t rec_bytes = PyLong_AsSsize_t(args[1]), state_at = PyLong_AsSsize_t(args[3]);
     long state = PyLong_AsLong(args[4]);
     if (PyErr_Occurred()) return NULL;
-    KeyRun run = {.blob = NULL};
-    int keys = nargs == 6 ? run_layout(args[5], &run) : 0;
-    if (keys < 0) return NULL;
-    if (state_at < 0 || state_at >= rec_bytes || (keys && !run_fits(&run, rec_bytes))) {
-        PyErr_SetString(PyExc_ValueError, "count_state: the fields do not fit their record");
+    if (state_at < 0 || state_at >= rec_bytes) {
+        PyErr_SetString(PyExc_ValueError, "count_state: the state field does not fit its record");
         return NULL;
     }
     Py_buffer records;
@@ -420,22 +389,9 @@ PyObject *count_state(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (rows_get(args[0], args[2], rec_bytes, &records, &s) < 0) return NULL;
     const uint8_t *base = records.buf;
     Py_ssize_t count = 0;
-    PyObject *result = NULL;
-    if (keys && key_run_start(&run, s.n ? base + (Py_ssize_t)s.v[0] * rec_bytes : NULL, s.n) < 0) goto done;
-    for (Py_ssize_t i = 0; i < s.n; i++) {
-        const uint8_t *rec = base + (Py_ssize_t)s.v[i] * rec_bytes;
-        if (run.blob != NULL && i + PREFETCH_AHEAD < s.n) {
-            const uint8_t *ahead = base + (Py_ssize_t)s.v[i + PREFETCH_AHEAD] * rec_bytes;
-            __builtin_prefetch(ahead + state_at);
-            __builtin_prefetch(ahead + run.at_key + run.max_key - 1);
-        }
-        count += rec[state_at] == state;
-        if (run.blob != NULL) key_run_add(&run, rec, i);
-    }
-    result = keys ? Py_BuildValue("nN", count, key_run_finish(&run)) : PyLong_FromSsize_t(count);
-done:
-    Py_XDECREF(run.blob);
+    for (Py_ssize_t i = 0; i < s.n; i++)
+        count += base[(Py_ssize_t)s.v[i] * rec_bytes + state_at] == state;
     slots_release(&s);
     PyBuffer_Release(&records);
-    return result;
+    return PyLong_FromSsize_t(count);
 }

@@ -167,8 +167,7 @@ class Demotes(EntryEvents):
         self.index.free_ahead(slots[untouched & took])
         self.dropped["failed"] += self.index.free_ahead(slots[untouched & ~took])
 
-    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray,
-                keys: tuple[int, bytes, int] | None = None) -> None:
+    def leaving(self, cause: Gone, slots: np.ndarray, namespaces: np.ndarray) -> None:
         """Entries leave the index (``kvtierd.events``): forget what was known of them; count
         those a store's room took that the tier does not hold, by why the tier did not get them."""
         held = self.copies.forget(slots)

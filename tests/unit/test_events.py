@@ -16,27 +16,14 @@ class Recorder(EntryEvents):
         self.index = index
         self.heard: list[tuple] = []
 
-    def wants_keys(self, ns):
-        return True
-
-    def ready(self, ns, slots, run=None):
+    def ready(self, ns, slots):
         assert isinstance(slots, np.ndarray)
         keys = self.held(slots, np.full(len(slots), ns.slot))
-        # the keys gathered as the entries were sealed are theirs, in order, under their namespace
-        assert run == (len(keys[0]), b"".join(keys), ns.slot) if len({len(k) for k in keys}) == 1 else run is None
         self.heard.append(("ready", ns.id.model, sorted(keys)))
 
-    def wants_leaving_keys(self):
-        return True
-
-    def leaving(self, cause, slots, namespaces, run=None):
+    def leaving(self, cause, slots, namespaces):
         # told before they go: the index still holds them
         keys = self.held(slots, namespaces)
-        # gathered as they were checked, for every way but an aborted write's (never READY), when
-        # they are of one length and one namespace
-        one = len({len(k) for k in keys}) == 1 and len(set(namespaces.tolist())) == 1
-        assert run == ((len(keys[0]), b"".join(keys), int(namespaces[0])) if one and cause is not Gone.ABORTED
-                       else None)
         models = sorted({self.index.namespace_at(int(n)).id.model for n in namespaces.tolist()})
         self.heard.append((cause, models, sorted(keys)))
 

@@ -5,11 +5,15 @@ namespace follows every way an entry becomes READY and leaves, and never sees an
 from __future__ import annotations
 
 import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.events import EventView
 from kvtierd.contract.codes import ErrorCode
+from kvtierd.contract.events import Kind
 from kvtierd.contract.replies import EventsReply
 from kvtierd.contract.region_format import EntryState
+from kvtierd.events import EntryEvents, Gone
 
 from .store_env import Env, err, keys, lay, reopen
 
@@ -112,3 +116,103 @@ def test_a_namespace_slot_taken_over_starts_a_new_log():
     follow(env, cb, fresh)
     assert fresh.keys == set(keys("b", 2)) and fresh.epoch != epoch
     assert env.store.events_stats()["removed_keys"]["reclaimed"] == 3
+
+
+class Truth(EntryEvents):
+    """The keys each event names, read from the records as the index tells it (subscribed after
+    the Recorder: its hooks run first, and the records are whole in both)."""
+
+    def __init__(self, index, namespaces: set):
+        self.index, self.namespaces, self.heard = index, namespaces, []
+
+    def ready(self, ns, slots):
+        if ns.slot in self.namespaces:
+            self.heard.append((ns.slot, Kind.STORED, self.index.keys_of(slots)))
+
+    def leaving(self, cause, slots, namespaces):
+        for n in set(namespaces.tolist()) & self.namespaces:
+            if cause is not Gone.ABORTED:
+                self.heard.append((n, Kind.REMOVED, self.index.keys_of(slots[namespaces == n])))
+
+
+def merged(events) -> list:
+    """(kind, sorted keys) with a kind's consecutive events as one: how a log's records (a run a
+    key length) and the truth's events (one a job) compare."""
+    out: list = []
+    for kind, keys in events:
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, sorted(out[-1][1] + list(keys)))
+        else:
+            out.append((kind, sorted(keys)))
+    return out
+
+
+def replay(log, ns: int, held: set) -> set:
+    """The keys a reader of ``ns``'s whole log holds: every removal names a key it holds."""
+    for record in log._logs[ns].records if ns in log._logs else []:
+        run = {record.keys[i:i + record.key_len] for i in range(0, len(record.keys), record.key_len)}
+        if record.kind == Kind.STORED:
+            held |= run
+        else:
+            assert run <= held, "a removal names a key that was not stored"
+            held -= run
+    return held
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["a", "o", "evict", "clear", "abort", "settle"]), st.integers(1, 9)),
+                    max_size=30),
+       follow_from=st.integers(0, 6))
+def test_the_daemons_stream_names_every_key_that_left_though_its_record_was_reused(ops, follow_from):
+    """The Recorder reads a removal's keys after the request (from its copies, the records reused
+    by then): whatever runs between the requests and whether the server settles after each, every
+    namespace's log, from what it held when the stream began, replays to exactly its READY keys.
+    Keys of two lengths in one job; a stream turned on after some stores (the copies start from the
+    entries already READY)."""
+    env = Env(num_pages=12)
+    engines = {"a": env.engine("a", 1, model="A"), "o": env.engine("o", 1, model="O")}
+    found = {}                                   # what each namespace held when its stream began
+    for step, (op, n) in enumerate(ops):
+        if step == follow_from:
+            env.store.recorder.follow_all = True
+            for sessions in engines.values():
+                found[env.store.recorder.follow(sessions[0].engine.ns)] = ready(env, sessions[0])
+            truth = Truth(env.store.index, set(found))
+            env.store.index.events.subscribe(truth)
+        if op in engines:
+            job = step + 1
+            env.put(engines[op], job, [f"{op}{job}.{i}".encode() + b"-" * (i % 2) for i in range(n)])
+        elif op == "evict":
+            env.store.evict(None, n)
+        elif op == "clear":
+            env.store.evict(engines["a"][0].engine.ns.id.name(), None)
+        elif op == "abort":
+            env.store.store(engines["a"][0], 1000 + step, [f"w{step}.{i}".encode() for i in range(n)])
+            env.store.abort(engines["a"][0], 1000 + step)
+        else:
+            env.store.replied()
+    log = env.store.event_log
+    log.settle()
+    for sessions in engines.values():
+        ns = sessions[0].engine.ns.slot
+        if ns in found:
+            assert replay(log, ns, set(found[ns])) == ready(env, sessions[0])
+            records = [(r.kind, [r.keys[i:i + r.key_len] for i in range(0, len(r.keys), r.key_len)])
+                       for r in log._logs[ns].records] if ns in log._logs else []
+            assert merged(records) == merged((kind, keys) for n, kind, keys in truth.heard if n == ns)
+    env.store.verify()
+
+
+def test_a_stream_turned_on_late_names_the_entries_it_found_when_they_leave():
+    env = Env(num_pages=16)
+    a = env.engine("a", 1)
+    env.put(a, 1, keys("old", 5))                # READY before anyone follows
+    env.store.recorder.follow_all = True
+    env.put(a, 2, keys("new", 3))                # the namespace is followed from here on
+    env.store.evict(None, None)
+    log = env.store.event_log
+    log.settle()
+    kinds = [(r.kind, r.keys) for r in log._logs[a[0].engine.ns.slot].records]
+    assert kinds[0] == (Kind.STORED, b"".join(keys("new", 3)))
+    assert kinds[1][0] == Kind.REMOVED and sorted(kinds[1][1][i:i + 4] for i in range(0, 32, 4)) == \
+        sorted(keys("old", 5) + keys("new", 3))
