@@ -435,18 +435,7 @@ that this one, at 3-4, missed.
   second tier's section ("What seals cost"). Mooncake's 64 KiB miss predates seals and grew
   with them; hashing one part of a batch while another part transfers did not bring it back
   (load 7-10; in this page's run, load ~1, Mooncake measured 0.33x demote and 0.36x promote at
-  64 KiB, Redis 0.67x and 0.60x).
-- **KV events: store throughput with the stream on against off.** Met in this page's run (0.957x
-  at B = 256, 0.969x at B = 1,024), with a thin margin, and not in every run. Each is the median of
-  three sets of fresh daemons (0.991, 0.957, 0.944 and 0.971, 0.963, 0.969 here), since the
-  daemons of one run differ from those of another by up to 4%; another run of this bench gave
-  0.958 and 0.941 (missed), and three of the same bench with three rounds a set 0.958 and 0.931
-  (missed), 0.963 and 0.965, 0.956 and 0.964. The daemons of 0.3.6 and before missed it at
-  B = 1,024 in every run (0.91-0.94, warmed up); 0.3.7 gathers an eviction's keys in its first pass over the victims' records and
-  takes the log's bookkeeping off the replies, which cut what the stream adds to a job's store
-  and commit requests from +17.8 to +5.0 µs at B = 256 and from +35.5 to +23.5 µs at B = 1,024
-  (thread time). What is left on the requests' path is reading the evicted keys from their cold
-  records (docs/events.md, Cost)."""
+  64 KiB, Redis 0.67x and 0.60x)."""
 
 INTROS = {
     "control": """Jobs of B keys from C client processes (TP=1 rank sessions, one-page blocks), each side
@@ -576,7 +565,13 @@ with the events is its own cost), and from the latency run on it decodes each ba
 and skips the others undecoded. In isolation (`kvtierbench/events.py`: the event log and the publisher in the bench
 process, one subscriber process): CPU per key of appending a store job's keys to the log and of
 publishing them, against msgpack packing the same events (their hashes converted in Python);
-append to subscriber with a flush after each append; 200,000 blocks/s with this process's memory.""",
+append to subscriber with a flush after each append; 200,000 blocks/s with this process's memory.
+Each throughput slice also measures the daemon's CPU a job (all its threads): what the stream costs
+a daemon with no idle time, which keys/s in a one-client ping-pong does not say. Since 0.3.8 the
+stream's work runs after the replies (the keys are read then, from copies: docs/events.md, Cost),
+and keys/s on / off can exceed 1: a daemon that works on after its reply takes the next request
+without sleeping first, where an idle one pays a wake-up (a daemon without the stream, made to
+spin 30 µs after every reply, stored 1.08x the keys/s of one that did not).""",
     "policy": """`kvtierctl bench policy --trace FILE`: each Mooncake-format trace replayed, per policy and
 capacity, through a fresh daemon (`--policy NAME`, `PYTHONHASHSEED` fixed) whose region holds
 exactly that many one-page blocks: per request a lookup, a load of the hit prefix, a store of the

@@ -14,7 +14,12 @@ holds the log and the stream in isolation).
   Before the slices every daemon stores untimed for ``WARM_S``: the publishing daemons' event
   log and replay buffer (~35 MiB here) fill to their bounds in their first seconds, a one-time
   cost of the stream, not its steady one, that fell in the first slices and pulled their median
-  down.
+  down. Each slice also measures the daemon's CPU a job (all its threads, schedstat): what the
+  stream costs a daemon whose loop has no idle time, which keys/s alone does not say. In this
+  one-client ping-pong a daemon that works on after its reply (the stream's log and flushes,
+  since 0.3.8 nearly all of its work) takes the next request without sleeping first; one that goes idle
+  pays a wake-up each request (measured: a daemon without the stream, made to spin 30 µs after
+  every reply, stored 1.08x the keys/s of one that did not), so on / off can exceed 1.
 - **latency**: jobs of B = 256 paced every 5 ms; from the moment the commit returns (the commit
   made the keys READY) to the subscriber process holding the batch whose last BlockStored ends with
   the job's last key: p50 and p99 (goal p99 <= 10 ms; one clock, CLOCK_MONOTONIC).
@@ -34,7 +39,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from .harness import CONTROL_PAGE, Context, KeyStream, RankChannel, bench_daemon, pct, ratio, region_size, say
+from .harness import CONTROL_PAGE, Context, KeyStream, RankChannel, bench_daemon, cpu_ns, pct, ratio, region_size, say
 
 BATCHES = (256, 1024)
 PAIRS = 2                          # daemons publishing, and as many not, in a trial
@@ -123,14 +128,16 @@ class _Node:
         for _ in range(PAGES // 1024):
             self.rank.store(self.keys[1024].next())
 
-    def slice(self, batch: int, seconds: float) -> float:
-        """Keys/s of back-to-back store jobs of ``batch`` for ``seconds``."""
+    def slice(self, batch: int, seconds: float) -> tuple[float, float]:
+        """(keys/s, the daemon's CPU µs a job: all its threads) of back-to-back store jobs of
+        ``batch`` for ``seconds``."""
         stream, jobs = self.keys[batch], 0
-        start = time.monotonic()
+        cpu, start = cpu_ns(self.daemon.pid), time.monotonic()
         while time.monotonic() - start < seconds:
             self.rank.store(stream.next())
             jobs += 1
-        return jobs * batch / (time.monotonic() - start)
+        elapsed, cpu = time.monotonic() - start, cpu_ns(self.daemon.pid) - cpu
+        return jobs * batch / elapsed, cpu / 1e3 / jobs
 
     def close(self) -> None:
         self.rank.close()
@@ -200,15 +207,16 @@ def _start_nodes(ctx: Context, trial: int) -> list[_Node]:
     return nodes
 
 
-def _throughput(nodes: list[_Node], batch: int, seconds: float) -> dict[str, list[float]]:
-    """Keys/s of each slice, by side: as many rounds as daemons, each round one slice of each
-    daemon, the order rotated by one a round (every daemon takes every place in the round once)."""
+def _throughput(nodes: list[_Node], batch: int, seconds: float) -> dict[str, list[tuple[float, float]]]:
+    """(keys/s, daemon CPU µs a job) of each slice, by side: as many rounds as daemons, each round
+    one slice of each daemon, the order rotated by one a round (every daemon takes every place in
+    the round once)."""
     turns = [("on" if i % 2 else "off", node) for i, node in enumerate(nodes)]
-    rates: dict[str, list[float]] = {"off": [], "on": []}
+    slices: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
     for i in range(len(turns)):
         for side, node in turns[i:] + turns[:i]:
-            rates[side].append(node.slice(batch, seconds))
-    return rates
+            slices[side].append(node.slice(batch, seconds))
+    return slices
 
 
 def _sustained(on: _Node, seconds: float) -> dict:
@@ -231,7 +239,7 @@ def _sustained(on: _Node, seconds: float) -> dict:
 
 def run(ctx: Context, quick: bool) -> dict:
     trials, seconds = (1, 0.25) if quick else (TRIALS, 1.5)
-    rates = {batch: {"off": [], "on": [], "trials": []} for batch in BATCHES}
+    rates = {batch: {"off": [], "on": [], "trials": [], "cpu_off": [], "cpu_on": []} for batch in BATCHES}
     for trial in range(trials):
         nodes = _start_nodes(ctx, trial)
         ons = nodes[1::2]
@@ -248,9 +256,11 @@ def run(ctx: Context, quick: bool) -> dict:
                 node.slice(BATCHES[-1], WARM_S / 3 if quick else WARM_S)
             for batch in BATCHES:
                 got = _throughput(nodes, batch, seconds)
-                rates[batch]["off"] += got["off"]
-                rates[batch]["on"] += got["on"]
-                rates[batch]["trials"].append(ratio(statistics.median(got["on"]), statistics.median(got["off"])))
+                for side in ("off", "on"):
+                    rates[batch][side] += [keys for keys, _ in got[side]]
+                    rates[batch]["cpu_" + side] += [cpu for _, cpu in got[side]]
+                rates[batch]["trials"].append(ratio(statistics.median(keys for keys, _ in got["on"]),
+                                                    statistics.median(keys for keys, _ in got["off"])))
             if trial == trials - 1:
                 start_describing(conn)
                 committed = _latency(ons[0], 100 if quick else 600)
@@ -265,12 +275,15 @@ def run(ctx: Context, quick: bool) -> dict:
     rows = []
     for batch in BATCHES:
         got = rates[batch]
+        cpu_off, cpu_on = statistics.median(got["cpu_off"]), statistics.median(got["cpu_on"])
         rows.append({"keys": batch, "off_keys_per_s": statistics.median(got["off"]),
                      "on_keys_per_s": statistics.median(got["on"]), "on_vs_off": statistics.median(got["trials"]),
-                     "trials": [round(r, 3) for r in got["trials"]]})
+                     "trials": [round(r, 3) for r in got["trials"]], "off_cpu_us_per_job": cpu_off,
+                     "on_cpu_us_per_job": cpu_on, "cpu_on_vs_off": ratio(cpu_on, cpu_off)})
         say(f"events: B={batch:<5} stores {rows[-1]['on_keys_per_s']:,.0f} keys/s publishing, "
             f"{rows[-1]['off_keys_per_s']:,.0f} not (x{rows[-1]['on_vs_off']:.3f}, the median of "
-            + ", ".join(f"{r:.3f}" for r in got["trials"]) + ")")
+            + ", ".join(f"{r:.3f}" for r in got["trials"]) + f"); the daemon's CPU a job {cpu_on:,.0f} µs "
+            f"publishing, {cpu_off:,.0f} not (x{rows[-1]['cpu_on_vs_off']:.3f})")
     lat = np.array([t - committed[h] for t, h in seen if h in committed])
     latency = {"keys": 256, "batches": len(lat), "p50_us": pct(lat, 50) * 1e6, "p99_us": pct(lat, 99) * 1e6}
     say(f"events: commit -> subscriber p50 {latency['p50_us']:.0f} us, p99 {latency['p99_us']:.0f} us "

@@ -6,6 +6,7 @@ recovery restarts."""
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import subprocess
@@ -133,6 +134,18 @@ def target(name: str, value: float, goal: float, better: str) -> dict:
     met = value >= goal if better == "higher" else value <= goal
     return {"name": name, "value": value, "goal": f"{'>=' if better == 'higher' else '<='} {goal:g}",
             "met": bool(met)}
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far, in ns (schedstat's first field)."""
+    total = 0
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass                    # a thread that ended meanwhile
+    return total
 
 
 def ratio(a: float, b: float) -> float:

@@ -29,7 +29,6 @@ policy's hooks are a part: the ratio is what the policy adds to it.
 
 from __future__ import annotations
 
-import glob
 import os
 import random
 import time
@@ -40,7 +39,7 @@ from kvtierd.contract.namespace import NamespaceId
 from kvtierd.policy import DEFAULT, POLICIES
 
 from . import traces
-from .harness import HOLD_ALL, Context, KeyStream, bench_namespace, ratio, region_size, say, target
+from .harness import HOLD_ALL, Context, KeyStream, bench_namespace, cpu_ns, ratio, region_size, say, target
 from .launcher import DaemonProcess
 
 HASH_SEED = "0"
@@ -66,18 +65,6 @@ def replay_daemon(directory: str, policy: str, blocks: int) -> tuple[DaemonProce
     namespace = NamespaceId(model="bench-policy", dtype="uint8", block_tokens=traces.BLOCK_TOKENS, block_bytes=page,
                             sharding="replicated")
     return _daemon(directory, policy, blocks, page), namespace
-
-
-def cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` so far, in ns (schedstat's first field)."""
-    total = 0
-    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
-        try:
-            with open(path) as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass                    # a thread that ended meanwhile
-    return total
 
 
 class _Rank:
