@@ -6,4 +6,4 @@ the floor, pulls in no daemon-only dependency, so the client library (``kvtier``
 floor in an inference worker.
 """
 
-__version__ = "0.3.7"
+__version__ = "0.3.8"
