@@ -192,7 +192,7 @@ class Daemon:
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"setting kv_events_topic {template!r}: {exc!r}; it may name {{node}}, {{model}} and "
                              "{namespace}") from None
-        store.recorder.follow_all = True
+        store.recorder.follow_every(store.index.namespaces.values())
         namespaces = store.index.namespaces
 
         @functools.lru_cache(maxsize=4096)

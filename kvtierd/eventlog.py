@@ -38,6 +38,7 @@ cursor, and the log forgets its oldest records to stay within its memory budget.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from .contract.events import Cause, Kind
 from .events import EntryEvents, Gone
 from .keycopies import KeyCopies
 from .records import ready_slots
+
+logger = logging.getLogger(__name__)
 
 # A run of keys to append: (namespace, kind, cause, key length, blob).
 Run = tuple[Hashable, Kind, str | None, int, bytes]
@@ -191,10 +194,16 @@ class EventLog:
         self.appended = {Kind.STORED: 0, Kind.REMOVED: 0}
         self._news = 0                    # records appended, ever: a reader's cheap "anything new?"
         self._pending: list[Callable[[], Iterable[Run]]] = []   # appends not yet taken (``settle``)
+        self._settling = False
+        self._broken = False              # a failed append's feed not whole again yet (``settle``)
         self.removed_by_cause = dict.fromkeys((c.value for c in Cause), 0)
         self.dropped_keys = 0
         self.resets = 0
         self.snapshot_keys = 0
+        self.failed_runs = 0
+        # Told after a queued append failed (a bug) and every log ended: whoever feeds the log makes
+        # what its appends read whole again (``Recorder``: the key copies).
+        self.failing: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ the observer's side
     def stored(self, ns: Hashable, keys: Sequence[bytes]) -> None:
@@ -243,24 +252,46 @@ class EventLog:
         first thing when it is read, and by itself when PENDING_RUNS are queued (a log used
         without a server)."""
         self._pending.append(runs)
-        if len(self._pending) >= PENDING_RUNS:
+        if len(self._pending) >= PENDING_RUNS and not self._settling:
             self.settle()
 
     def settle(self) -> None:
         """Take the queued appends into the logs, in order (the server's loop, after each reply;
-        every read first). Through a daemon, thread time, a record's bookkeeping was ~3 µs of a
-        store job's reply, twice a job with the eviction's (0.3.6)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        for at, runs in enumerate(pending):
+        every read first; the Recorder's hooks, inside the index's). Through a daemon, thread
+        time, a record's bookkeeping was ~3 µs of a store job's reply, twice a job with the
+        eviction's (0.3.6).
+
+        An append that fails (a bug: its keys unreadable, memory) is logged and counted, never
+        raised into the index's hooks; its records are lost, so every log ends (``forget``): each
+        reader resyncs from a snapshot on its next read, and the daemon's stream from
+        AllBlocksCleared, rather than follow a log that misses them."""
+        if self._settling:
+            return                        # a forget inside a run's settle: the runs stay in order
+        failed, self._settling = 0, True
+        try:
+            while self._pending:
+                pending, self._pending = self._pending, []
+                for runs in pending:
+                    try:
+                        for ns, kind, cause, key_len, blob in runs():
+                            if blob:
+                                self._append(ns, kind, cause, key_len, blob)
+                    except Exception:
+                        logger.exception("the event log could not take a queued append; every reader is resynced")
+                        failed += 1
+        finally:
+            self._settling = False
+        self.failed_runs += failed
+        if failed or self._broken:
+            for ns in list(self._logs):
+                self.forget(ns)
             try:
-                for ns, kind, cause, key_len, blob in runs():
-                    if blob:
-                        self._append(ns, kind, cause, key_len, blob)
-            except BaseException:
-                self._pending[:0] = pending[at + 1:]     # the runs after a failed one stay queued, in order
-                raise
+                if self.failing is not None:
+                    self.failing()
+                self._broken = False
+            except Exception:             # tried again at the next settle; the logs end until then
+                logger.exception("the event log's feed could not be made whole again; every reader is resynced")
+                self._broken = True
 
     def _append(self, ns: Hashable, kind: Kind, cause: str | None, key_len: int, blob: bytes) -> int:
         count = len(blob) // key_len
@@ -358,7 +389,8 @@ class EventLog:
         self.settle()
         return {"log_bytes": self.bytes, "log_budget_bytes": self.budget_bytes, "namespaces": len(self._logs),
                 "stored_keys": self.appended[Kind.STORED], "removed_keys": dict(self.removed_by_cause),
-                "dropped_keys": self.dropped_keys, "resets": self.resets, "snapshot_keys": self.snapshot_keys}
+                "dropped_keys": self.dropped_keys, "resets": self.resets, "snapshot_keys": self.snapshot_keys,
+                "failed_runs": self.failed_runs}
 
 
 # The index's reasons for entries leaving, as a removal record names them (ABORTED: never READY,
@@ -374,18 +406,25 @@ class Recorder(EntryEvents):
     Neither hook reads a key: each queues the entries' slots (``EventLog.append_later``), and
     when the log takes them, after the request's reply, a store's keys are read from its records
     (then still in cache) into the key copies (``kvtierd.keycopies``), and a removal's from the
-    copies, its records being reused by then. Two rules keep that exact: records are rewritten only
-    after entries leave, and entries leave only with no store's keys waiting to be read
-    (``leaving`` settles the log first when one waits: with a server, never, the log settles
-    after every reply); the copies and the followed namespaces change only in the queue's order
-    (``follow`` settles first)."""
+    copies, its records being reused by then. Three rules keep that exact:
+
+    - records are rewritten only after their entries leave, and entries leave only with no
+      store's keys (nor a namespace's copy, ``_copy_ready``) waiting to be read: ``leaving``
+      settles the log first when one waits (with a server, only after a commit outside a request:
+      the second tier's promotes, on its turn; the log settles after every reply);
+    - the copies change only in the queue's order (a newly followed namespace's are queued too);
+    - which namespaces are followed changes only with the queue settled (``follow`` settles
+      first; a reclaimed namespace's log ends through ``EventLog.forget``, which does), so that a
+      removal names the namespaces followed when it happened.
+    """
 
     def __init__(self, log: EventLog, keys: KeyCopies, follow_all: bool = False):
         self.log = log
         self.keys = keys                            # the copies of the followed entries' keys
         self.follow_all = follow_all
         self._followed: dict[int, object] = {}      # table slot → the namespace whose log it holds
-        self._unread_stores = 0                     # store runs queued, their keys not read yet
+        self._unread_stores = 0                     # store runs and copies queued, their records not read yet
+        log.failing = self._recopy
 
     def follow(self, ns) -> int:
         """Keep ``ns``'s log from now on (a reader asks for it); returns its key in the log."""
@@ -395,14 +434,46 @@ class Recorder(EntryEvents):
             if owner is not None:
                 self.log.forget(ns.slot)             # the slot changed hands without a removal to tell
             self._followed[ns.slot] = ns
-            self.keys.put_namespace(ns.slot)       # what it holds now; ``ready`` copies the rest
+            self._copy_ready(ns.slot)                # what it holds now; ``ready`` copies the rest
         return ns.slot
 
+    def follow_every(self, namespaces) -> None:
+        """Follow every namespace from now on (the daemon's own stream): those of ``namespaces``
+        (the index's, at start), their READY entries' keys copied in one scan of the entry table,
+        and each new one from its first store."""
+        self.follow_all = True
+        self.log.settle()
+        for ns in namespaces:
+            self._followed[ns.slot] = ns
+        self._copy_ready(None)
+
+    def _copy_ready(self, ns: int | None) -> None:
+        """Copy the keys of the READY entries of the namespace in table slot ``ns`` (None: of
+        every namespace) when the log next settles, in order with the runs queued before: a scan
+        of the entry table (~35 ms a million slots) that a commit should not wait for. Counted as
+        a store's keys waiting to be read: their entries do not leave before it."""
+        self._unread_stores += 1
+        self.log.append_later(lambda: self._copied(ns))
+
+    def _copied(self, ns: int | None) -> tuple:
+        self._unread_stores -= 1
+        self.keys.put_ready(ns)
+        return ()
+
+    def _recopy(self) -> None:
+        """A queued append failed (``EventLog.settle``: every log ended): the copies of the
+        followed namespaces' keys are made whole again, at once."""
+        for ns in self._followed:
+            self.keys.put_ready(ns)
+
     def ready(self, ns, slots: np.ndarray) -> None:
-        if self.follow_all or self._followed.get(ns.slot) is ns:
+        owner = self._followed.get(ns.slot)
+        if self.follow_all or owner is ns:
             at = self.follow(ns)
             self._unread_stores += 1
             self.log.append_later(lambda slots=slots.copy(): self._stored(at, slots))
+        elif owner is not None:
+            self._forget(ns.slot)   # its followed namespace left with no entries: no removal told it
 
     def _stored(self, at: int, slots: np.ndarray) -> list[Run]:
         self._unread_stores -= 1

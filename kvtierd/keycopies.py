@@ -22,9 +22,12 @@ from .contract.protocol import MAX_KEY_BYTES
 from .contract.region_view import RegionView
 from .records import copy_keys, ready_slots
 
+# Entry slots a scan for READY entries takes at a time: its temporary arrays stay ~5 MiB.
+SCAN_SLOTS = 1 << 20
+
 
 class KeyCopies:
-    """One key field and its length per entry slot, written by ``put`` and ``put_namespace``, read
+    """One key field and its length per entry slot, written by ``put`` and ``put_ready``, read
     by ``runs``. A slot's copy is the key of the entry it held when it was last put."""
 
     def __init__(self, view: RegionView):
@@ -41,10 +44,12 @@ class KeyCopies:
         one = copy_keys(self.view, slots, self.rows, self.lengths)
         return [one] if one is not None else self.runs(slots)
 
-    def put_namespace(self, ns: int) -> None:
-        """Copy the keys of every READY entry of the namespace in table slot ``ns`` (one scan of the
-        entry table: ~35 ms for a million slots, once a namespace, when it is first followed)."""
-        self.put(ready_slots(self.view.entries, ns))
+    def put_ready(self, ns: int | None) -> None:
+        """Copy the keys of every READY entry of the namespace in table slot ``ns`` (None: of every
+        namespace): a scan of the entry table, SCAN_SLOTS at a time (~35 ms a million slots)."""
+        entries = self.view.entries
+        for start in range(0, len(entries), SCAN_SLOTS):
+            self.put(ready_slots(entries, ns, start, start + SCAN_SLOTS))
 
     def runs(self, slots: np.ndarray) -> list[tuple[int, bytes]]:
         """The copies at ``slots`` as (key length, blob) runs, one per distinct length in the order

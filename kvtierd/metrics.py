@@ -251,6 +251,8 @@ def events_families(f: Families) -> Iterator[Metric]:
                     "restart) onto a snapshot.", e["resets"])
     yield f.counter("events_snapshot_keys", "Keys sent in snapshot pages to readers being resynced.",
                     e["snapshot_keys"])
+    yield f.counter("events_failed_runs", "Appends the event log could not take (a bug, logged): every log ended "
+                    "and its readers were resynced.", e["failed_runs"])
     yield f.gauge("events_readers", "Coordinator sessions that read their namespace's events.", e["readers"])
     yield f.gauge("events_reader_lag_keys", "Keys recorded after the cursor of the reader furthest behind.",
                   e["reader_lag_keys"])

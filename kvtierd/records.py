@@ -140,13 +140,14 @@ def keys_of(view: RegionView, slots: np.ndarray) -> list[bytes]:
     return rows_as_bytes(records[slots, _KEY_AT:_KEY_AT + MAX_KEY_BYTES], view.entries["key_len"][slots].astype(np.int64))
 
 
-def ready_slots(entries: np.ndarray, ns: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+def ready_slots(entries: np.ndarray, ns: int | None, start: int = 0, stop: int | None = None) -> np.ndarray:
     """The slots in [start, stop) of the entry table ``entries`` whose records are READY entries of
-    the namespace in table slot ``ns``, in slot order. A record's first four bytes are state,
-    key_len and ns (little-endian u2): one strided word a slot says it, half the reads of two
-    fields."""
+    the namespace in table slot ``ns`` (None: of any), in slot order. A record's first four bytes
+    are state, key_len and ns (little-endian u2): one strided word a slot says it, half the reads
+    of two fields."""
     words = np.ndarray((len(entries),), "<u4", entries, 0, (entries.itemsize,))[start:stop]
-    return np.flatnonzero(words & 0xFFFF00FF == (int(EntryState.READY) | ns << 16)) + start
+    mask, want = (0xFF, int(EntryState.READY)) if ns is None else (0xFFFF00FF, int(EntryState.READY) | ns << 16)
+    return np.flatnonzero(words & mask == want) + start
 
 
 def copy_keys(view: RegionView, slots: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> tuple[int, bytes] | None:

@@ -294,7 +294,9 @@ done:
  * bytes) | None: each slot's key field (all max_key bytes) into row ``slot`` of ``rows`` (max_key
  * bytes a row) and its length into ``lengths[slot]`` (the KV events log's copies of the keys it
  * follows, kvtierd.keycopies, taken from records in cache and read back after the records are
- * reused); and the keys one after another, as copied_keys gives them, in the same pass. */
+ * reused); and the keys one after another, as copied_keys gives them, in the same pass. A slot
+ * without a row, or a key length over max_key (a scribbled record), is an error and nothing is
+ * written. */
 PyObject *copy_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char usage[] = "copy_keys(records, slots, record_bytes, key_len_at, key_at, max_key, rows, lengths)";
     if (nargs != 8) { PyErr_SetString(PyExc_TypeError, usage); return NULL; }
@@ -308,14 +310,20 @@ PyObject *copy_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_ValueError, "copy_keys: one row of max_key bytes and one length byte per slot");
         goto done;
     }
-    for (Py_ssize_t i = 0; i < k.slots.n; i++)
+    for (Py_ssize_t i = 0; i < k.slots.n; i++) {      /* refused before anything is written */
         if (k.slots.v[i] >= lengths.len) {
             PyErr_Format(PyExc_ValueError, "copy_keys: slot %d has no row", k.slots.v[i]);
             goto done;
         }
+        if (key_row(&k, i)[k.at_len] > k.max_key) {
+            PyErr_Format(PyExc_ValueError, "copy_keys: slot %d: key length %d out of range", k.slots.v[i],
+                         (int)key_row(&k, i)[k.at_len]);
+            goto done;
+        }
+    }
     uint8_t *to = rows.buf, *len = lengths.buf, *keys = NULL;
     Py_ssize_t n = k.slots.n, key_len = n ? key_row(&k, 0)[k.at_len] : 0, words = key_words(key_len, k.max_key);
-    if (n && key_len <= k.max_key) {
+    if (n) {
         blob = PyBytes_FromStringAndSize(NULL, n * key_len);
         if (blob == NULL) goto done;
         keys = (uint8_t *)PyBytes_AS_STRING(blob);

@@ -30,8 +30,8 @@ static PyMethodDef functions[] = {
     {"kv_events", (PyCFunction)(void (*)(void))kv_events, METH_FASTCALL,
      "kv_events(head, parts, tail, int_hash, stored, removed) -> (vLLM KV cache events of key blobs, events)"},
     {"copy_keys", (PyCFunction)(void (*)(void))copy_keys, METH_FASTCALL,
-     "copy_keys(records, slots, record_bytes, key_len_at, key_at, max_key, rows, lengths): each slot's key field into "
-     "its row of rows and its length into lengths"},
+     "copy_keys(records, slots, record_bytes, key_len_at, key_at, max_key, rows, lengths) -> (key_len, keys) or None: "
+     "each slot's key field into its row of rows and its length into lengths, and the keys as one blob"},
     {"copied_keys", (PyCFunction)(void (*)(void))copied_keys, METH_FASTCALL,
      "copied_keys(rows, lengths, slots) -> (key_len, keys) of the rows copy_keys kept, or None when not one length"},
     {"xxh64", (PyCFunction)(void (*)(void))xxh64, METH_FASTCALL, "xxh64(data, seed=0) -> XXH64 of the bytes"},

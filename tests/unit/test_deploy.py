@@ -134,7 +134,7 @@ def snapshot(pinned: str, tier: bool = True) -> StatsReply:
         tier=tier_snapshot() if tier else {"backend": "off"},
         events={"log_bytes": 1, "log_budget_bytes": 2, "namespaces": 1, "stored_keys": 3,
                 "removed_keys": {cause.value: 1 for cause in Cause}, "dropped_keys": 1, "resets": 1,
-                "snapshot_keys": 1, "readers": 1, "reader_lag_keys": 1,
+                "snapshot_keys": 1, "failed_runs": 1, "readers": 1, "reader_lag_keys": 1,
                 # the daemon's KV events stream: optional, as the second tier is (kv_events_endpoint)
                 "stream": {"batches": 1, "events": 2, "bytes": 3, "resyncs": 1, "replays": 1, "replay_batches": 1,
                            "replays_cut": 0, "bad_replay_requests": 0, "endpoint": "tcp://*:5557",

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvtierd.contract.protocol import MAX_KEY_BYTES
 from kvtierd.contract.region_format import EntryState
 from kvtierd.keycopies import KeyCopies
-from kvtierd.records import keys_of
+from kvtierd.records import copy_keys, keys_of
 
 from .test_records import random_view
 
@@ -51,29 +51,40 @@ def test_the_copies_are_the_keys_the_records_held_when_put(seed, lengths, rounds
     assert copies.runs(asked.astype(np.int64)) == copies.runs(asked)
 
 
-def test_put_namespace_copies_the_ready_entries_of_that_namespace_only():
+@pytest.mark.parametrize("ns", [1, None])
+def test_put_ready_copies_the_ready_entries_of_a_namespace_or_of_all(ns, monkeypatch):
+    monkeypatch.setattr("kvtierd.keycopies.SCAN_SLOTS", 7)        # several scans
     view = random_view(5, 40)
     view.entries["key_len"] = 36
     view.entries["state"] = np.where(np.arange(40) % 3 == 0, EntryState.READY, EntryState.WRITING)
     view.entries["ns"] = np.arange(40) % 2
     copies = KeyCopies(view)
-    copies.put_namespace(1)
-    ready = [s for s in range(40) if s % 3 == 0 and s % 2 == 1]
-    assert copies.runs(np.array(ready, np.int32)) == runs_of(keys_of(view, np.array(ready, np.int32)))
-    assert copies.runs(np.array([0], np.int32)) == [(0, b"")]    # never put: no key (length 0)
+    copies.put_ready(ns)
+    ready = np.array([s for s in range(40) if s % 3 == 0 and (ns is None or s % 2 == ns)], np.int32)
+    assert copies.runs(ready) == runs_of(keys_of(view, ready))
+    if ns is not None:
+        assert copies.runs(np.array([0], np.int32)) == [(0, b"")]    # never put: no key (length 0)
 
 
-def test_a_slot_without_a_row_is_refused_and_nothing_is_copied():
+def test_a_slot_without_a_row_or_a_scribbled_key_length_is_refused_and_nothing_is_copied():
     view = random_view(7, 40)
+    view.entries["key_len"] = 36
     copies = KeyCopies(view)
     copies.put(np.array([1], np.int32))
     before = copies.rows.tobytes(), copies.lengths.tobytes()
-    for bad in ([3, 40], [3, -1]):
+    for bad in ([3, 40], [3, -1]):                                     # past the table
         with pytest.raises(ValueError, match="out of range|no row"):
             copies.put(np.array(bad, np.int32))
         with pytest.raises(ValueError, match="out of range|no row"):
             copies.runs(np.array(bad, np.int32))
+    view.entries["key_len"][5] = MAX_KEY_BYTES + 1                    # a scribbled record, after a good one
+    with pytest.raises(ValueError, match="key length 65 out of range"):
+        copies.put(np.array([3, 5], np.int32))
     assert (copies.rows.tobytes(), copies.lengths.tobytes()) == before
+    rows, lengths = np.zeros((10, MAX_KEY_BYTES), np.uint8), np.zeros(10, np.uint8)   # rows for fewer slots
+    with pytest.raises(ValueError, match="slot 12 has no row"):
+        copy_keys(view, np.array([3, 12], np.int32), rows, lengths)
+    assert not rows.any() and not lengths.any()
 
 
 def test_short_keys_are_copied_within_their_blob():
@@ -84,7 +95,7 @@ def test_short_keys_are_copied_within_their_blob():
     script = """
 import numpy as np
 from kvtierd.keycopies import KeyCopies
-from kvtierd.records import keys_of
+from kvtierd.records import copy_keys, keys_of
 from tests.unit.test_records import random_view
 view = random_view(3, 40)
 slots = np.arange(40, dtype=np.int32)

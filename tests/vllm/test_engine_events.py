@@ -12,7 +12,8 @@ decodes what it publishes with vLLM's own msgspec types.
   scheduler's ``OffloadingConnectorStats`` are kvtierd's own counts (the manager adds none);
 - the daemon's own stream (``kv_events_endpoint``), read by a router that subscribes after the
   stores (the replay socket gives it the stream from its start), follows ``kvtierctl evict`` and
-  a SIGKILLed and restarted daemon (AllBlocksCleared, then the blocks the region kept).
+  a SIGKILLed and restarted daemon (AllBlocksCleared, then the blocks the region kept, then an
+  evict before any store).
 """
 
 from __future__ import annotations
@@ -162,6 +163,13 @@ def test_the_daemons_stream_holds_the_nodes_blocks_across_a_late_start_an_evict_
         while router.cleared < 2 and time.monotonic() < deadline:
             view()
         assert view() == left and router.cleared == 2
+        # Before any store into it: the namespace the restarted daemon found is followed already,
+        # so what leaves it is announced (0.3.7's stream followed it only from its next store).
+        assert kvtierctl(daemon, "evict", "--count", "1")["evicted"] == 1
+        deadline = time.monotonic() + 10
+        while len(view()) != FULL - 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(view()) == FULL - 3 and view() < left
         stats = daemon.stats()["events"]["stream"]
         assert stats["replays"] >= 1 and stats["batches"] >= 1
     finally:
